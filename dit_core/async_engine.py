@@ -1,0 +1,169 @@
+"""The engine on a background loop thread, with a per-request async event stream.
+
+Callers on any thread (usually an asyncio event loop) submit and abort; the
+loop thread owns the ``Engine`` and applies both at step boundaries. Events
+reach each caller's ``asyncio.Queue`` through ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from .engine import Engine
+from .errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from .params import SamplingParams
+from .request import EventKind, RequestEvent, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.listeners: list[Callable[[RequestEvent], None]] = []  # called on the loop thread
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._stop = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="omnidit-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **config) -> "AsyncEngine":
+        return cls(Engine.from_pretrained(path, **config))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # ---- caller side ----
+
+    def submit(self, prompt: str, params: SamplingParams | None = None, request_id: str | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> tuple[str, asyncio.Queue]:
+        """Validate (raising here, in the caller) and queue a request; returns its id and event queue."""
+        if not self._accepting or not self.is_alive:
+            raise EngineDeadError("the engine is not accepting requests (shutting down or stopped)")
+        req = self.engine.make_request(prompt, params, request_id)
+        loop = loop or asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if req.id in self._streams:
+                from .errors import InvalidParamError
+
+                raise InvalidParamError("request_id", req.id, "an id not used by a live request")
+            self._streams[req.id] = (loop, events)
+        self._commands.put(("add", req))
+        return req.id, events
+
+    async def stream(self, prompt: str, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestEvent]:
+        """Yield the request's events until its final one. Leaving early aborts the request."""
+        rid, events = self.submit(prompt, params, request_id)
+        final = False
+        try:
+            while not final:
+                event = await events.get()
+                final = event.kind.final
+                yield event
+        finally:
+            if not final:
+                self.abort(rid, "client went away")
+
+    async def generate(self, prompt: str, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> RequestOutput:
+        """Run one request to completion; raises RequestFailedError / RequestAbortedError."""
+        async for event in self.stream(prompt, params, request_id):
+            if event.kind == EventKind.FINISHED:
+                return event.output
+            if event.kind == EventKind.FAILED:
+                raise RequestFailedError(event.request_id, event.error)
+            if event.kind == EventKind.ABORTED:
+                raise RequestAbortedError(event.request_id, event.error)
+        raise EngineDeadError("the request's event stream ended without a final event")
+
+    def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        self._commands.put(("abort", request_id, reason))
+
+    def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop admission, let in-flight requests finish for up to ``drain_timeout_s``,
+        abort the rest, and stop the loop thread."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        with self._lock:
+            pending = list(self._streams)
+        for rid in pending:
+            self.abort(rid, "engine shutting down")
+        deadline = time.monotonic() + 30
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    # ---- loop thread ----
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a bug outside per-request isolation; keep serving
+                logger.exception("engine step failed; failing the requests in flight")
+                events = self.engine.fail_unfinished(f"engine error: {type(e).__name__}: {e}")
+            self._dispatch(events)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            req = cmd[1]
+            try:
+                self.engine.add_request(req)
+            except Exception as e:  # noqa: BLE001 - reported to that request's stream only
+                self._dispatch([RequestEvent(req.id, EventKind.FAILED, error=f"{type(e).__name__}: {e}")])
+        else:
+            _, rid, reason = cmd
+            self.engine.abort(rid, reason)
+
+    def _dispatch(self, events: list[RequestEvent]) -> None:
+        for event in events:
+            for listener in self.listeners:
+                try:
+                    listener(event)
+                except Exception:  # noqa: BLE001 - a broken listener must not stop the loop
+                    logger.exception("event listener failed")
+            with self._lock:
+                target = self._streams.get(event.request_id)
+                if target and event.kind.final:
+                    del self._streams[event.request_id]
+            if target:
+                loop, events_queue = target
+                try:
+                    loop.call_soon_threadsafe(events_queue.put_nowait, event)
+                except RuntimeError:  # the caller's event loop is closed; nobody is listening
+                    pass

@@ -1,0 +1,129 @@
+"""The ``omnidit`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import OmniditError
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # omnidit never downloads
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except OmniditError as e:
+        print(f"omnidit: error: {e}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnidit", description="Serve and run diffusion transformers.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate images from a prompt, with a progress bar")
+    gen.add_argument("model", help="a diffusers-format model folder")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts (one image each, or --num-outputs)")
+    gen.add_argument("-o", "--output", default="out.png",
+                     help="output PNG; with several images, _0, _1, ... are added before .png (default out.png)")
+    gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
+    gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
+    gen.add_argument("--seed", type=int, default=0, help="random seed; prompt i uses seed + i (default 0)")
+    gen.add_argument("--guidance", type=float, default=None,
+                     help="guidance_scale: CFG scale for SD3, embedded guidance for FLUX.1-dev")
+    gen.add_argument("--true-cfg", type=float, default=None,
+                     help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
+    gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
+    gen.add_argument("--num-outputs", type=int, default=1, help="images per prompt (default 1)")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
+    rnd.add_argument("family", help="flux, sd3 or qwenimage")
+    rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
+    rnd.add_argument("out_dir")
+    rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    rnd.set_defaults(func=cmd_make_random)
+    return parser
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward (default 8)")
+    p.add_argument("--max-tokens-per-step", type=int, default=65536,
+                   help="rows x tokens per forward, CFG rows counted (default 65536)")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+                max_tokens_per_step=args.max_tokens_per_step)
+
+
+def parse_size(text: str | None) -> tuple[int | None, int | None]:
+    if text is None:
+        return None, None
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        from .errors import InvalidParamError
+
+        raise InvalidParamError("size", text, "WIDTHxHEIGHT, e.g. 512x512") from None
+    return w, h
+
+
+def cmd_generate(args) -> int:
+    from tqdm import tqdm
+
+    from .engine import Engine
+    from .params import SamplingParams
+    from .request import EventKind
+
+    width, height = parse_size(args.size)
+    engine = Engine.from_pretrained(args.model, **engine_kwargs(args))
+    ids = []
+    for i, prompt in enumerate(args.prompt):
+        params = SamplingParams(height=height, width=width, num_inference_steps=args.steps, seed=args.seed + i,
+                                guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
+                                negative_prompt=args.negative_prompt, num_outputs=args.num_outputs)
+        ids.append(engine.add_request(prompt, params))
+    total = sum(engine.get_request(r).total_steps for r in ids)
+    outputs = {}
+    with tqdm(total=total, unit="step", desc="denoising") as bar:
+        while engine.has_unfinished():
+            for ev in engine.step():
+                if ev.kind == EventKind.STEP:
+                    bar.update(1)
+                elif ev.kind == EventKind.FINISHED:
+                    bar.update(1)
+                    outputs[ev.request_id] = ev.output
+                elif ev.kind.final:
+                    print(f"omnidit: request {ev.request_id} {ev.kind.value}: {ev.error}", file=sys.stderr)
+                    return 1
+    images = [img for rid in ids for img in outputs[rid].images]
+    out = Path(args.output)
+    for i, img in enumerate(images):
+        path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+        img.save(path)
+        print(path)
+    return 0
+
+
+def cmd_make_random(args) -> int:
+    from .random_models import build
+
+    try:
+        path = build(args.family, args.size, args.out_dir, seed=args.seed)
+    except ValueError as e:
+        print(f"omnidit: error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

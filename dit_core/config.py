@@ -1,0 +1,57 @@
+"""Engine configuration: one dataclass, validated with messages that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidParamError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs.
+
+    max_batch_size: requests per forward (each request may bring several rows:
+        ``num_outputs``, doubled when it uses CFG).
+    max_tokens_per_step: rows x (image + text tokens) per forward. A request that
+        alone exceeds it is rejected when added.
+    policy: waiting-queue order; see ``dit_core.scheduler.POLICIES``.
+    """
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_size: int = 8
+    max_tokens_per_step: int = 65536
+    policy: str = "fifo"
+
+    def __post_init__(self):
+        if isinstance(self.dtype, torch.dtype):
+            self.dtype = next((k for k, v in DTYPES.items() if v == self.dtype), str(self.dtype))
+        if self.dtype not in DTYPES:
+            raise InvalidParamError("dtype", self.dtype, f"one of {list(DTYPES)}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise InvalidParamError("device", self.device, "a torch device such as 'cpu' or 'cuda:0'") from None
+        if device.type == "cpu" and self.dtype == "float16":
+            raise InvalidParamError(
+                "dtype", self.dtype, "float32 or bfloat16 on CPU (float16 matmul is pathologically slow there)"
+            )
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidParamError("device", self.device, "'cpu' (CUDA is not available on this machine)")
+        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise InvalidParamError("max_batch_size", self.max_batch_size, "an integer >= 1")
+        if not isinstance(self.max_tokens_per_step, int) or self.max_tokens_per_step < 1:
+            raise InvalidParamError("max_tokens_per_step", self.max_tokens_per_step, "an integer >= 1")
+        from .scheduler import POLICIES
+
+        if self.policy not in POLICIES:
+            raise InvalidParamError("policy", self.policy, f"one of {sorted(POLICIES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

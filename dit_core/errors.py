@@ -1,0 +1,43 @@
+"""Typed errors of the engine. The serving layer maps each to one status code."""
+
+from __future__ import annotations
+
+
+class OmniditError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidParamError(OmniditError, ValueError):
+    """A request or engine parameter is out of range. ``field`` names it."""
+
+    def __init__(self, field: str, value, allowed: str):
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r} is invalid: expected {allowed}")
+
+
+class UnknownModelError(OmniditError, ValueError):
+    """The model folder does not exist, is not a diffusers folder, or has an unsupported family."""
+
+
+class BackendUnavailableError(OmniditError, RuntimeError):
+    """An explicitly requested backend cannot run on this machine."""
+
+
+class RequestFailedError(OmniditError, RuntimeError):
+    """A request ended FAILED; ``request_id`` and the original ``cause`` are kept."""
+
+    def __init__(self, request_id: str, message: str):
+        self.request_id = request_id
+        super().__init__(f"request {request_id} failed: {message}")
+
+
+class RequestAbortedError(OmniditError, RuntimeError):
+    def __init__(self, request_id: str, reason: str = "aborted"):
+        self.request_id = request_id
+        super().__init__(f"request {request_id} was aborted: {reason}")
+
+
+class EngineDeadError(OmniditError, RuntimeError):
+    """The engine loop is not running (shut down, or it died)."""

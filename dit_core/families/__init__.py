@@ -1,0 +1,37 @@
+"""Model families, registered by the diffusers pipeline class in ``model_index.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import UnknownModelError
+from ..loading import load_components, read_model_index
+from .base import Family, TextCond
+from .flux import FluxFamily
+from .qwenimage import QwenImageFamily
+from .sd3 import SD3Family
+
+FAMILIES: dict[str, type[Family]] = {cls.pipeline_class: cls for cls in (FluxFamily, SD3Family, QwenImageFamily)}
+
+
+def family_class(path: str | Path) -> type[Family]:
+    index = read_model_index(path)
+    name = index.get("_class_name")
+    if name not in FAMILIES:
+        raise UnknownModelError(
+            f"{str(path)!r} holds a {name!r} checkpoint, which omnidit does not support; "
+            f"supported pipeline classes: {sorted(FAMILIES)}"
+        )
+    return FAMILIES[name]
+
+
+def load_family(path: str | Path, dtype: torch.dtype, device: torch.device) -> Family:
+    """Load the family module that matches the folder's ``_class_name``, components included."""
+    cls = family_class(path)
+    components = load_components(path, read_model_index(path), dtype, device)
+    return cls(components, dtype, device)
+
+
+__all__ = ["FAMILIES", "Family", "TextCond", "family_class", "load_family"]

@@ -1,0 +1,236 @@
+"""What a model family must provide, and the flow-matching pieces they share.
+
+A family turns a diffusers-format folder into the few operations the engine
+needs: resolve a request's parameters, encode prompts (batched, once per
+request), prepare a request's sampler and noise, run ONE batched forward over
+many requests at their own timesteps, combine CFG rows, and decode.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.utils.torch_utils import randn_tensor
+
+from ..errors import InvalidParamError
+from ..params import SamplingParams
+from ..request import Request
+
+
+@dataclass
+class TextCond:
+    """One prompt's conditioning: per-token embeddings [L, D] (valid tokens only
+    where the family masks padding), and an optional pooled vector."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor | None = None
+
+
+class Family(abc.ABC):
+    """Base of every model family; subclasses register by diffusers pipeline class."""
+
+    name: ClassVar[str]
+    pipeline_class: ClassVar[str]
+    defaults: ClassVar[dict]  # SamplingParams defaults of the diffusers pipeline
+    max_text_tokens: ClassVar[int]
+
+    def __init__(self, components: dict[str, Any], dtype: torch.dtype, device: torch.device):
+        self.components = components
+        self.dtype = dtype
+        self.device = device
+        self.transformer = components["transformer"]
+        self.vae = components["vae"]
+        self.scheduler = components["scheduler"]
+        self.processor: VaeImageProcessor  # set by subclasses
+
+    # ---- per request, at add time (pure; safe to call from any thread) ----
+
+    @property
+    @abc.abstractmethod
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this."""
+        ...
+
+    @abc.abstractmethod
+    def default_size(self) -> int:
+        ...
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """Fill family defaults and check the request against the model."""
+        side = self.default_size()
+        params = params.with_defaults(height=side, width=side, **self.defaults)
+        m = self.size_multiple
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value % m:
+                raise InvalidParamError(name, value, f"a multiple of {m} for this {self.name} model")
+        if params.num_frames not in (None, 1):
+            raise InvalidParamError("num_frames", params.num_frames, f"1 (a {self.name} model makes images)")
+        if params.max_sequence_length > self.max_text_tokens:
+            raise InvalidParamError("max_sequence_length", params.max_sequence_length,
+                                    f"an integer in [1, {self.max_text_tokens}]")
+        return params
+
+    @abc.abstractmethod
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        ...
+
+    @abc.abstractmethod
+    def latent_tokens(self, params: SamplingParams) -> int:
+        ...
+
+    def row_tokens(self, prompt: str, params: SamplingParams) -> int:
+        """Tokens one forward row of this request costs (image + text), for the step budget."""
+        return self.latent_tokens(params) + params.max_sequence_length
+
+    def batch_key(self, params: SamplingParams) -> tuple:
+        """What must match for two requests to share a forward."""
+        return (self.name, params.height, params.width, params.num_frames or 1, str(self.dtype))
+
+    # ---- once per request, when admitted ----
+
+    def encode(self, requests: list[Request]) -> None:
+        """Set ``cond`` (and ``uncond`` for CFG requests) for all ``requests`` in one batched pass."""
+        prompts = [r.prompt for r in requests] + [r.params.negative_prompt or "" for r in requests if r.cfg]
+        conds = self.encode_prompts(prompts, requests[0].params)
+        uncond = iter(conds[len(requests):])
+        for req, cond in zip(requests, conds):
+            req.cond = cond
+            req.uncond = next(uncond) if req.cfg else None
+
+    @abc.abstractmethod
+    def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
+        ...
+
+    @abc.abstractmethod
+    def prepare(self, req: Request) -> None:
+        """Give ``req`` its own sampler (a copy of the checkpoint's scheduler) and initial noise."""
+        ...
+
+    # ---- every step ----
+
+    @abc.abstractmethod
+    def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """ONE transformer forward for all rows of ``requests``; per request (cond, uncond or None)."""
+        ...
+
+    def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
+        """Classifier-free guidance, with the request's own scale."""
+        if uncond is None:
+            return cond
+        return uncond + req.params.true_cfg_scale * (cond - uncond)
+
+    def advance(self, req: Request, noise_pred: torch.Tensor) -> None:
+        req.latents = req.sampler.step(noise_pred, req.timestep, req.latents, return_dict=False)[0]
+        req.step_index += 1
+
+    # ---- when finished ----
+
+    def decode(self, requests: list[Request]) -> list[list]:
+        """Decode ``requests`` (one latent shape) in one VAE call; per request its list of outputs.
+        ``output_type="latent"`` returns the final latents as the pipeline does."""
+        pixel = [r for r in requests if r.params.output_type != "latent"]
+        decoded = {}
+        if pixel:
+            with torch.no_grad():
+                images = self.decode_latents(torch.cat([r.latents for r in pixel]), pixel[0].params)
+            for req, outputs in zip(pixel, self.postprocess(images, pixel)):
+                decoded[req.id] = outputs
+        return [decoded[r.id] if r.id in decoded else list(r.latents) for r in requests]
+
+    @abc.abstractmethod
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Final latents of one shape -> images in [-1, 1], [N, 3, H, W]."""
+
+    # ---- helpers ----
+
+    def noise(self, req: Request, shape: tuple) -> torch.Tensor:
+        gen = torch.Generator("cpu").manual_seed(req.params.seed)
+        return randn_tensor(shape, generator=gen, device=self.device, dtype=self.dtype)
+
+    def new_sampler(self):
+        return copy.deepcopy(self.scheduler)
+
+    def postprocess(self, images: torch.Tensor, requests: list[Request]) -> list[list]:
+        """Split a decoded batch back into requests, each in its own output type."""
+        out, start = [], 0
+        for req in requests:
+            n = req.params.num_outputs
+            chunk = images[start:start + n]
+            start += n
+            result = self.processor.postprocess(chunk, output_type=req.params.output_type)
+            out.append(list(result))
+        return out
+
+
+def gather_rows(requests: list[Request]):
+    """Stack the forward rows of ``requests``: per request its ``num_outputs`` cond rows, then
+    as many uncond rows when it uses CFG. Returns (latents, timestep per row, TextCond per row,
+    owning request per row)."""
+    latents, timesteps, conds, owners = [], [], [], []
+    for req in requests:
+        for cond in (req.cond, req.uncond) if req.cfg else (req.cond,):
+            n = req.latents.shape[0]
+            latents.append(req.latents)
+            timesteps.append(req.timestep.expand(n))
+            conds += [cond] * n
+            owners += [req] * n
+    return torch.cat(latents), torch.cat(timesteps), conds, owners
+
+
+def split_rows(output: torch.Tensor, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Inverse of ``gather_rows`` on the forward's output."""
+    result, start = [], 0
+    for req in requests:
+        n = req.latents.shape[0]
+        cond = output[start:start + n]
+        uncond = output[start + n:start + 2 * n] if req.cfg else None
+        start += 2 * n if req.cfg else n
+        result.append((cond, uncond))
+    return result
+
+
+def flow_shift_mu(image_seq_len: int, config, default_max_shift: float = 1.15) -> float:
+    """The resolution-dependent time shift ``mu`` FLUX-style pipelines pass to the scheduler:
+    a line through (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift)."""
+    x0, x1 = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    y0, y1 = config.get("base_shift", 0.5), config.get("max_shift", default_max_shift)
+    return y0 + (y1 - y0) * (image_seq_len - x0) / (x1 - x0)
+
+
+def linear_sigmas(steps: int) -> np.ndarray:
+    """The sigma schedule FLUX and Qwen-Image pipelines hand to the scheduler."""
+    return np.linspace(1.0, 1 / steps, steps)
+
+
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H/2 * W/2, C*4]: 2x2 patches as tokens."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of ``pack_2x2`` for a latent of height ``h`` and width ``w``."""
+    b, _, ch = tokens.shape
+    x = tokens.view(b, h // 2, w // 2, ch // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, ch // 4, h, w)
+
+
+def pad_stack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pad [L_i, D] tensors to one [B, L, D] batch; the mask is None when nothing is padded."""
+    length = max(t.shape[0] for t in tensors)
+    if all(t.shape[0] == length for t in tensors):
+        return torch.stack(tensors), None
+    batch = tensors[0].new_zeros(len(tensors), length, tensors[0].shape[-1])
+    mask = torch.zeros(len(tensors), length, dtype=torch.long, device=tensors[0].device)
+    for i, t in enumerate(tensors):
+        batch[i, : t.shape[0]] = t
+        mask[i, : t.shape[0]] = 1
+    return batch, mask

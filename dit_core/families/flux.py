@@ -1,0 +1,105 @@
+"""FLUX.1 (CLIP-L pooled + T5 tokens, packed 2x2 latents, optional distilled guidance).
+
+Matches diffusers' FluxPipeline: T5 is padded to ``max_sequence_length`` with
+no mask, so text length is part of the batch key.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+
+from ..params import SamplingParams
+from ..request import Request
+from .base import Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, split_rows, unpack_2x2
+
+
+class FluxFamily(Family):
+    name = "flux"
+    pipeline_class = "FluxPipeline"
+    defaults = dict(num_inference_steps=28, guidance_scale=3.5, true_cfg_scale=1.0, max_sequence_length=512)
+    max_text_tokens = 512
+
+    def __init__(self, components, dtype, device):
+        super().__init__(components, dtype, device)
+        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.processor = VaeImageProcessor(vae_scale_factor=self.vae_scale * 2)
+        self.latent_channels = self.transformer.config.in_channels // 4
+
+    @property
+    def size_multiple(self) -> int:
+        return self.vae_scale * 2
+
+    def default_size(self) -> int:
+        return 128 * self.vae_scale
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        return params.true_cfg_scale > 1 and params.negative_prompt is not None
+
+    def latent_tokens(self, params: SamplingParams) -> int:
+        return (params.height // self.size_multiple) * (params.width // self.size_multiple)
+
+    def batch_key(self, params: SamplingParams) -> tuple:
+        return super().batch_key(params) + (params.max_sequence_length,)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
+        clip, clip_tok = self.components["text_encoder"], self.components["tokenizer"]
+        t5, t5_tok = self.components["text_encoder_2"], self.components["tokenizer_2"]
+        ids = clip_tok(prompts, padding="max_length", max_length=clip_tok.model_max_length,
+                       truncation=True, return_tensors="pt").input_ids
+        pooled = clip(ids.to(self.device), output_hidden_states=False).pooler_output.to(clip.dtype)
+        ids = t5_tok(prompts, padding="max_length", max_length=params.max_sequence_length,
+                     truncation=True, return_tensors="pt").input_ids
+        embeds = t5(ids.to(self.device), output_hidden_states=False)[0].to(t5.dtype)
+        return [TextCond(embeds[i], pooled[i]) for i in range(len(prompts))]
+
+    def prepare(self, req: Request) -> None:
+        p = req.params
+        h, w = 2 * (p.height // self.size_multiple), 2 * (p.width // self.size_multiple)
+        noise = self.noise(req, (p.num_outputs, self.latent_channels, h, w))
+        req.latents = pack_2x2(noise)
+        req.state["img_ids"] = image_ids(h // 2, w // 2).to(self.device, self.dtype)
+        sampler = self.new_sampler()
+        sigmas = None if sampler.config.get("use_flow_sigmas") else linear_sigmas(p.num_inference_steps)
+        mu = flow_shift_mu(req.latents.shape[1], sampler.config)
+        if sigmas is None:
+            sampler.set_timesteps(p.num_inference_steps, device=self.device, mu=mu)
+        else:
+            sampler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
+        sampler.set_begin_index(0)
+        req.sampler = sampler
+
+    @torch.no_grad()
+    def predict(self, requests: list[Request]):
+        latents, timesteps, conds, owners = gather_rows(requests)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.tensor([r.params.guidance_scale for r in owners], device=self.device,
+                                    dtype=torch.float32)
+        embeds = torch.stack([c.embeds for c in conds])
+        text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.components["text_encoder"].dtype)
+        out = self.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=guidance,
+            pooled_projections=torch.stack([c.pooled for c in conds]),
+            encoder_hidden_states=embeds,
+            txt_ids=text_ids,
+            img_ids=requests[0].state["img_ids"],
+            return_dict=False,
+        )[0]
+        return split_rows(out, requests)
+
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        h, w = 2 * (params.height // self.size_multiple), 2 * (params.width // self.size_multiple)
+        latents = unpack_2x2(latents, h, w) / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+
+
+def image_ids(h: int, w: int) -> torch.Tensor:
+    """FLUX position ids of an h x w token grid: (0, row, col)."""
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1] = torch.arange(h)[:, None]
+    ids[..., 2] = torch.arange(w)[None, :]
+    return ids.reshape(h * w, 3)

@@ -1,0 +1,127 @@
+"""Qwen-Image: an AR language model's last hidden states condition an MMDiT.
+
+Matches diffusers' QwenImagePipeline: the prompt goes through the chat
+template, the language model's last-layer hidden states of the valid tokens
+are kept and the template prefix (34 tokens) is dropped. Prompts keep their own
+length; a batch pads them and passes the text mask, so prompt length is not
+part of the batch key.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+
+from ..params import SamplingParams
+from ..request import Request
+from .base import Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, pad_stack, split_rows, \
+    unpack_2x2
+
+TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+TEMPLATE_PREFIX_TOKENS = 34
+TOKENIZER_MAX_LENGTH = 1024
+
+
+class QwenImageFamily(Family):
+    name = "qwenimage"
+    pipeline_class = "QwenImagePipeline"
+    defaults = dict(num_inference_steps=50, true_cfg_scale=4.0, max_sequence_length=512)
+    max_text_tokens = 1024
+
+    def __init__(self, components, dtype, device):
+        super().__init__(components, dtype, device)
+        self.vae_scale = 2 ** len(self.vae.config.temperal_downsample)
+        self.processor = VaeImageProcessor(vae_scale_factor=self.vae_scale * 2)
+        self.latent_channels = self.transformer.config.in_channels // 4
+        self.tokenizer = components["tokenizer"]
+
+    @property
+    def size_multiple(self) -> int:
+        return self.vae_scale * 2
+
+    def default_size(self) -> int:
+        return 128 * self.vae_scale
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        params = super().resolve(params)
+        if self.transformer.config.guidance_embeds and params.guidance_scale is None:
+            params = params.with_defaults(guidance_scale=1.0)
+        return params
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        return params.true_cfg_scale > 1 and params.negative_prompt is not None
+
+    def latent_tokens(self, params: SamplingParams) -> int:
+        return (params.height // self.size_multiple) * (params.width // self.size_multiple)
+
+    def row_tokens(self, prompt: str, params: SamplingParams) -> int:
+        texts = [prompt] + ([params.negative_prompt] if self.uses_cfg(params) else [])
+        longest = max(len(self.tokenizer(TEMPLATE.format(t)).input_ids) for t in texts)
+        text = min(max(longest - TEMPLATE_PREFIX_TOKENS, 0), params.max_sequence_length)
+        return self.latent_tokens(params) + text
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
+        lm = self.components["text_encoder"]
+        tokens = self.tokenizer([TEMPLATE.format(p) for p in prompts], padding=True, truncation=True,
+                                max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS, return_tensors="pt")
+        tokens = tokens.to(self.device)
+        hidden = lm(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                    output_hidden_states=True).hidden_states[-1]
+        mask = tokens.attention_mask.bool()
+        conds = []
+        for i in range(len(prompts)):
+            valid = hidden[i][mask[i]][TEMPLATE_PREFIX_TOKENS:][: params.max_sequence_length]
+            conds.append(TextCond(valid.to(lm.dtype)))
+        return conds
+
+    def prepare(self, req: Request) -> None:
+        p = req.params
+        h, w = 2 * (p.height // self.size_multiple), 2 * (p.width // self.size_multiple)
+        noise = self.noise(req, (p.num_outputs, 1, self.latent_channels, h, w))
+        req.latents = pack_2x2(noise[:, 0])
+        req.state["img_shape"] = (1, h // 2, w // 2)
+        sampler = self.new_sampler()
+        mu = flow_shift_mu(req.latents.shape[1], sampler.config)
+        sampler.set_timesteps(sigmas=linear_sigmas(p.num_inference_steps), device=self.device, mu=mu)
+        sampler.set_begin_index(0)
+        req.sampler = sampler
+
+    @torch.no_grad()
+    def predict(self, requests: list[Request]):
+        latents, timesteps, conds, owners = gather_rows(requests)
+        embeds, mask = pad_stack([c.embeds for c in conds])
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.tensor([r.params.guidance_scale for r in owners], device=self.device,
+                                    dtype=torch.float32)
+        out = self.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=guidance,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds,
+            img_shapes=[[requests[0].state["img_shape"]]] * latents.shape[0],
+            return_dict=False,
+        )[0]
+        return split_rows(out, requests)
+
+    def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
+        if uncond is None:
+            return cond
+        combined = uncond + req.params.true_cfg_scale * (cond - uncond)
+        # Qwen-Image rescales the guided prediction to the conditional one's norm.
+        return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        h, w = 2 * (params.height // self.size_multiple), 2 * (params.width // self.size_multiple)
+        latents = unpack_2x2(latents, h, w)[:, :, None].to(self.vae.dtype)
+        z = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        latents = latents / inv_std + mean
+        return self.vae.decode(latents, return_dict=False)[0][:, :, 0]

@@ -1,0 +1,108 @@
+"""Stable Diffusion 3 / 3.5 (CLIP-L + CLIP-G + T5, MMDiT over unpacked latents).
+
+Matches diffusers' StableDiffusion3Pipeline: CLIP tokens are padded to 77 and
+T5 to ``max_sequence_length`` with no mask, so text length is part of the key.
+CFG runs when ``guidance_scale`` > 1 (negative prompt defaults to "").
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+
+from ..params import SamplingParams
+from ..request import Request
+from .base import Family, TextCond, flow_shift_mu, gather_rows, split_rows
+
+
+class SD3Family(Family):
+    name = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
+    defaults = dict(num_inference_steps=28, guidance_scale=7.0, true_cfg_scale=1.0, max_sequence_length=256)
+    max_text_tokens = 512
+
+    def __init__(self, components, dtype, device):
+        super().__init__(components, dtype, device)
+        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.patch = self.transformer.config.patch_size
+        self.processor = VaeImageProcessor(vae_scale_factor=self.vae_scale)
+        self.clip_length = components["tokenizer"].model_max_length
+
+    @property
+    def size_multiple(self) -> int:
+        return self.vae_scale * self.patch
+
+    def default_size(self) -> int:
+        return self.transformer.config.sample_size * self.vae_scale
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        return params.guidance_scale > 1
+
+    def latent_tokens(self, params: SamplingParams) -> int:
+        return (params.height // self.size_multiple) * (params.width // self.size_multiple)
+
+    def row_tokens(self, prompt: str, params: SamplingParams) -> int:
+        return self.latent_tokens(params) + self.clip_length + params.max_sequence_length
+
+    def batch_key(self, params: SamplingParams) -> tuple:
+        return super().batch_key(params) + (params.max_sequence_length,)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
+        c = self.components
+        clip_dtype = c["text_encoder"].dtype
+        embeds, pooled = [], []
+        for enc, tok in ((c["text_encoder"], c["tokenizer"]), (c["text_encoder_2"], c["tokenizer_2"])):
+            ids = tok(prompts, padding="max_length", max_length=self.clip_length, truncation=True,
+                      return_tensors="pt").input_ids
+            out = enc(ids.to(self.device), output_hidden_states=True)
+            pooled.append(out[0])
+            embeds.append(out.hidden_states[-2].to(clip_dtype))
+        clip = torch.cat(embeds, dim=-1)
+        t5 = self._t5(prompts, params.max_sequence_length, clip_dtype)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        tokens = torch.cat([clip, t5], dim=-2)
+        pooled = torch.cat(pooled, dim=-1)
+        return [TextCond(tokens[i], pooled[i]) for i in range(len(prompts))]
+
+    def _t5(self, prompts: list[str], length: int, dtype: torch.dtype) -> torch.Tensor:
+        enc, tok = self.components.get("text_encoder_3"), self.components.get("tokenizer_3")
+        if enc is None:  # SD3 checkpoints may ship without T5: zeros stand in, as in diffusers
+            dim = self.transformer.config.joint_attention_dim
+            return torch.zeros(len(prompts), length, dim, device=self.device, dtype=dtype)
+        ids = tok(prompts, padding="max_length", max_length=length, truncation=True, add_special_tokens=True,
+                  return_tensors="pt").input_ids
+        return enc(ids.to(self.device))[0].to(enc.dtype)
+
+    def prepare(self, req: Request) -> None:
+        p = req.params
+        h, w = p.height // self.vae_scale, p.width // self.vae_scale
+        req.latents = self.noise(req, (p.num_outputs, self.transformer.config.in_channels, h, w))
+        sampler = self.new_sampler()
+        kwargs = {}
+        if sampler.config.get("use_dynamic_shifting"):
+            kwargs["mu"] = flow_shift_mu((h // self.patch) * (w // self.patch), sampler.config, 1.16)
+        sampler.set_timesteps(p.num_inference_steps, device=self.device, **kwargs)
+        sampler.set_begin_index(0)
+        req.sampler = sampler
+
+    @torch.no_grad()
+    def predict(self, requests: list[Request]):
+        latents, timesteps, conds, _ = gather_rows(requests)
+        out = self.transformer(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=torch.stack([c.embeds for c in conds]),
+            pooled_projections=torch.stack([c.pooled for c in conds]),
+            return_dict=False,
+        )[0]
+        return split_rows(out, requests)
+
+    def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
+        if uncond is None:
+            return cond
+        return uncond + req.params.guidance_scale * (cond - uncond)
+
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]

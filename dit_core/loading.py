@@ -1,0 +1,53 @@
+"""Read a diffusers-format folder: ``model_index.json`` and the components it names."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import UnknownModelError
+
+# Component classes are only ever taken from these libraries.
+LIBRARIES = ("diffusers", "transformers")
+
+
+def read_model_index(path: str | Path) -> dict:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UnknownModelError(f"model folder {str(path)!r} does not exist or is not a directory")
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise UnknownModelError(
+            f"{str(path)!r} is not a diffusers-format model folder (no model_index.json); "
+            "build one with `omnidit make-random FAMILY SIZE OUT_DIR` or use a diffusers checkpoint"
+        )
+    try:
+        return json.loads(index.read_text())
+    except json.JSONDecodeError as e:
+        raise UnknownModelError(f"{index} is not valid JSON: {e}") from None
+
+
+def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: torch.device) -> dict:
+    """Load every component ``model_index.json`` lists, models in ``dtype`` on ``device``."""
+    components = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+            continue
+        library, class_name = spec
+        if library not in LIBRARIES:
+            raise UnknownModelError(f"component {name!r} comes from {library!r}; supported: {list(LIBRARIES)}")
+        cls = getattr(importlib.import_module(library), class_name, None)
+        if cls is None:
+            raise UnknownModelError(f"component {name!r}: {library} has no class {class_name!r}")
+        components[name] = _load_one(cls, library, Path(path) / name, dtype, device)
+    return components
+
+
+def _load_one(cls, library: str, folder: Path, dtype: torch.dtype, device: torch.device):
+    if not issubclass(cls, torch.nn.Module):
+        return cls.from_pretrained(folder)
+    dtype_kw = {"torch_dtype": dtype} if library == "diffusers" else {"dtype": dtype}
+    return cls.from_pretrained(folder, **dtype_kw).to(device).eval().requires_grad_(False)

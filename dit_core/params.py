@@ -1,0 +1,78 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+from .errors import InvalidParamError
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+MAX_STEPS = 1000
+MAX_SIDE = 8192
+MAX_OUTPUTS = 16
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks for. ``None`` means "the model family's default".
+
+    The guidance fields mean what they mean in the family's diffusers pipeline:
+
+    * ``guidance_scale``: classifier-free guidance for SD3 (CFG runs when > 1);
+      the embedded (distilled) guidance for FLUX.1-dev style checkpoints; for
+      Qwen-Image only guidance-distilled checkpoints use it.
+    * ``true_cfg_scale``: classifier-free guidance for FLUX and Qwen-Image; CFG
+      runs when it is > 1 and a ``negative_prompt`` is given.
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    num_outputs: int = 1
+    output_type: str = "pil"
+    max_sequence_length: int | None = None
+
+    def __post_init__(self):
+        for name in ("height", "width"):
+            _check_int(name, getattr(self, name), 1, MAX_SIDE, optional=True)
+        _check_int("num_frames", self.num_frames, 1, 1024, optional=True)
+        _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS, optional=True)
+        for name in ("guidance_scale", "true_cfg_scale"):
+            _check_float(name, getattr(self, name))
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            raise InvalidParamError("negative_prompt", self.negative_prompt, "a string or None")
+        _check_int("seed", self.seed, 0, MAX_SEED, optional=True)
+        _check_int("num_outputs", self.num_outputs, 1, MAX_OUTPUTS)
+        if self.output_type not in OUTPUT_TYPES:
+            raise InvalidParamError("output_type", self.output_type, f"one of {list(OUTPUT_TYPES)}")
+        _check_int("max_sequence_length", self.max_sequence_length, 1, 4096, optional=True)
+
+    def with_defaults(self, **defaults) -> "SamplingParams":
+        """A copy whose ``None`` fields take the given defaults."""
+        missing = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        return replace(self, **missing) if missing else self
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_int(name, value, lo, hi, optional=False):
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidParamError(name, value, f"an integer in [{lo}, {hi}]")
+
+
+def _check_float(name, value):
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0:
+        raise InvalidParamError(name, value, "a finite number >= 0")

@@ -1,0 +1,68 @@
+"""Runs one step: admit new requests, ONE batched forward, per-request sampler steps, decode.
+
+Failures stay with the request that caused them: when a batched call raises,
+the runner retries each request alone, marks the ones that still fail as FAILED
+and carries on with the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from .families import Family
+from .request import Request
+from .scheduler import RunnerOutput, StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+class Runner:
+    def __init__(self, family: Family):
+        self.family = family
+
+    def run(self, batch: StepBatch) -> RunnerOutput:
+        out = RunnerOutput()
+        start = time.perf_counter()
+        self._isolated(self._admit, batch.new_requests, out.failed)
+        live = [r for r in batch.requests if r.id not in out.failed]
+        preds = self._isolated(self.family.predict, live, out.failed)
+        stepped = {}
+        for req in (r for r in live if r.id in preds):  # one at a time: a sampler step mutates state
+            stepped.update(self._isolated(self._advance, [req], out.failed, preds))
+        out.step_ms = (time.perf_counter() - start) * 1e3
+        for req in (r for r in live if r.id in stepped):
+            req.metrics.step_ms.append(out.step_ms)
+            req.metrics.batch_sizes.append(len(live))
+        done = [r for r in live if r.id in stepped and r.step_index >= r.total_steps]
+        out.finished = self._isolated(self.family.decode, done, out.failed)
+        return out
+
+    def _admit(self, requests: list[Request]) -> list[None]:
+        self.family.encode(requests)
+        for req in requests:
+            self.family.prepare(req)
+        return [None] * len(requests)
+
+    def _advance(self, requests: list[Request], preds: dict) -> list[None]:
+        (req,) = requests
+        self.family.advance(req, self.family.guide(req, *preds[req.id]))
+        return [None]
+
+    def _isolated(self, fn: Callable, requests: list[Request], failed: dict, extra=None) -> dict:
+        """``fn(requests)`` as one call; if it raises, each request alone. Returns id -> result."""
+        if not requests:
+            return {}
+        try:
+            results = fn(requests) if extra is None else fn(requests, extra)
+            return {r.id: res for r, res in zip(requests, results)}
+        except Exception as e:  # noqa: BLE001 - any error belongs to a request, not to the engine
+            if len(requests) == 1:
+                logger.warning("request %s failed in %s: %r", requests[0].id, fn.__name__, e)
+                failed[requests[0].id] = f"{type(e).__name__}: {e}"
+                return {}
+        results = {}
+        for req in requests:
+            results.update(self._isolated(fn, [req], failed, extra))
+        return results

@@ -1,0 +1,137 @@
+"""Step-level admission: which requests share the next transformer forward.
+
+The rule, in full:
+
+1. Each step serves exactly one batch key (requests sharing a forward must agree
+   on it). It is the key of the highest-priority live request, running or
+   waiting; under the default ``fifo`` policy that is the oldest request.
+2. Running requests with that key all take part (they were admitted within
+   budget). Waiting requests with that key are admitted in priority order while
+   the budget allows (``max_batch_size`` requests, ``max_tokens_per_step`` tokens,
+   CFG rows counted); waiting requests with other keys are skipped, not waited on.
+3. Running requests with other keys keep their state and resume when their key
+   is served again.
+
+So a compatible request is never held back by an incompatible one ahead of it,
+and no request starves: the highest-priority request makes progress every step,
+and every request becomes the highest-priority one once those before it finish.
+Aborts are applied at the step boundary, in ``schedule``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
+
+
+class FifoPolicy:
+    """Oldest first."""
+
+    @staticmethod
+    def priority(req: Request):
+        return (req.seq,)
+
+
+POLICIES = {"fifo": FifoPolicy}
+
+
+@dataclass
+class StepBatch:
+    """What the runner sees for one step."""
+
+    key: tuple
+    requests: list[Request]  # everything in this forward, new ones included
+    new_requests: list[Request] = field(default_factory=list)  # admitted this step
+
+    @property
+    def rows(self) -> int:
+        return sum(r.rows for r in self.requests)
+
+
+@dataclass
+class RunnerOutput:
+    finished: dict = field(default_factory=dict)  # request id -> list of decoded images
+    failed: dict = field(default_factory=dict)  # request id -> error message
+    step_ms: float = 0.0
+
+
+class StepScheduler:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.policy = POLICIES[config.policy]()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._aborts: dict[str, str] = {}
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
+        """Mark a live request for abort; it leaves at the next step boundary."""
+        if not any(r.id == request_id for r in self.waiting + self.running):
+            return False
+        self._aborts[request_id] = reason
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[StepBatch | None, list[RequestEvent]]:
+        events = self._apply_aborts()
+        live = self.running + self.waiting
+        if not live:
+            return None, events
+        key = min(live, key=self.policy.priority).key
+        batch = [r for r in self.running if r.key == key]
+        n, tokens = len(batch), sum(r.tokens for r in batch)
+        new = []
+        for req in sorted((r for r in self.waiting if r.key == key), key=self.policy.priority):
+            if n + 1 > self.config.max_batch_size or tokens + req.tokens > self.config.max_tokens_per_step:
+                break
+            n, tokens = n + 1, tokens + req.tokens
+            new.append(req)
+        now = time.perf_counter()
+        for req in new:
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.metrics.first_scheduled = now
+        return StepBatch(key=key, requests=batch + new, new_requests=new), events
+
+    def postprocess(self, batch: StepBatch, out: RunnerOutput) -> list[RequestEvent]:
+        events = []
+        now = time.perf_counter()
+        for req in batch.requests:
+            if req.id in out.failed:
+                req.status, req.error = RequestStatus.FAILED, out.failed[req.id]
+                events.append(RequestEvent(req.id, EventKind.FAILED, req.step_index, req.total_steps,
+                                           error=req.error))
+            elif req.id in out.finished:
+                req.status = RequestStatus.FINISHED
+                req.metrics.finished = now
+                output = RequestOutput(req.id, req.prompt, out.finished[req.id], req.params.seed, req.params,
+                                       req.metrics.summary())
+                events.append(RequestEvent(req.id, EventKind.FINISHED, req.step_index, req.total_steps,
+                                           output=output))
+            else:
+                events.append(RequestEvent(req.id, EventKind.STEP, req.step_index, req.total_steps))
+            if req.status.done:
+                self.running.remove(req)
+                req.latents = req.cond = req.uncond = req.sampler = None
+                req.state.clear()
+        return events
+
+    def _apply_aborts(self) -> list[RequestEvent]:
+        events = []
+        for req in [r for r in self.waiting + self.running if r.id in self._aborts]:
+            (self.waiting if req.status == RequestStatus.WAITING else self.running).remove(req)
+            req.status, req.error = RequestStatus.ABORTED, self._aborts[req.id]
+            req.metrics.finished = time.perf_counter()
+            req.latents = req.cond = req.uncond = None
+            events.append(RequestEvent(req.id, EventKind.ABORTED, req.step_index, req.total_steps,
+                                       error=req.error))
+        self._aborts.clear()
+        return events

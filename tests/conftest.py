@@ -1,0 +1,38 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dit_core import Engine  # noqa: E402
+from dit_core.random_models import build  # noqa: E402
+
+FAMILIES = ("flux", "sd3", "qwenimage")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> path of its tiny random checkpoint, built once per session."""
+    root = tmp_path_factory.mktemp("models")
+    return {f: build(f, "tiny", root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_models):
+    """family -> a shared fp32 Engine. Tests must leave it idle (every request finished)."""
+    cache = {}
+
+    def get(family: str) -> Engine:
+        if family not in cache:
+            cache[family] = Engine.from_pretrained(tiny_models[family], max_batch_size=8)
+        assert not cache[family].has_unfinished()
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)

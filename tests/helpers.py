@@ -1,0 +1,49 @@
+"""Shared pieces of the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from dit_core import Engine, SamplingParams
+from dit_core.request import EventKind
+
+# guidance settings that switch classifier-free guidance on, per family
+CFG = {
+    "flux": dict(negative_prompt="blurry, ugly", true_cfg_scale=3.0),
+    "sd3": dict(guidance_scale=5.0, negative_prompt="blurry"),
+    "qwenimage": dict(negative_prompt="blurry, ugly", true_cfg_scale=3.0),
+}
+NO_CFG = {"flux": dict(guidance_scale=3.5), "sd3": dict(guidance_scale=1.0), "qwenimage": dict()}
+
+
+def params(**kw) -> SamplingParams:
+    kw.setdefault("height", 32)
+    kw.setdefault("width", 32)
+    kw.setdefault("output_type", "pt")
+    return SamplingParams(**kw)
+
+
+def images(outputs) -> torch.Tensor:
+    return torch.stack(list(outputs))
+
+
+def run_staggered(engine: Engine, specs: list[tuple[str, SamplingParams]], arrivals: list[int]):
+    """Add request i at engine step ``arrivals[i]``; run all to completion.
+    Returns (final event per request index, batch size of every step run)."""
+    ids, finals, step, sizes = {}, {}, 0, []
+    first = engine.stats.steps
+    while len(finals) < len(specs):
+        for i, (prompt, p) in enumerate(specs):
+            if arrivals[i] == step:
+                ids[engine.add_request(prompt, p)] = i
+        for ev in engine.step():
+            if ev.kind.final:
+                finals[ids[ev.request_id]] = ev
+        step += 1
+    sizes = list(engine.stats.batch_sizes)[-(engine.stats.steps - first):] if engine.stats.steps > first else []
+    return finals, sizes
+
+
+def assert_finished(ev):
+    assert ev.kind == EventKind.FINISHED, f"{ev.kind}: {ev.error}"
+    return images(ev.output.images)
