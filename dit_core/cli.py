@@ -57,11 +57,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward (default 8)")
     p.add_argument("--max-tokens-per-step", type=int, default=65536,
                    help="rows x tokens per forward, CFG rows counted (default 65536)")
+    p.add_argument("--attention", default=None,
+                   help="attention backend: auto, sdpa, math, flex, flash, xformers or sage; may carry "
+                        "role overrides, e.g. 'sdpa,joint=flex' (default: $OMNIDIT_ATTENTION or auto)")
+    p.add_argument("--attention-per-role", default=None,
+                   help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
+                        "(roles: self, cross, joint)")
 
 
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
-                max_tokens_per_step=args.max_tokens_per_step)
+                max_tokens_per_step=args.max_tokens_per_step, attention=args.attention,
+                attention_per_role=args.attention_per_role)
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:

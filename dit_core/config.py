@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attention import AttentionConfig, UnknownBackendError
+
 from .errors import InvalidParamError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -20,6 +22,11 @@ class EngineConfig:
     max_tokens_per_step: rows x (image + text tokens) per forward. A request that
         alone exceeds it is rejected when added.
     policy: waiting-queue order; see ``dit_core.scheduler.POLICIES``.
+    attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
+        ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``
+        or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
+    attention_per_role: overrides on top, ``"joint=flex,self=math"`` or a dict
+        (``None`` with ``attention=None`` reads OMNIDIT_ATTENTION_PER_ROLE).
     """
 
     dtype: str = "float32"
@@ -27,8 +34,14 @@ class EngineConfig:
     max_batch_size: int = 8
     max_tokens_per_step: int = 65536
     policy: str = "fifo"
+    attention: str | dict | AttentionConfig | None = None
+    attention_per_role: str | dict | None = None
 
     def __post_init__(self):
+        try:
+            self.attention = AttentionConfig.parse(self.attention, self.attention_per_role)
+        except UnknownBackendError as e:
+            raise InvalidParamError("attention_per_role", self.attention_per_role, str(e)) from None
         if isinstance(self.dtype, torch.dtype):
             self.dtype = next((k for k, v in DTYPES.items() if v == self.dtype), str(self.dtype))
         if self.dtype not in DTYPES:

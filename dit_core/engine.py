@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from attention import resolve as resolve_attention
+
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
 from .families import Family, load_family
@@ -47,6 +49,8 @@ class Engine:
     def __init__(self, family: Family, config: EngineConfig):
         self.family = family
         self.config = config
+        self.attention = resolve_attention(config.attention, config.device, config.torch_dtype, family.head_dims())
+        family.set_attention(self.attention)
         self.scheduler = StepScheduler(config)
         self.runner = Runner(family)
         self.stats = EngineStats()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from attention.errors import BackendUnavailableError  # noqa: F401  (re-exported: raised at engine start)
+
 
 class OmniditError(Exception):
     """Base class of every error the engine raises on purpose."""
@@ -19,10 +21,6 @@ class InvalidParamError(OmniditError, ValueError):
 
 class UnknownModelError(OmniditError, ValueError):
     """The model folder does not exist, is not a diffusers folder, or has an unsupported family."""
-
-
-class BackendUnavailableError(OmniditError, RuntimeError):
-    """An explicitly requested backend cannot run on this machine."""
 
 
 class RequestFailedError(OmniditError, RuntimeError):

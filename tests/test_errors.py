@@ -38,6 +38,12 @@ def test_size_must_be_a_multiple_of_the_family_factor(engines):
     assert not engine.has_unfinished()
 
 
+def test_one_step_on_a_shift_terminal_scheduler_is_refused(engines):
+    with pytest.raises(InvalidParamError, match="num_inference_steps=1 is invalid: expected at least 2"):
+        engines("qwenimage").add_request("a cat", params(num_inference_steps=1))
+    assert len(engines("flux").generate("a cat", params(num_inference_steps=1))) == 1
+
+
 def test_empty_prompt_list_and_non_string_prompt(engines):
     engine = engines("sd3")
     with pytest.raises(InvalidParamError, match="prompts"):

@@ -37,6 +37,7 @@ class Family(abc.ABC):
 
     name: ClassVar[str]
     pipeline_class: ClassVar[str]
+    attention_processor: ClassVar[type]  # our processor class, routing attention through ``attention.attend``
     defaults: ClassVar[dict]  # SamplingParams defaults of the diffusers pipeline
     max_text_tokens: ClassVar[int]
 
@@ -48,6 +49,13 @@ class Family(abc.ABC):
         self.vae = components["vae"]
         self.scheduler = components["scheduler"]
         self.processor: VaeImageProcessor  # set by subclasses
+
+    def head_dims(self) -> set[int]:
+        return {self.transformer.config.attention_head_dim}
+
+    def set_attention(self, backends: dict) -> None:
+        """Route every attention call of the transformer through the given role -> backend map."""
+        self.transformer.set_attn_processor(self.attention_processor(backends))
 
     # ---- per request, at add time (pure; safe to call from any thread) ----
 
@@ -72,6 +80,10 @@ class Family(abc.ABC):
                 raise InvalidParamError(name, value, f"a multiple of {m} for this {self.name} model")
         if params.num_frames not in (None, 1):
             raise InvalidParamError("num_frames", params.num_frames, f"1 (a {self.name} model makes images)")
+        if self.scheduler.config.get("shift_terminal") and params.num_inference_steps < 2:
+            # the terminal-shift stretch divides by (1 - last sigma), which is 0 with one step
+            raise InvalidParamError("num_inference_steps", params.num_inference_steps,
+                                    "at least 2 for this checkpoint (its scheduler sets shift_terminal)")
         if params.max_sequence_length > self.max_text_tokens:
             raise InvalidParamError("max_sequence_length", params.max_sequence_length,
                                     f"an integer in [1, {self.max_text_tokens}]")

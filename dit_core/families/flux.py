@@ -11,12 +11,14 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..params import SamplingParams
 from ..request import Request
+from .processors.flux import FluxProcessor
 from .base import Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, split_rows, unpack_2x2
 
 
 class FluxFamily(Family):
     name = "flux"
     pipeline_class = "FluxPipeline"
+    attention_processor = FluxProcessor
     defaults = dict(num_inference_steps=28, guidance_scale=3.5, true_cfg_scale=1.0, max_sequence_length=512)
     max_text_tokens = 512
 

@@ -14,6 +14,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..params import SamplingParams
 from ..request import Request
+from .processors.qwenimage import QwenImageProcessor
 from .base import Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, pad_stack, split_rows, \
     unpack_2x2
 
@@ -29,6 +30,7 @@ TOKENIZER_MAX_LENGTH = 1024
 class QwenImageFamily(Family):
     name = "qwenimage"
     pipeline_class = "QwenImagePipeline"
+    attention_processor = QwenImageProcessor
     defaults = dict(num_inference_steps=50, true_cfg_scale=4.0, max_sequence_length=512)
     max_text_tokens = 1024
 

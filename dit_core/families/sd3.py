@@ -12,12 +12,14 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..params import SamplingParams
 from ..request import Request
+from .processors.sd3 import SD3Processor
 from .base import Family, TextCond, flow_shift_mu, gather_rows, split_rows
 
 
 class SD3Family(Family):
     name = "sd3"
     pipeline_class = "StableDiffusion3Pipeline"
+    attention_processor = SD3Processor
     defaults = dict(num_inference_steps=28, guidance_scale=7.0, true_cfg_scale=1.0, max_sequence_length=256)
     max_text_tokens = 512
 

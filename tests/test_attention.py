@@ -1,0 +1,191 @@
+"""attention/: backends against the math reference, packing, selection, and routing of every family."""
+
+import pytest
+import torch
+
+import attention
+from attention import AttentionConfig, Backend, BackendUnavailableError, attend, get_backend, register_backend
+from dit_core import Engine, InvalidParamError
+from helpers import CFG, assert_finished, params, run_staggered
+
+# Backends that can run on this machine (on a GPU machine this list grows by itself).
+RUNNABLE = [n for n, why in attention.available_backends("cpu", torch.float32, 32).items() if why == "ok"]
+# fp32 attention differs from the float32 reference only by summation order (~1e-7 relative per
+# call); through a few blocks and denoising steps that stays far under 1e-4 on the image.
+IMAGE_TOL = 1e-4
+
+
+def qkv(b=3, lq=24, lk=24, h=4, d=32, hk=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, lq, h, d, generator=g), torch.randn(b, lk, hk or h, d, generator=g),
+            torch.randn(b, lk, hk or h, d, generator=g))
+
+
+def test_cpu_runs_math_sdpa_flex_and_names_why_the_others_cannot():
+    status = attention.available_backends("cpu", torch.float32, 64)
+    assert {"math", "sdpa", "flex"} <= set(RUNNABLE)
+    assert "flash-attn is not installed" in status["flash"] and "cuda" in status["flash"]
+    assert "xformers is not installed" in status["xformers"]
+    assert "sageattention is not installed" in status["sage"]
+
+
+# each runnable backend with every capability it declares
+DECLARED = [(n, c) for n in RUNNABLE for c in ("dense", "mask", "causal", "gqa")
+            if c == "dense" or get_backend(n).capabilities[c]]
+
+
+@pytest.mark.parametrize("name,case", DECLARED, ids=[f"{n}-{c}" for n, c in DECLARED])
+def test_backend_matches_math(name, case):
+    backend = get_backend(name)
+    q, k, v = qkv(hk=2 if case == "gqa" else None)
+    mask = None
+    if case == "mask":
+        mask = torch.rand(3, 1, 24, 24, generator=torch.Generator().manual_seed(1)) > 0.3
+        mask[..., 0] = True  # every query keeps a key
+    out = backend.dense(q, k, v, mask=mask, causal=case == "causal")
+    ref = get_backend("math").dense(q, k, v, mask=mask, causal=case == "causal")
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_padded_batch_equals_each_sequence_alone(name):
+    """Rows with 7, 30 and 77 valid tokens: every valid query equals the row run unpadded."""
+    lengths = [7, 30, 77]
+    q, k, v = qkv(b=3, lq=77, lk=77)
+    valid = torch.zeros(3, 77, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        valid[i, :n] = True
+    out = attend(q, k, v, get_backend(name), valid=valid)
+    for i, n in enumerate(lengths):
+        alone = get_backend("math").dense(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n])
+        assert (out[i, :n] - alone[0]).abs().max().item() < 1e-5
+
+
+def test_packed_path_skips_padding_and_mask_path_is_used_otherwise():
+    q, k, v = qkv(b=2, lq=10, lk=10)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, 4:] = False
+    seen = []
+
+    def dense(q, k, v, mask=None, **kw):
+        seen.append(("dense", q.shape, None if mask is None else mask.shape))
+        return get_backend("math").dense(q, k, v, mask=mask, **kw)
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        seen.append(("varlen", q.shape, cu_q.tolist()))
+        return get_backend("flex").varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+    attend(q, k, v, Backend("t1", dense=dense, varlen=varlen), valid=valid)
+    attend(q, k, v, Backend("t2", dense=dense, mask=True), valid=valid)
+    assert seen[0] == ("varlen", (14, 4, 32), [0, 10, 14])  # only the 14 valid tokens were computed
+    assert seen[1] == ("dense", (2, 10, 4, 32), (2, 1, 1, 10))
+
+
+def test_sdpa_packs_only_when_padding_dominates():
+    from attention.dispatch import padding_share
+
+    sdpa, seen = get_backend("sdpa"), []
+    spy = Backend("spy", dense=lambda *a, **kw: seen.append("mask") or sdpa.dense(*a, **kw),
+                  varlen=lambda *a, **kw: seen.append("packed") or sdpa.varlen(*a, **kw),
+                  mask=True, pack_above=sdpa.pack_above)
+    q, k, v = qkv(b=2, lq=40, lk=40)
+    little = torch.ones(2, 40, dtype=torch.bool)
+    little[0, -2:] = False
+    much = torch.ones(2, 40, dtype=torch.bool)
+    much[0, 5:] = False
+    assert padding_share(little) < sdpa.pack_above < padding_share(much)
+    for valid in (little, much):
+        out = attend(q, k, v, spy, valid=valid)
+        ref = get_backend("math").dense(q, k, v, mask=valid[:, None, None, :])
+        assert (out[valid] - ref[valid]).abs().max().item() < 1e-5
+    assert seen == ["mask", "packed"]
+
+
+def test_explicit_unavailable_backend_fails_at_engine_start(tiny_models):
+    with pytest.raises(BackendUnavailableError) as e:
+        Engine.from_pretrained(tiny_models["flux"], attention="flash")
+    msg = str(e.value)
+    assert "'flash'" in msg and "flash-attn is not installed" in msg and "Available here" in msg and "sdpa" in msg
+    with pytest.raises(BackendUnavailableError, match="xformers"):
+        Engine.from_pretrained(tiny_models["flux"], attention="sdpa", attention_per_role="joint=xformers")
+
+
+def test_auto_env_and_per_role_selection(tiny_models, monkeypatch):
+    assert {b.name for b in Engine.from_pretrained(tiny_models["sd3"]).attention.values()} == {"sdpa"}
+    monkeypatch.setenv("OMNIDIT_ATTENTION", "math")
+    monkeypatch.setenv("OMNIDIT_ATTENTION_PER_ROLE", "self=flex")
+    env = Engine.from_pretrained(tiny_models["sd3"]).attention
+    assert (env["joint"].name, env["self"].name) == ("math", "flex")
+    explicit = Engine.from_pretrained(tiny_models["sd3"], attention="sdpa,joint=flex").attention  # beats env
+    assert (explicit["joint"].name, explicit["self"].name, explicit["cross"].name) == ("flex", "sdpa", "sdpa")
+    assert AttentionConfig.parse({"default": "math", "cross": "sdpa"}).name_for("cross") == "sdpa"
+    with pytest.raises(ValueError, match="registered"):
+        Engine.from_pretrained(tiny_models["sd3"], attention="nope")
+    with pytest.raises(InvalidParamError, match="roles are"):
+        Engine.from_pretrained(tiny_models["sd3"], attention_per_role="diagonal=sdpa")
+
+
+@pytest.fixture
+def counting():
+    calls = []
+    sdpa = get_backend("sdpa")
+
+    def dense(q, k, v, mask=None, **kw):
+        calls.append(q.shape)
+        return sdpa.dense(q, k, v, mask=mask, **kw)
+
+    register_backend(Backend("counting", dense=dense, mask=True))
+    yield calls
+    attention.unregister_backend("counting")
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwenimage"])
+def test_every_attention_call_of_a_forward_is_routed(family, tiny_models, counting):
+    engine = Engine.from_pretrained(tiny_models[family], attention="counting")
+    modules = [m for m in engine.family.transformer.modules() if hasattr(m, "processor")]
+    engine.generate("a cat", params(num_inference_steps=2))
+    # two forwards, each calling our backend once per attention module: nothing bypasses it
+    assert len(counting) == 2 * len(modules) > 0
+
+
+def qwen_prompt(tokenizer_len, n):
+    """A prompt whose conditioning (template prefix dropped) is exactly n tokens long."""
+    words = ["a"] + ["cat", "dog", "tree", "house"] * 40
+    for i in range(1, len(words)):
+        prompt = " ".join(words[:i])
+        if tokenizer_len(prompt) == n:
+            return prompt
+    raise AssertionError(f"no prompt of {n} tokens")
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_mixed_prompt_lengths_7_30_77_equal_alone(name, tiny_models):
+    engine = Engine.from_pretrained(tiny_models["qwenimage"], attention=name)
+    fam = engine.family
+
+    def length(prompt):
+        return fam.row_tokens(prompt, fam.resolve(params())) - fam.latent_tokens(fam.resolve(params()))
+
+    prompts = [qwen_prompt(length, n) for n in (7, 30, 77)]
+    specs = [(p, params(num_inference_steps=3, seed=i, **(CFG["qwenimage"] if i == 1 else {})))
+             for i, p in enumerate(prompts)]
+    alone = [torch.stack(engine.generate(p, sp)) for p, sp in specs]
+    finals, sizes = run_staggered(engine, specs, arrivals=[0, 0, 0])
+    assert sizes == [3, 3, 3]
+    for i in range(3):
+        assert (assert_finished(finals[i]) - alone[i]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwenimage"])
+def test_engine_outputs_equal_math_backend_for_every_backend(family, tiny_models):
+    prompts = ["x", "a photo of a dog in a field", "a very long prompt about a house by the sea " * 3]
+    specs = [(p, params(num_inference_steps=3, seed=i, **(CFG[family] if i != 1 else {})))
+             for i, p in enumerate(prompts)]
+    results = {}
+    for name in RUNNABLE:
+        engine = Engine.from_pretrained(tiny_models[family], attention=name)
+        finals, _ = run_staggered(engine, specs, arrivals=[0, 0, 1])
+        results[name] = [assert_finished(finals[i]) for i in range(len(specs))]
+    for name in RUNNABLE:
+        for got, ref in zip(results[name], results["math"]):
+            assert (got - ref).abs().max().item() <= IMAGE_TOL, name
