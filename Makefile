@@ -17,17 +17,20 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# The main job. Until the embedded default model lands, it builds a random-weight
-# `small` FLUX checkpoint and generates with it.
+# The main job: serve the embedded default model on http://127.0.0.1:8000 (Ctrl-C stops it).
+HOST ?= 127.0.0.1
+PORT ?= 8000
 run: install
-	test -f out/flux-small/model_index.json || $(BIN)/omnidit make-random flux small out/flux-small
-	$(BIN)/omnidit generate out/flux-small "a photo of a cat" --size 256x256 --steps 8 -o out/omnidit.png
+	$(BIN)/omnidit serve --host $(HOST) --port $(PORT)
 
 test: install
 	$(BIN)/python -m pytest -q tests
 
 bench: install
 	$(BIN)/python -m benchmarks.engine_throughput --quick
+	$(BIN)/python -m benchmarks.attention_backends --quick
+	$(BIN)/python -m benchmarks.quality --quick
+	$(BIN)/python -m benchmarks.serve_load --quick
 
 clean:
 	rm -rf $(VENV) out

@@ -27,6 +27,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
         self.engine = engine
         self.listeners: list[Callable[[RequestEvent], None]] = []  # called on the loop thread
+        self.step_listeners: list[Callable[[int, float], None]] = []  # (requests in batch, step ms)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -71,6 +72,11 @@ class AsyncEngine:
                      request_id: str | None = None) -> AsyncIterator[RequestEvent]:
         """Yield the request's events until its final one. Leaving early aborts the request."""
         rid, events = self.submit(prompt, params, request_id)
+        async for event in self.events(rid, events):
+            yield event
+
+    async def events(self, rid: str, events: asyncio.Queue) -> AsyncIterator[RequestEvent]:
+        """Yield a submitted request's events until its final one; leaving early aborts it."""
         final = False
         try:
             while not final:
@@ -120,11 +126,14 @@ class AsyncEngine:
             self._drain_commands(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
                 continue
+            steps = self.engine.stats.steps
             try:
                 events = self.engine.step()
             except Exception as e:  # noqa: BLE001 - a bug outside per-request isolation; keep serving
                 logger.exception("engine step failed; failing the requests in flight")
                 events = self.engine.fail_unfinished(f"engine error: {type(e).__name__}: {e}")
+            if self.engine.stats.steps > steps:
+                self._notify_step(self.engine.stats.batch_sizes[-1], self.engine.stats.step_ms[-1])
             self._dispatch(events)
 
     def _drain_commands(self, block: bool) -> None:
@@ -149,6 +158,13 @@ class AsyncEngine:
         else:
             _, rid, reason = cmd
             self.engine.abort(rid, reason)
+
+    def _notify_step(self, batch_size: int, step_ms: float) -> None:
+        for listener in self.step_listeners:
+            try:
+                listener(batch_size, step_ms)
+            except Exception:  # noqa: BLE001 - a broken listener must not stop the loop
+                logger.exception("step listener failed")
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:

@@ -12,7 +12,7 @@ from dit_core.random_models import build
 
 
 def omnidit(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "dit_core.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "serve.cli", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, timeout=300)
 
 
@@ -28,8 +28,10 @@ def test_make_random_then_generate_with_progress_bar(tmp_path):
 
 
 def test_cli_errors_are_clear(tmp_path):
-    r = omnidit("generate", tmp_path / "missing", "a cat")
+    r = omnidit("generate", "-m", tmp_path / "missing", "a cat")
     assert r.returncode == 2 and "does not exist" in r.stderr
+    r = omnidit("generate", "a cat", "--size", "12x")
+    assert r.returncode == 2 and "size" in r.stderr
     r = omnidit("make-random", "sdxl", "tiny", tmp_path / "x")
     assert r.returncode == 2 and "flux" in r.stderr
 

@@ -70,6 +70,21 @@ def test_unknown_model_folders(tmp_path):
         assert name in str(e.value)
 
 
+def test_bad_checkpoint_defaults_are_refused(tiny_models, tmp_path):
+    import shutil
+
+    model = shutil.copytree(tiny_models["flux"], tmp_path / "m")
+    index = json.loads((model / "model_index.json").read_text())
+    index["_omnidit_defaults"] = {"height": 32, "colour": "red"}
+    (model / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(UnknownModelError, match="colour"):
+        Engine.from_pretrained(model)
+    index["_omnidit_defaults"] = {"num_inference_steps": 0}
+    (model / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(InvalidParamError, match="num_inference_steps"):
+        Engine.from_pretrained(model)
+
+
 def test_bad_engine_config_names_the_field(tiny_models):
     with pytest.raises(InvalidParamError, match="dtype='float16'.*CPU"):
         Engine.from_pretrained(tiny_models["flux"], dtype="float16")

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from ..errors import UnknownModelError
 from ..loading import load_components, read_model_index
+from ..params import SamplingParams
 from .base import Family, TextCond
 from .flux import FluxFamily
 from .qwenimage import QwenImageFamily
 from .sd3 import SD3Family
+
+# A checkpoint may declare its own serving defaults (any SamplingParams fields) under this key of
+# model_index.json; diffusers ignores keys that start with "_".
+DEFAULTS_KEY = "_omnidit_defaults"
 
 FAMILIES: dict[str, type[Family]] = {cls.pipeline_class: cls for cls in (FluxFamily, SD3Family, QwenImageFamily)}
 
@@ -30,8 +36,15 @@ def family_class(path: str | Path) -> type[Family]:
 def load_family(path: str | Path, dtype: torch.dtype, device: torch.device) -> Family:
     """Load the family module that matches the folder's ``_class_name``, components included."""
     cls = family_class(path)
-    components = load_components(path, read_model_index(path), dtype, device)
-    return cls(components, dtype, device)
+    index = read_model_index(path)
+    defaults = index.get(DEFAULTS_KEY) or {}
+    unknown = set(defaults) - {f.name for f in fields(SamplingParams)}
+    if unknown:
+        raise UnknownModelError(f"{DEFAULTS_KEY} in {path}/model_index.json has unknown fields {sorted(unknown)}; "
+                                f"allowed: the SamplingParams fields")
+    SamplingParams(**defaults)  # validated like a request's values
+    components = load_components(path, index, dtype, device)
+    return cls(components, dtype, device, defaults)
 
 
 __all__ = ["FAMILIES", "Family", "TextCond", "family_class", "load_family"]

@@ -41,8 +41,12 @@ class Family(abc.ABC):
     defaults: ClassVar[dict]  # SamplingParams defaults of the diffusers pipeline
     max_text_tokens: ClassVar[int]
 
-    def __init__(self, components: dict[str, Any], dtype: torch.dtype, device: torch.device):
+    def __init__(self, components: dict[str, Any], dtype: torch.dtype, device: torch.device,
+                 checkpoint_defaults: dict | None = None):
         self.components = components
+        # A checkpoint's own serving defaults (``_omnidit_defaults`` in model_index.json) override
+        # the pipeline's; a request's explicit values override both.
+        self.checkpoint_defaults = dict(checkpoint_defaults or {})
         self.dtype = dtype
         self.device = device
         self.transformer = components["transformer"]
@@ -72,7 +76,8 @@ class Family(abc.ABC):
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Fill family defaults and check the request against the model."""
         side = self.default_size()
-        params = params.with_defaults(height=side, width=side, **self.defaults)
+        params = params.with_defaults(**{"height": side, "width": side, **self.defaults,
+                                         **self.checkpoint_defaults})
         m = self.size_multiple
         for name in ("height", "width"):
             value = getattr(params, name)

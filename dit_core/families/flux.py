@@ -22,8 +22,8 @@ class FluxFamily(Family):
     defaults = dict(num_inference_steps=28, guidance_scale=3.5, true_cfg_scale=1.0, max_sequence_length=512)
     max_text_tokens = 512
 
-    def __init__(self, components, dtype, device):
-        super().__init__(components, dtype, device)
+    def __init__(self, components, dtype, device, checkpoint_defaults=None):
+        super().__init__(components, dtype, device, checkpoint_defaults)
         self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.processor = VaeImageProcessor(vae_scale_factor=self.vae_scale * 2)
         self.latent_channels = self.transformer.config.in_channels // 4

@@ -34,8 +34,8 @@ class QwenImageFamily(Family):
     defaults = dict(num_inference_steps=50, true_cfg_scale=4.0, max_sequence_length=512)
     max_text_tokens = 1024
 
-    def __init__(self, components, dtype, device):
-        super().__init__(components, dtype, device)
+    def __init__(self, components, dtype, device, checkpoint_defaults=None):
+        super().__init__(components, dtype, device, checkpoint_defaults)
         self.vae_scale = 2 ** len(self.vae.config.temperal_downsample)
         self.processor = VaeImageProcessor(vae_scale_factor=self.vae_scale * 2)
         self.latent_channels = self.transformer.config.in_channels // 4

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import OmniditError
+from dit_core.errors import OmniditError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate images from a prompt, with a progress bar")
-    gen.add_argument("model", help="a diffusers-format model folder")
-    gen.add_argument("prompt", nargs="+", help="one or more prompts (one image each, or --num-outputs)")
+    gen.add_argument("prompt", nargs="+",
+                     help="one or more prompts (one image each, or --num-outputs); a first argument that is a "
+                          "model folder is taken as --model")
+    gen.add_argument("-m", "--model", default=None,
+                     help="a diffusers-format model folder (default: the embedded digits model)")
     gen.add_argument("-o", "--output", default="out.png",
                      help="output PNG; with several images, _0, _1, ... are added before .png (default out.png)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
-    gen.add_argument("--seed", type=int, default=0, help="random seed; prompt i uses seed + i (default 0)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="random seed; prompt i uses seed + i (default: a random seed, printed)")
     gen.add_argument("--guidance", type=float, default=None,
                      help="guidance_scale: CFG scale for SD3, embedded guidance for FLUX.1-dev")
     gen.add_argument("--true-cfg", type=float, default=None,
@@ -41,6 +45,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-outputs", type=int, default=1, help="images per prompt (default 1)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-style HTTP API")
+    srv.add_argument("model", nargs="?", default=None,
+                     help="a diffusers-format model folder (default: the embedded digits model)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health (default: open)")
+    srv.add_argument("--model-name", default=None,
+                     help="the model id clients send and /v1/models lists (default: the folder's name)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests waiting for admission before 429 + Retry-After (default 64)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
+    srv.add_argument("--max-prompt-chars", type=int, default=4000, help="longer prompts get 400 (default 4000)")
+    srv.add_argument("--file-ttl", type=float, default=3600.0,
+                     help="seconds a response_format=url image stays downloadable (default 3600)")
+    srv.add_argument("--max-files", type=int, default=256, help="url images kept at most (default 256)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
+                          "(default 30)")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    trn = sub.add_parser("train-default", help="retrain the embedded default model (about 10 minutes on 2 cores)")
+    trn.add_argument("out_dir")
+    trn.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    trn.set_defaults(func=cmd_train_default)
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
     rnd.add_argument("family", help="flux, sd3 or qwenimage")
@@ -77,24 +108,33 @@ def parse_size(text: str | None) -> tuple[int | None, int | None]:
     try:
         w, h = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        from .errors import InvalidParamError
+        from dit_core.errors import InvalidParamError
 
         raise InvalidParamError("size", text, "WIDTHxHEIGHT, e.g. 512x512") from None
     return w, h
 
 
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from dit_core.zoo import default_model
+
+    return str(default_model())
+
+
 def cmd_generate(args) -> int:
     from tqdm import tqdm
 
-    from .engine import Engine
-    from .params import SamplingParams
-    from .request import EventKind
+    from dit_core import Engine, EventKind, SamplingParams
 
+    if args.model is None and len(args.prompt) > 1 and (Path(args.prompt[0]) / "model_index.json").is_file():
+        args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
-    engine = Engine.from_pretrained(args.model, **engine_kwargs(args))
+    engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
     ids = []
     for i, prompt in enumerate(args.prompt):
-        params = SamplingParams(height=height, width=width, num_inference_steps=args.steps, seed=args.seed + i,
+        params = SamplingParams(height=height, width=width, num_inference_steps=args.steps,
+                                seed=None if args.seed is None else args.seed + i,
                                 guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
                                 negative_prompt=args.negative_prompt, num_outputs=args.num_outputs)
         ids.append(engine.add_request(prompt, params))
@@ -117,11 +157,34 @@ def cmd_generate(args) -> int:
         path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
         img.save(path)
         print(path)
+    print(f"seeds: {[outputs[rid].seed for rid in ids]}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .app import ServeSettings
+    from .server import serve
+
+    model = resolve_model(args.model)
+    settings = ServeSettings(model_name=args.model_name or Path(model).resolve().name, api_key=args.api_key,
+                             max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                             max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
+                             max_files=args.max_files)
+    return serve(model, args.host, args.port, settings, args.shutdown_timeout, **engine_kwargs(args))
+
+
+def cmd_train_default(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_digits import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(train(args.out_dir, TrainConfig(seed=args.seed)))
     return 0
 
 
 def cmd_make_random(args) -> int:
-    from .random_models import build
+    from dit_core.random_models import build
 
     try:
         path = build(args.family, args.size, args.out_dir, seed=args.seed)

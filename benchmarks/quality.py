@@ -1,0 +1,111 @@
+"""Quality harness for the embedded default model (handwritten digits).
+
+    python -m benchmarks.quality [--model DIR] [--steps 20] [--per-digit 20] [--quick]
+                                 [--compare-dtype bfloat16] [--grid out.png]
+
+* classifier: an RBF SVM trained on sklearn's real 8x8 digits (held-out accuracy printed);
+* adherence: share of generated images the classifier reads as the requested digit
+  (``--per-digit`` images per digit, fixed seeds, prompts cycling through every accepted phrasing);
+* diversity: mean pairwise distance between generated images of one digit over the same for
+  the real images of that digit (1.0 = as varied as the data);
+* fidelity: with ``--compare-dtype`` (or programmatically, any second engine), PSNR of the
+  second run's images against the plain run's for the same seeds: the gate accelerations use.
+
+Writes ``benchmarks/results/quality.json`` (top-level ``summary``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import machine, write_json
+from dit_core import Engine
+from dit_core.eval.digits import generate, psnr, real_diversity, requests, score, train_classifier
+from dit_core.zoo import default_model
+
+
+def save_grid(images: torch.Tensor, digits: list[int], path: str, per_row: int = 8, scale: int = 3) -> None:
+    """A PNG with one row per digit (first ``per_row`` images of each)."""
+    from PIL import Image
+
+    rows = []
+    for d in range(10):
+        chosen = [img for img, dd in zip(images, digits) if dd == d][:per_row]
+        rows.append(torch.cat(chosen, dim=2))
+    grid = (torch.cat(rows, dim=1).permute(1, 2, 0).clamp(0, 1).numpy() * 255).astype(np.uint8)
+    img = Image.fromarray(grid)
+    img.resize((img.width * scale, img.height * scale), Image.NEAREST).save(path)
+
+
+def run(model=None, steps: int = 20, per_digit: int = 20, guidance: float | None = None,
+        compare: dict | None = None, grid: str | None = None, max_batch_size: int = 32) -> dict:
+    model = model or default_model()
+    clf = train_classifier()
+    print(f"classifier held-out accuracy on real digits: {clf.held_out_accuracy:.3f}")
+    real_div = real_diversity()
+    reqs = requests(per_digit, steps, guidance)
+    digits = [d for d, _, _ in reqs]
+    engine = Engine.from_pretrained(model, max_batch_size=max_batch_size)
+    t = time.perf_counter()
+    images = generate(engine, reqs)
+    seconds = time.perf_counter() - t
+    result = score(images, digits, clf, real_div)
+    result.update(classifier_accuracy=clf.held_out_accuracy, images=len(reqs), steps=steps,
+                  guidance=guidance, seconds=seconds)
+    if compare:
+        other = Engine.from_pretrained(model, max_batch_size=max_batch_size, **compare)
+        t = time.perf_counter()
+        images_b = generate(other, reqs)
+        seconds_b = time.perf_counter() - t
+        result["compare"] = {"engine": compare, "psnr": psnr(images, images_b), "seconds": seconds_b,
+                             **{k: v for k, v in score(images_b, digits, clf, real_div).items() if k != "per_digit"}}
+    if grid:
+        save_grid(images, digits, grid)
+    return result
+
+
+def print_table(r: dict) -> None:
+    print(f"{'digit':>5} {'adherence':>9} {'diversity':>9} {'vs real':>7}")
+    for d, row in r["per_digit"].items():
+        print(f"{d:>5} {row['adherence']:9.2f} {row['diversity']:9.2f} {row['diversity_ratio']:7.2f}")
+    print(f"{'all':>5} {r['adherence']:9.3f} {'':>9} {r['diversity_ratio']:7.2f}   "
+          f"({r['images']} images, {r['steps']} steps, {r['seconds']:.1f} s)")
+    if "compare" in r:
+        c = r["compare"]
+        print(f"compare {c['engine']}: PSNR {c['psnr']:.1f} dB, adherence {c['adherence']:.3f}, "
+              f"{c['seconds']:.1f} s")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded default model)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--per-digit", type=int, default=20)
+    ap.add_argument("--guidance", type=float, default=None,
+                    help="true_cfg_scale with an empty negative prompt (default: the model's own default; "
+                         "1 switches CFG off)")
+    ap.add_argument("--compare-dtype", default=None, help="also run with this dtype and report PSNR")
+    ap.add_argument("--grid", default=None, help="write a PNG grid of the generated digits")
+    ap.add_argument("--quick", action="store_true", help="10 images per digit (under 2 minutes)")
+    ap.add_argument("--name", default="quality", help="results file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.per_digit = min(args.per_digit, 10)
+    compare = {"dtype": args.compare_dtype} if args.compare_dtype else None
+    result = run(args.model, args.steps, args.per_digit, args.guidance, compare, args.grid)
+    print_table(result)
+    summary = {k: result[k] for k in ("adherence", "classifier_accuracy", "diversity_ratio", "steps", "images")}
+    if "compare" in result:
+        summary["psnr"] = result["compare"]["psnr"]
+    payload = {"benchmark": "quality", "machine": machine(), "args": vars(args), "summary": summary,
+               "result": result}
+    print(f"-> {write_json(args.name, payload)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Quality measurement on the embedded default model (see ``digits``)."""

@@ -1,0 +1,116 @@
+"""The FastAPI app factory: one AsyncEngine, its metrics, a file store, and the routes."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from dit_core import AsyncEngine
+
+from .errors import count_error, error_response, install_handlers
+from .files import FileStore
+from .metrics import Metrics
+from .routes import images, system
+
+
+@dataclass
+class ServeSettings:
+    """Server behaviour; every field is a ``omnidit serve`` flag."""
+
+    model_name: str = "omnidit"
+    api_key: str | None = None
+    max_queue: int = 64  # waiting (not yet admitted) requests before 429
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 4000
+    file_ttl_s: float = 3600.0
+    max_files: int = 256
+    drain_timeout_s: float = 0.0  # at shutdown, after the HTTP server's own grace period
+    retry_after_s: int = 1
+
+
+def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
+    """Build the app. With ``owns_engine`` the app shuts the engine down when it stops."""
+    settings = settings or ServeSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if owns_engine:
+            engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+
+    app = FastAPI(title="omnidit", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
+    app.state.metrics = Metrics(engine)
+    app.state.started = int(time.time())
+    install_handlers(app)
+    app.include_router(images.router)
+    app.include_router(system.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer KEY`` on every route but /health."""
+
+    open_paths = ("/health",)
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            count_error(scope.get("app"), "invalid_api_key")
+            response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                      "invalid_request_error", None, "invalid_api_key")
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over ``max_bytes``, declared (Content-Length) or streamed."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send):
+        count_error(scope.get("app"), "body_too_large")
+        response = error_response(413, f"request body is larger than {self.max_bytes} bytes",
+                                  "invalid_request_error", None, "body_too_large")
+        await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass

@@ -1,0 +1,82 @@
+"""One error shape everywhere: {"error": {"message", "type", "param", "code"}}, mapped once here."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dit_core import EngineDeadError, InvalidParamError, RequestAbortedError, RequestFailedError
+
+logger = logging.getLogger("omnidit.serve")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+
+def error_response(status: int, message: str, type: str, param=None, code=None, headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_param(err: dict) -> str | None:
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    return ".".join(loc) or None
+
+
+def count_error(app, code: str) -> None:
+    """Count an error by kind in the app's metrics (errors_total{kind=code})."""
+    metrics = getattr(getattr(app, "state", None), "metrics", None)
+    if metrics is not None:
+        metrics.error(code)
+
+
+def install_handlers(app: FastAPI) -> None:
+    def respond(request: Request, status, message, type, param, code, headers=None):
+        count_error(request.app, code or str(status))
+        return error_response(status, message, type, param, code, headers)
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, e: APIError):
+        return respond(request, e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        param = _validation_param(first)
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return respond(request, 400, message, "invalid_request_error", param, first.get("type"))
+
+    @app.exception_handler(InvalidParamError)
+    async def _invalid(request: Request, e: InvalidParamError):
+        return respond(request, 400, str(e), "invalid_request_error", e.field, "invalid_value")
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(request: Request, e: RequestFailedError):
+        return respond(request, 500, str(e), "server_error", None, "generation_failed")
+
+    @app.exception_handler(RequestAbortedError)
+    async def _aborted(request: Request, e: RequestAbortedError):
+        return respond(request, 503, str(e), "server_error", None, "aborted")
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError):
+        return respond(request, 503, str(e), "server_error", None, "engine_unavailable")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return respond(request, e.status_code, str(e.detail), kind, None, None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        logger.exception("unexpected error while serving a request")
+        return respond(request, 500, f"internal error: {type(e).__name__}", "server_error", None, "internal")

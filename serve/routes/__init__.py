@@ -1,0 +1,1 @@
+"""HTTP routes: image generation (and the files it serves), models, health, metrics."""

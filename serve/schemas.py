@@ -1,0 +1,68 @@
+"""Request and response bodies of the HTTP API; requests turn themselves into engine parameters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dit_core import InvalidParamError, SamplingParams
+
+
+class ImageGenerationRequest(BaseModel):
+    """OpenAI's images.generate body, plus omnidit's extension fields. Unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(1, ge=1, le=10)
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" (e.g. "512x512") or "auto"')
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    user: str | None = None
+    stream: bool = False
+    # extensions
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    seed: int | None = None
+    max_sequence_length: int | None = None
+
+    def size_pixels(self) -> tuple[int | None, int | None]:
+        if self.size in (None, "auto"):
+            return None, None
+        parts = self.size.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise InvalidParamError("size", self.size, '"WIDTHxHEIGHT" such as "512x512", or "auto"')
+        return int(parts[0]), int(parts[1])
+
+    def sampling_params(self) -> SamplingParams:
+        width, height = self.size_pixels()
+        return SamplingParams(height=height, width=width, num_inference_steps=self.num_inference_steps,
+                              guidance_scale=self.guidance_scale, true_cfg_scale=self.true_cfg_scale,
+                              negative_prompt=self.negative_prompt, seed=self.seed, num_outputs=self.n,
+                              max_sequence_length=self.max_sequence_length)
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omnidit"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,61 @@
+"""The embedded default model: it loads like any Qwen-Image checkpoint and draws the digit it is asked for."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from dit_core import Engine, SamplingParams
+from dit_core.eval.digits import generate, requests, train_classifier
+from dit_core.zoo import default_model, digits_data
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(default_model(), max_batch_size=32)
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    clf = train_classifier()
+    assert clf.held_out_accuracy >= 0.95
+    return clf
+
+
+def test_it_is_a_qwen_image_checkpoint_read_by_the_family_code(engine):
+    assert engine.family.name == "qwenimage"
+    assert type(engine.family.components["text_encoder"]).__name__ == "Qwen2ForCausalLM"
+    assert engine.family.components["text_encoder"].config.head_dim == 64
+
+
+@pytest.mark.parametrize("guidance", [None, 1.0], ids=["model-defaults-cfg2", "no-cfg"])
+def test_prompt_adherence_on_a_fixed_subset(engine, classifier, guidance):
+    reqs = requests(per_digit=4, steps=16, guidance=guidance)  # 40 images, every phrasing used
+    images = generate(engine, reqs)
+    predicted = classifier.predict(images)
+    adherence = float((predicted == [d for d, _, _ in reqs]).mean())
+    assert adherence >= 0.9, f"adherence {adherence:.2f}: predicted {predicted.tolist()}"
+
+
+def test_checkpoint_serving_defaults_apply_and_requests_override_them(engine):
+    p = engine.family.resolve(SamplingParams())
+    assert (p.height, p.width, p.num_inference_steps, p.negative_prompt, p.true_cfg_scale) == (32, 32, 20, "", 2.0)
+    assert engine.family.resolve(SamplingParams(num_inference_steps=7)).num_inference_steps == 7
+
+
+def test_two_seeds_give_different_images(engine):
+    a, b = (engine.generate("a handwritten 5", SamplingParams(height=32, width=32, num_inference_steps=12,
+                                                                seed=s, output_type="pt"))[0] for s in (1, 2))
+    assert (a - b).abs().mean().item() > 0.02
+
+
+def test_generate_without_a_model_writes_the_requested_digit(tmp_path, classifier):
+    out = tmp_path / "three.png"
+    r = subprocess.run([sys.executable, "-m", "serve.cli", "generate", "a handwritten 3", "-o", str(out),
+                        "--seed", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    image = torch.from_numpy(__import__("numpy").asarray(Image.open(out).convert("RGB"))).permute(2, 0, 1)
+    assert image.shape == (3, digits_data.IMAGE_SIZE, digits_data.IMAGE_SIZE)
+    assert classifier.predict(image[None].float() / 255)[0] == 3

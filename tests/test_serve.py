@@ -1,0 +1,275 @@
+"""serve/: the OpenAI-style HTTP API on a live uvicorn server, its error paths, and shutdown."""
+
+import base64
+import concurrent.futures
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from PIL import Image
+
+from dit_core import AsyncEngine, Engine
+from serve.app import ServeSettings, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(model, settings: ServeSettings, **engine_options):
+    engine = AsyncEngine(Engine.from_pretrained(model, **engine_options))
+    app = create_app(engine, settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    try:
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, app=app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_models):
+    settings = ServeSettings(model_name="tiny-flux", max_body_bytes=64 * 1024, max_prompt_chars=1000)
+    with live_server(tiny_models["flux"], settings, max_batch_size=8) as srv:
+        yield srv
+
+
+def post(live, body, **kw):
+    return httpx.post(f"{live.url}/v1/images/generations", json=body, timeout=120, **kw)
+
+
+def png(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def assert_error(response, status, param=None, code=None):
+    assert response.status_code == status, response.text
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_openai_client_generates_pngs_of_the_requested_size(live):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused")
+    extra = {"num_inference_steps": 3, "seed": 5}
+    one = client.images.generate(model="tiny-flux", prompt="a cat", size="48x32", response_format="b64_json",
+                                 extra_body=extra)
+    assert png(one.data[0].b64_json).size == (48, 32) and one.data[0].revised_prompt == "a cat"
+    two = client.images.generate(prompt="a cat", size="32x32", n=2, response_format="b64_json", extra_body=extra)
+    a, b = (png(d.b64_json).tobytes() for d in two.data)
+    assert a != b  # n=2 gives two different images
+    again = client.images.generate(prompt="a cat", size="32x32", n=2, response_format="b64_json",
+                                   extra_body=extra)
+    assert [png(d.b64_json).tobytes() for d in again.data] == [a, b]  # same seed, same images
+
+
+def test_url_response_format_serves_the_file(live):
+    r = post(live, {"prompt": "a dog", "size": "32x32", "response_format": "url", "num_inference_steps": 2})
+    assert r.status_code == 200, r.text
+    url = r.json()["data"][0]["url"]
+    assert url.startswith(live.url + "/v1/files/")
+    image = httpx.get(url)
+    assert image.headers["content-type"] == "image/png" and Image.open(io.BytesIO(image.content)).size == (32, 32)
+    assert_error(httpx.get(f"{live.url}/v1/files/file-nope"), 404, "file_id", "file_not_found")
+
+
+def test_eight_concurrent_clients_are_batched(live):
+    body = {"prompt": "a tree", "size": "32x32", "num_inference_steps": 6}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: post(live, {**body, "seed": i}), range(8)))
+    assert all(r.status_code == 200 for r in results), [r.text for r in results]
+    text = httpx.get(f"{live.url}/metrics").text
+    count = float(re.search(r"^omnidit_batch_size_count (\S+)", text, re.M).group(1))
+    single = float(re.search(r'^omnidit_batch_size_bucket\{le="1.0"\} (\S+)', text, re.M).group(1))
+    assert count > single  # some forwards carried more than one request
+    assert "omnidit_queue_depth" in text and "omnidit_request_latency_seconds_bucket" in text
+
+
+def test_streaming_reports_progress_then_the_image(live):
+    body = {"prompt": "a bird", "size": "32x32", "num_inference_steps": 4, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/images/generations", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(x) for x in lines[:-1]]
+    progress = [(e["step"], e["total"]) for e in events if e["type"] == "progress"]
+    assert progress[0] == (1, 4) and progress[-1] == (4, 4)
+    images = [e for e in events if e["type"] == "image"]
+    assert len(images) == 1 and png(images[0]["b64_json"]).size == (32, 32)
+
+
+def test_models_health_and_metrics(live):
+    models = httpx.get(f"{live.url}/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-flux"
+    assert models["data"][0]["object"] == "model"
+    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{live.url}/metrics").headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "size": "big"}, "size"),
+    ({"prompt": "x", "size": "30x32"}, "width"),
+    ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
+    ({"prompt": "x", "guidance_scale": -1}, "guidance_scale"),
+    ({"prompt": "x", "response_format": "gif"}, "response_format"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "colour": "red"}, "colour"),
+    ({"n": 1}, "prompt"),
+])
+def test_validation_errors_are_400_naming_the_field(live, body, param):
+    assert_error(post(live, body), 400, param)
+
+
+def test_unknown_model_and_route_are_404(live):
+    err = assert_error(post(live, {"prompt": "x", "model": "sdxl"}), 404, "model", "model_not_found")
+    assert "tiny-flux" in err["message"]
+    assert_error(httpx.get(f"{live.url}/v1/nothing"), 404)
+
+
+def test_oversized_body_is_413_and_long_prompt_400(live):
+    assert_error(post(live, {"prompt": "x" * 100_000}), 413, code="body_too_large")
+    assert_error(post(live, {"prompt": "x" * 2000}), 400, "prompt", "prompt_too_long")
+    assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_one_failing_request_gets_500_and_the_server_keeps_serving(live, monkeypatch):
+    family = live.engine.engine.family
+    original = family.predict
+
+    def faulty(requests):
+        if any(r.prompt == "boom" for r in requests):
+            raise RuntimeError("injected fault")
+        return original(requests)
+
+    monkeypatch.setattr(family, "predict", faulty)
+    body = {"size": "32x32", "num_inference_steps": 3}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        bad, good1, good2 = pool.map(lambda p: post(live, {**body, "prompt": p}), ["boom", "fine", "also fine"])
+    err = assert_error(bad, 500, code="generation_failed")
+    assert "injected fault" in err["message"] and err["type"] == "server_error"
+    assert good1.status_code == good2.status_code == 200
+
+
+def test_client_disconnect_aborts_the_request(live):
+    engine = live.engine.engine
+    steps_before = engine.stats.steps
+    with pytest.raises(httpx.ReadTimeout):
+        post_timeout = httpx.Timeout(0.5, connect=5)
+        httpx.post(f"{live.url}/v1/images/generations",
+                   json={"prompt": "slow", "size": "32x32", "num_inference_steps": 1000}, timeout=post_timeout)
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished()
+    assert engine.stats.steps - steps_before < 1000  # it stopped well before its 1000 steps
+
+
+def test_api_key_required_except_health(tiny_models):
+    with live_server(tiny_models["flux"], ServeSettings(model_name="m", api_key="s3cret")) as srv:
+        body = {"prompt": "x", "size": "32x32", "num_inference_steps": 1}
+        assert_error(post(srv, body), 401, code="invalid_api_key")
+        assert_error(post(srv, body, headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(httpx.get(f"{srv.url}/v1/models"), 401)
+        assert post(srv, body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_full_queue_is_429_with_retry_after_and_admitted_requests_finish(tiny_models):
+    settings = ServeSettings(model_name="m", max_queue=1, retry_after_s=2)
+    with live_server(tiny_models["flux"], settings, max_batch_size=1) as srv:
+        body = {"prompt": "x", "size": "32x32", "num_inference_steps": 40}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(post, srv, body)
+            while not srv.engine.engine.scheduler.running:
+                time.sleep(0.01)
+            waiting = pool.submit(post, srv, body)
+            while srv.engine.num_unfinished < 2:
+                time.sleep(0.01)
+            rejected = post(srv, body)
+            assert_error(rejected, 429, code="queue_full")
+            assert rejected.headers["Retry-After"] == "2"
+            assert running.result().status_code == waiting.result().status_code == 200
+
+
+@contextmanager
+def server_process(model, *flags):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", str(model), "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def start_request(pool, url, steps):
+    future = pool.submit(httpx.post, f"{url}/v1/images/generations",
+                         json={"prompt": "x", "size": "32x32", "num_inference_steps": steps}, timeout=120)
+    time.sleep(0.5)
+    return future
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_models):
+    with server_process(tiny_models["flux"], "--shutdown-timeout", "20") as (proc, url):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            inflight = start_request(pool, url, 60)
+            proc.send_signal(signal.SIGTERM)
+            assert inflight.result().status_code == 200  # finished within the grace period
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
+    assert re.search(r"request \w+ 32x32 steps=60 n=1 queue_ms=\d+ total_ms=\d+ batch_sizes=1-1 mean=1.0", log), log
+
+
+def test_sigterm_aborts_what_outlives_the_grace_period_and_exits_0(tiny_models):
+    with server_process(tiny_models["flux"], "--shutdown-timeout", "1") as (proc, url):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            inflight = start_request(pool, url, 1000)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert time.monotonic() - start < 15
+            try:
+                assert inflight.result().status_code >= 500
+            except httpx.TransportError:
+                pass  # the connection was closed: also an acceptable end for an aborted request
