@@ -61,7 +61,9 @@ def run(model=None, steps: int = 20, per_digit: int = 20, guidance: float | None
         t = time.perf_counter()
         images_b = generate(other, reqs)
         seconds_b = time.perf_counter() - t
+        evals = other.stats.block_evals_full / other.stats.block_evals if other.stats.block_evals else None
         result["compare"] = {"engine": compare, "psnr": psnr(images, images_b), "seconds": seconds_b,
+                             "block_evals_ratio": evals,
                              **{k: v for k, v in score(images_b, digits, clf, real_div).items() if k != "per_digit"}}
     if grid:
         save_grid(images, digits, grid)
@@ -76,8 +78,9 @@ def print_table(r: dict) -> None:
           f"({r['images']} images, {r['steps']} steps, {r['seconds']:.1f} s)")
     if "compare" in r:
         c = r["compare"]
+        evals = f", {c['block_evals_ratio']:.2f}x fewer block evaluations" if c.get("block_evals_ratio") else ""
         print(f"compare {c['engine']}: PSNR {c['psnr']:.1f} dB, adherence {c['adherence']:.3f}, "
-              f"{c['seconds']:.1f} s")
+              f"{c['seconds']:.1f} s vs {r['seconds']:.1f} s{evals}")
 
 
 def main(argv=None):
@@ -89,13 +92,15 @@ def main(argv=None):
                     help="true_cfg_scale with an empty negative prompt (default: the model's own default; "
                          "1 switches CFG off)")
     ap.add_argument("--compare-dtype", default=None, help="also run with this dtype and report PSNR")
+    ap.add_argument("--compare-cache", default=None,
+                    help="also run with this step cache (e.g. teacache:0.2) and report PSNR and block evaluations")
     ap.add_argument("--grid", default=None, help="write a PNG grid of the generated digits")
     ap.add_argument("--quick", action="store_true", help="10 images per digit (under 2 minutes)")
     ap.add_argument("--name", default="quality", help="results file name under benchmarks/results/")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_digit = min(args.per_digit, 10)
-    compare = {"dtype": args.compare_dtype} if args.compare_dtype else None
+    compare = {k: v for k, v in (("dtype", args.compare_dtype), ("cache", args.compare_cache)) if v} or None
     result = run(args.model, args.steps, args.per_digit, args.guidance, compare, args.grid)
     print_table(result)
     summary = {k: result[k] for k in ("adherence", "classifier_accuracy", "diversity_ratio", "steps", "images")}

@@ -27,7 +27,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
         self.engine = engine
         self.listeners: list[Callable[[RequestEvent], None]] = []  # called on the loop thread
-        self.step_listeners: list[Callable[[int, float], None]] = []  # (requests in batch, step ms)
+        self.step_listeners: list[Callable] = []  # called with the engine's EngineStats after each step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -133,7 +133,7 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing the requests in flight")
                 events = self.engine.fail_unfinished(f"engine error: {type(e).__name__}: {e}")
             if self.engine.stats.steps > steps:
-                self._notify_step(self.engine.stats.batch_sizes[-1], self.engine.stats.step_ms[-1])
+                self._notify_step(self.engine.stats)
             self._dispatch(events)
 
     def _drain_commands(self, block: bool) -> None:
@@ -159,10 +159,10 @@ class AsyncEngine:
             _, rid, reason = cmd
             self.engine.abort(rid, reason)
 
-    def _notify_step(self, batch_size: int, step_ms: float) -> None:
+    def _notify_step(self, stats) -> None:
         for listener in self.step_listeners:
             try:
-                listener(batch_size, step_ms)
+                listener(stats)
             except Exception:  # noqa: BLE001 - a broken listener must not stop the loop
                 logger.exception("step listener failed")
 

@@ -8,6 +8,7 @@ import torch
 
 from attention import AttentionConfig, UnknownBackendError
 
+from .cache.config import CacheConfig
 from .errors import InvalidParamError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,6 +28,9 @@ class EngineConfig:
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
     attention_per_role: overrides on top, ``"joint=flex,self=math"`` or a dict
         (``None`` with ``attention=None`` reads OMNIDIT_ATTENTION_PER_ROLE).
+    cache: step cache: ``none``, ``teacache:0.2``, ``fbcache:0.1[,fn=1][,bn=0]`` (per row, inside
+        continuous batching) or ``cache-dit:0.1[,fn=1][,bn=0][,warmup=1]`` (request-level: forces
+        ``max_batch_size=1``). See ``dit_core.cache``.
     """
 
     dtype: str = "float32"
@@ -36,8 +40,10 @@ class EngineConfig:
     policy: str = "fifo"
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None
+    cache: str | CacheConfig = "none"
 
     def __post_init__(self):
+        self.cache = CacheConfig.parse(self.cache)
         try:
             self.attention = AttentionConfig.parse(self.attention, self.attention_per_role)
         except UnknownBackendError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import random
 import uuid
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from attention import resolve as resolve_attention
 
+from .cache import make_step_cache
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
 from .families import Family, load_family
@@ -19,6 +21,8 @@ from .params import SamplingParams
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
 from .runner import Runner
 from .scheduler import StepScheduler
+
+logger = logging.getLogger(__name__)
 
 
 class EngineStats:
@@ -29,12 +33,19 @@ class EngineStats:
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=history)
         self.batch_rows: collections.deque[int] = collections.deque(maxlen=history)
         self.step_ms: collections.deque[float] = collections.deque(maxlen=history)
+        self.rows_skipped: collections.deque[int] = collections.deque(maxlen=history)  # by the step cache
+        self.block_evals = 0  # rows x transformer blocks actually run
+        self.block_evals_full = 0  # ... and what they would have been without a step cache
 
-    def record(self, requests: int, rows: int, step_ms: float) -> None:
+    def record(self, requests: int, rows: int, step_ms: float, cache: dict | None = None) -> None:
         self.steps += 1
         self.batch_sizes.append(requests)
         self.batch_rows.append(rows)
         self.step_ms.append(step_ms)
+        self.rows_skipped.append(cache["rows_skipped"] if cache else 0)
+        if cache:
+            self.block_evals += cache["block_evals"]
+            self.block_evals_full += cache["block_evals_full"]
 
 
 class Engine:
@@ -51,6 +62,10 @@ class Engine:
         self.config = config
         self.attention = resolve_attention(config.attention, config.device, config.torch_dtype, family.head_dims())
         family.set_attention(self.attention)
+        family.step_cache = make_step_cache(config.cache, family)
+        if family.step_cache is not None and family.step_cache.request_level and config.max_batch_size != 1:
+            logger.info("cache %s decides per forward: running one request per forward", config.cache)
+            config.max_batch_size = 1
         self.scheduler = StepScheduler(config)
         self.runner = Runner(family)
         self.stats = EngineStats()
@@ -122,7 +137,7 @@ class Engine:
         if batch is not None:
             out = self.runner.run(batch)
             events += self.scheduler.postprocess(batch, out)
-            self.stats.record(len(batch.requests), batch.rows, out.step_ms)
+            self.stats.record(len(batch.requests), batch.rows, out.step_ms, out.cache)
         for ev in events:
             if ev.kind.final:
                 self._live.pop(ev.request_id, None)

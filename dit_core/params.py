@@ -38,6 +38,7 @@ class SamplingParams:
     num_outputs: int = 1
     output_type: str = "pil"
     max_sequence_length: int | None = None
+    use_cache: bool = True  # False: this request computes every step even when the engine caches
 
     def __post_init__(self):
         for name in ("height", "width"):
@@ -53,6 +54,8 @@ class SamplingParams:
         if self.output_type not in OUTPUT_TYPES:
             raise InvalidParamError("output_type", self.output_type, f"one of {list(OUTPUT_TYPES)}")
         _check_int("max_sequence_length", self.max_sequence_length, 1, 4096, optional=True)
+        if not isinstance(self.use_cache, bool):
+            raise InvalidParamError("use_cache", self.use_cache, "true or false")
 
     def with_defaults(self, **defaults) -> "SamplingParams":
         """A copy whose ``None`` fields take the given defaults."""

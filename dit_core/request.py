@@ -41,6 +41,7 @@ class RequestMetrics:
     finished: float | None = None
     step_ms: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    cache_skipped_rows: int = 0  # forward rows of this request that reused a cached residual
 
     @property
     def queue_ms(self) -> float | None:
@@ -60,6 +61,7 @@ class RequestMetrics:
             "e2e_ms": self.e2e_ms,
             "step_ms": list(self.step_ms),
             "batch_sizes": list(self.batch_sizes),
+            "cache_skipped_rows": self.cache_skipped_rows,
         }
 
 

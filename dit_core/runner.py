@@ -27,7 +27,11 @@ class Runner:
         start = time.perf_counter()
         self._isolated(self._admit, batch.new_requests, out.failed)
         live = [r for r in batch.requests if r.id not in out.failed]
+        cache = self.family.step_cache
+        if cache is not None:
+            cache.last = {}
         preds = self._isolated(self.family.predict, live, out.failed)
+        out.cache = cache.last if cache is not None and cache.last else None
         stepped = {}
         for req in (r for r in live if r.id in preds):  # one at a time: a sampler step mutates state
             stepped.update(self._isolated(self._advance, [req], out.failed, preds))

@@ -56,6 +56,7 @@ class RunnerOutput:
     finished: dict = field(default_factory=dict)  # request id -> list of decoded images
     failed: dict = field(default_factory=dict)  # request id -> error message
     step_ms: float = 0.0
+    cache: dict | None = None  # the step cache's counters for this forward (rows skipped, block evals)
 
 
 class StepScheduler:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -73,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     trn.set_defaults(func=cmd_train_default)
 
+    fit = sub.add_parser("fit-teacache", help="fit TeaCache coefficients for a checkpoint")
+    fit.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded digits model)")
+    fit.add_argument("--prompt", action="append", default=None,
+                     help="a calibration prompt (repeatable; default: a built-in mix)")
+    fit.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    fit.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the model's)")
+    fit.add_argument("--seeds", type=int, default=2, help="runs per prompt (default 2)")
+    fit.add_argument("--write", action="store_true", help="store the coefficients in the model's model_index.json")
+    fit.set_defaults(func=cmd_fit_teacache)
+
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
     rnd.add_argument("family", help="flux, sd3 or qwenimage")
     rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
@@ -91,6 +102,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default=None,
                    help="attention backend: auto, sdpa, math, flex, flash, xformers or sage; may carry "
                         "role overrides, e.g. 'sdpa,joint=flex' (default: $OMNIDIT_ATTENTION or auto)")
+    p.add_argument("--cache", default="none",
+                   help="step cache: none, teacache:T, fbcache:T[,fn=N][,bn=N] (per row, inside continuous "
+                        "batching) or cache-dit:T[,fn=N][,bn=N][,warmup=N] (one request per forward); "
+                        "e.g. teacache:0.2 (default none)")
     p.add_argument("--attention-per-role", default=None,
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
@@ -99,7 +114,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
                 max_tokens_per_step=args.max_tokens_per_step, attention=args.attention,
-                attention_per_role=args.attention_per_role)
+                attention_per_role=args.attention_per_role, cache=args.cache)
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:
@@ -180,6 +195,29 @@ def cmd_train_default(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    return 0
+
+
+CALIBRATION_PROMPTS = [
+    "a photo of a cat", "a red car on a city street at night", "a mountain lake at sunrise",
+    "a handwritten 3", "the digit seven", "digit 0", "a bowl of fruit", "a portrait of an old man",
+]
+
+
+def cmd_fit_teacache(args) -> int:
+    from dit_core import Engine, SamplingParams
+    from dit_core.cache import fit
+
+    model = resolve_model(args.model)
+    engine = Engine.from_pretrained(model, max_batch_size=16)
+    width, height = parse_size(args.size)
+    prompts = [p for p in (args.prompt or CALIBRATION_PROMPTS) for _ in range(args.seeds)]
+    params = SamplingParams(height=height, width=width, num_inference_steps=args.steps, seed=0)
+    result = fit.fit(engine, prompts, params)
+    print(json.dumps(result, indent=2))
+    if args.write:
+        steps = engine.family.resolve(params).num_inference_steps
+        print(f"written to {fit.write(model, result, prompts, steps)}")
     return 0
 
 

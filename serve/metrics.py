@@ -27,6 +27,14 @@ class Metrics:
                                          buckets=TIME_BUCKETS, registry=r)
         self.requests = Counter("omnidit_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.errors = Counter("omnidit_errors", "errors by kind", ["kind"], registry=r)
+        self.cache_rows = Counter("omnidit_cache_rows", "forward rows by step-cache decision", ["decision"],
+                                  registry=r)
+        self.skip_share = Histogram("omnidit_cache_skip_share", "share of a forward's rows that skipped the blocks",
+                                    buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.block_evals = Counter("omnidit_block_evals", "rows x transformer blocks run", registry=r)
+        self.block_evals_saved = Counter("omnidit_block_evals_saved", "rows x blocks the step cache skipped",
+                                         registry=r)
+        self._evals = (0, 0)
         engine.listeners.append(self.on_event)
         engine.step_listeners.append(self.on_step)
 
@@ -37,9 +45,18 @@ class Metrics:
         if event.kind == EventKind.FINISHED:
             self.request_latency.observe(event.output.metrics["e2e_ms"] / 1e3)
 
-    def on_step(self, batch_size: int, step_ms: float) -> None:
-        self.batch_size.observe(batch_size)
-        self.step_latency.observe(step_ms / 1e3)
+    def on_step(self, stats) -> None:
+        self.batch_size.observe(stats.batch_sizes[-1])
+        self.step_latency.observe(stats.step_ms[-1] / 1e3)
+        rows, skipped = stats.batch_rows[-1], stats.rows_skipped[-1]
+        self.cache_rows.labels("skipped").inc(skipped)
+        self.cache_rows.labels("computed").inc(rows - skipped)
+        self.skip_share.observe(skipped / rows if rows else 0.0)
+        evals, full = stats.block_evals - self._evals[0], stats.block_evals_full - self._evals[1]
+        self._evals = (stats.block_evals, stats.block_evals_full)
+        if full:
+            self.block_evals.inc(evals)
+            self.block_evals_saved.inc(full - evals)
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()

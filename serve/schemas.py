@@ -28,6 +28,7 @@ class ImageGenerationRequest(BaseModel):
     true_cfg_scale: float | None = None
     seed: int | None = None
     max_sequence_length: int | None = None
+    use_cache: bool = True
 
     def size_pixels(self) -> tuple[int | None, int | None]:
         if self.size in (None, "auto"):
@@ -42,7 +43,7 @@ class ImageGenerationRequest(BaseModel):
         return SamplingParams(height=height, width=width, num_inference_steps=self.num_inference_steps,
                               guidance_scale=self.guidance_scale, true_cfg_scale=self.true_cfg_scale,
                               negative_prompt=self.negative_prompt, seed=self.seed, num_outputs=self.n,
-                              max_sequence_length=self.max_sequence_length)
+                              max_sequence_length=self.max_sequence_length, use_cache=self.use_cache)
 
 
 class ImageData(BaseModel):

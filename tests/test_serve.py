@@ -110,6 +110,7 @@ def test_eight_concurrent_clients_are_batched(live):
     single = float(re.search(r'^omnidit_batch_size_bucket\{le="1.0"\} (\S+)', text, re.M).group(1))
     assert count > single  # some forwards carried more than one request
     assert "omnidit_queue_depth" in text and "omnidit_request_latency_seconds_bucket" in text
+    assert 'omnidit_cache_rows_total{decision="computed"}' in text
 
 
 def test_streaming_reports_progress_then_the_image(live):

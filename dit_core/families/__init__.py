@@ -44,7 +44,7 @@ def load_family(path: str | Path, dtype: torch.dtype, device: torch.device) -> F
                                 f"allowed: the SamplingParams fields")
     SamplingParams(**defaults)  # validated like a request's values
     components = load_components(path, index, dtype, device)
-    return cls(components, dtype, device, defaults)
+    return cls(components, dtype, device, {k: v for k, v in index.items() if k.startswith("_omnidit")})
 
 
 __all__ = ["FAMILIES", "Family", "TextCond", "family_class", "load_family"]

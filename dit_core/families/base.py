@@ -24,6 +24,24 @@ from ..request import Request
 
 
 @dataclass
+class BlockInputs:
+    """A batch between a transformer's embedding layers and its head: the image and text token
+    streams, per-row tensors (first dim = rows; None allowed) and what every row shares."""
+
+    img: torch.Tensor
+    txt: torch.Tensor | None
+    rows: dict[str, torch.Tensor | None]
+    shared: dict
+
+    def select(self, idx: torch.Tensor) -> "BlockInputs":
+        pick = (lambda t: None if t is None else t[idx])
+        return BlockInputs(self.img[idx], pick(self.txt), {k: pick(v) for k, v in self.rows.items()}, self.shared)
+
+    def with_streams(self, img: torch.Tensor, txt: torch.Tensor | None) -> "BlockInputs":
+        return BlockInputs(img, txt, self.rows, self.shared)
+
+
+@dataclass
 class TextCond:
     """One prompt's conditioning: per-token embeddings [L, D] (valid tokens only
     where the family masks padding), and an optional pooled vector."""
@@ -38,15 +56,21 @@ class Family(abc.ABC):
     name: ClassVar[str]
     pipeline_class: ClassVar[str]
     attention_processor: ClassVar[type]  # our processor class, routing attention through ``attention.attend``
+    teacache_coefficients: ClassVar[list[float] | None] = None  # published TeaCache rescaling polynomial
     defaults: ClassVar[dict]  # SamplingParams defaults of the diffusers pipeline
     max_text_tokens: ClassVar[int]
 
     def __init__(self, components: dict[str, Any], dtype: torch.dtype, device: torch.device,
-                 checkpoint_defaults: dict | None = None):
+                 checkpoint: dict | None = None):
         self.components = components
+        checkpoint = checkpoint or {}
         # A checkpoint's own serving defaults (``_omnidit_defaults`` in model_index.json) override
         # the pipeline's; a request's explicit values override both.
-        self.checkpoint_defaults = dict(checkpoint_defaults or {})
+        self.checkpoint_defaults = dict(checkpoint.get("_omnidit_defaults") or {})
+        # TeaCache coefficients fitted for this checkpoint (``_omnidit_teacache``) beat published ones.
+        fitted = (checkpoint.get("_omnidit_teacache") or {}).get("coefficients")
+        self.teacache_coefficients = fitted or type(self).teacache_coefficients
+        self.step_cache = None  # set by the engine: a dit_core.cache step cache, or None
         self.dtype = dtype
         self.device = device
         self.transformer = components["transformer"]
@@ -132,10 +156,43 @@ class Family(abc.ABC):
 
     # ---- every step ----
 
-    @abc.abstractmethod
+    @torch.no_grad()
     def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """ONE transformer forward for all rows of ``requests``; per request (cond, uncond or None)."""
+        """ONE transformer forward for all rows of ``requests``; per request (cond, uncond or None).
+        With a step cache, the cache runs the blocks (and may skip them for some rows)."""
+        inputs = self.transformer_inputs(requests)
+        if self.step_cache is None:
+            out = self.transformer(**inputs, return_dict=False)[0]
+        else:
+            out = self.step_cache.forward(self, inputs, requests)
+        return split_rows(out, requests)
+
+    @abc.abstractmethod
+    def transformer_inputs(self, requests: list[Request]) -> dict:
+        """The transformer's keyword arguments for every row of ``requests`` (see ``gather_rows``)."""
+
+    # ---- the transformer as a block loop (step caches run blocks on a subset of rows) ----
+
+    @property
+    @abc.abstractmethod
+    def num_blocks(self) -> int:
         ...
+
+    @abc.abstractmethod
+    def block_inputs(self, inputs: dict) -> BlockInputs:
+        """Everything the transformer does before its first block."""
+
+    @abc.abstractmethod
+    def run_block(self, index: int, x: BlockInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block ``index`` on ``x``; returns the new (image, text) streams."""
+
+    @abc.abstractmethod
+    def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        """The first block's timestep-modulated image input (TeaCache's change signal)."""
+
+    @abc.abstractmethod
+    def head(self, x: BlockInputs) -> torch.Tensor:
+        """Everything after the last block: the transformer's output for ``x.img``."""
 
     def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
         """Classifier-free guidance, with the request's own scale."""

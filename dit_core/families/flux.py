@@ -11,8 +11,8 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..params import SamplingParams
 from ..request import Request
+from .base import BlockInputs, Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, unpack_2x2
 from .processors.flux import FluxProcessor
-from .base import Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, split_rows, unpack_2x2
 
 
 class FluxFamily(Family):
@@ -21,6 +21,8 @@ class FluxFamily(Family):
     attention_processor = FluxProcessor
     defaults = dict(num_inference_steps=28, guidance_scale=3.5, true_cfg_scale=1.0, max_sequence_length=512)
     max_text_tokens = 512
+    # TeaCache paper, FLUX.1: rescaling polynomial, highest power first
+    teacache_coefficients = [4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01]
 
     def __init__(self, components, dtype, device, checkpoint_defaults=None):
         super().__init__(components, dtype, device, checkpoint_defaults)
@@ -72,8 +74,7 @@ class FluxFamily(Family):
         sampler.set_begin_index(0)
         req.sampler = sampler
 
-    @torch.no_grad()
-    def predict(self, requests: list[Request]):
+    def transformer_inputs(self, requests: list[Request]) -> dict:
         latents, timesteps, conds, owners = gather_rows(requests)
         guidance = None
         if self.transformer.config.guidance_embeds:
@@ -81,17 +82,42 @@ class FluxFamily(Family):
                                     dtype=torch.float32)
         embeds = torch.stack([c.embeds for c in conds])
         text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.components["text_encoder"].dtype)
-        out = self.transformer(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance,
-            pooled_projections=torch.stack([c.pooled for c in conds]),
-            encoder_hidden_states=embeds,
-            txt_ids=text_ids,
-            img_ids=requests[0].state["img_ids"],
-            return_dict=False,
-        )[0]
-        return split_rows(out, requests)
+        return dict(hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=guidance,
+                    pooled_projections=torch.stack([c.pooled for c in conds]), encoder_hidden_states=embeds,
+                    txt_ids=text_ids, img_ids=requests[0].state["img_ids"])
+
+    # The block loop of FluxTransformer2DModel.forward: double-stream blocks, then single-stream ones.
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.transformer.transformer_blocks) + len(self.transformer.single_transformer_blocks)
+
+    def block_inputs(self, inputs: dict) -> BlockInputs:
+        tr = self.transformer
+        img = tr.x_embedder(inputs["hidden_states"])
+        timestep = inputs["timestep"].to(img.dtype) * 1000
+        pooled, guidance = inputs["pooled_projections"], inputs["guidance"]
+        if guidance is None:
+            temb = tr.time_text_embed(timestep, pooled)
+        else:
+            temb = tr.time_text_embed(timestep, guidance.to(img.dtype) * 1000, pooled)
+        txt = tr.context_embedder(inputs["encoder_hidden_states"])
+        rotary = tr.pos_embed(torch.cat((inputs["txt_ids"], inputs["img_ids"]), dim=0))
+        return BlockInputs(img, txt, {"temb": temb}, {"image_rotary_emb": rotary})
+
+    def run_block(self, index: int, x: BlockInputs):
+        tr = self.transformer
+        n_double = len(tr.transformer_blocks)
+        block = tr.transformer_blocks[index] if index < n_double else tr.single_transformer_blocks[index - n_double]
+        txt, img = block(hidden_states=x.img, encoder_hidden_states=x.txt, temb=x.rows["temb"],
+                         image_rotary_emb=x.shared["image_rotary_emb"])
+        return img, txt
+
+    def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        return self.transformer.transformer_blocks[0].norm1(x.img, emb=x.rows["temb"])[0]
+
+    def head(self, x: BlockInputs) -> torch.Tensor:
+        return self.transformer.proj_out(self.transformer.norm_out(x.img, x.rows["temb"]))
 
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         h, w = 2 * (params.height // self.size_multiple), 2 * (params.width // self.size_multiple)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
+from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from ..params import SamplingParams
 from ..request import Request
-from .processors.qwenimage import QwenImageProcessor
-from .base import Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, pad_stack, split_rows, \
+from .base import BlockInputs, Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, pad_stack, \
     unpack_2x2
+from .processors.qwenimage import QwenImageProcessor
 
 TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -33,6 +34,8 @@ class QwenImageFamily(Family):
     attention_processor = QwenImageProcessor
     defaults = dict(num_inference_steps=50, true_cfg_scale=4.0, max_sequence_length=512)
     max_text_tokens = 1024
+    # ComfyUI-TeaCache's Qwen-Image polynomial (also vLLM-Omni's default), highest power first
+    teacache_coefficients = [-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02]
 
     def __init__(self, components, dtype, device, checkpoint_defaults=None):
         super().__init__(components, dtype, device, checkpoint_defaults)
@@ -93,24 +96,52 @@ class QwenImageFamily(Family):
         sampler.set_begin_index(0)
         req.sampler = sampler
 
-    @torch.no_grad()
-    def predict(self, requests: list[Request]):
+    def transformer_inputs(self, requests: list[Request]) -> dict:
         latents, timesteps, conds, owners = gather_rows(requests)
         embeds, mask = pad_stack([c.embeds for c in conds])
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.tensor([r.params.guidance_scale for r in owners], device=self.device,
                                     dtype=torch.float32)
-        out = self.transformer(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance,
-            encoder_hidden_states_mask=mask,
-            encoder_hidden_states=embeds,
-            img_shapes=[[requests[0].state["img_shape"]]] * latents.shape[0],
-            return_dict=False,
-        )[0]
-        return split_rows(out, requests)
+        return dict(hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=guidance,
+                    encoder_hidden_states_mask=mask, encoder_hidden_states=embeds,
+                    img_shapes=[[requests[0].state["img_shape"]]] * latents.shape[0])
+
+    # The block loop of QwenImageTransformer2DModel.forward (zero_cond_t checkpoints excluded).
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.transformer.transformer_blocks)
+
+    def block_inputs(self, inputs: dict) -> BlockInputs:
+        tr = self.transformer
+        if tr.zero_cond_t:
+            raise ValueError("step caching does not support zero_cond_t Qwen-Image checkpoints")
+        img = tr.img_in(inputs["hidden_states"])
+        timestep = inputs["timestep"].to(img.dtype)
+        txt = tr.txt_in(tr.txt_norm(inputs["encoder_hidden_states"]))
+        text_len, _, mask = compute_text_seq_len_from_mask(txt, inputs["encoder_hidden_states_mask"])
+        guidance = inputs["guidance"]
+        if guidance is None:
+            temb = tr.time_text_embed(timestep, img, None)
+        else:
+            temb = tr.time_text_embed(timestep, guidance.to(img.dtype) * 1000, img, None)
+        rotary = tr.pos_embed(inputs["img_shapes"], max_txt_seq_len=text_len, device=img.device)
+        return BlockInputs(img, txt, {"temb": temb, "mask": mask}, {"image_rotary_emb": rotary})
+
+    def run_block(self, index: int, x: BlockInputs):
+        txt, img = self.transformer.transformer_blocks[index](
+            hidden_states=x.img, encoder_hidden_states=x.txt, encoder_hidden_states_mask=x.rows["mask"],
+            temb=x.rows["temb"], image_rotary_emb=x.shared["image_rotary_emb"])
+        return img, txt
+
+    def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        block = self.transformer.transformer_blocks[0]
+        modulation = block.img_mod(x.rows["temb"]).chunk(2, dim=-1)[0]
+        return block._modulate(block.img_norm1(x.img), modulation)[0]
+
+    def head(self, x: BlockInputs) -> torch.Tensor:
+        return self.transformer.proj_out(self.transformer.norm_out(x.img, x.rows["temb"]))
 
     def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
         if uncond is None:

@@ -12,8 +12,8 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..params import SamplingParams
 from ..request import Request
+from .base import BlockInputs, Family, TextCond, flow_shift_mu, gather_rows
 from .processors.sd3 import SD3Processor
-from .base import Family, TextCond, flow_shift_mu, gather_rows, split_rows
 
 
 class SD3Family(Family):
@@ -88,17 +88,40 @@ class SD3Family(Family):
         sampler.set_begin_index(0)
         req.sampler = sampler
 
-    @torch.no_grad()
-    def predict(self, requests: list[Request]):
+    def transformer_inputs(self, requests: list[Request]) -> dict:
         latents, timesteps, conds, _ = gather_rows(requests)
-        out = self.transformer(
-            hidden_states=latents,
-            timestep=timesteps,
-            encoder_hidden_states=torch.stack([c.embeds for c in conds]),
-            pooled_projections=torch.stack([c.pooled for c in conds]),
-            return_dict=False,
-        )[0]
-        return split_rows(out, requests)
+        return dict(hidden_states=latents, timestep=timesteps,
+                    encoder_hidden_states=torch.stack([c.embeds for c in conds]),
+                    pooled_projections=torch.stack([c.pooled for c in conds]))
+
+    # The block loop of SD3Transformer2DModel.forward (no skip_layers).
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.transformer.transformer_blocks)
+
+    def block_inputs(self, inputs: dict) -> BlockInputs:
+        tr = self.transformer
+        height, width = inputs["hidden_states"].shape[-2:]
+        img = tr.pos_embed(inputs["hidden_states"]).contiguous()
+        temb = tr.time_text_embed(inputs["timestep"], inputs["pooled_projections"])
+        txt = tr.context_embedder(inputs["encoder_hidden_states"])
+        return BlockInputs(img, txt, {"temb": temb}, {"size": (height, width)})
+
+    def run_block(self, index: int, x: BlockInputs):
+        txt, img = self.transformer.transformer_blocks[index](hidden_states=x.img, encoder_hidden_states=x.txt,
+                                                              temb=x.rows["temb"])
+        return img, txt
+
+    def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        return self.transformer.transformer_blocks[0].norm1(x.img, emb=x.rows["temb"])[0]
+
+    def head(self, x: BlockInputs) -> torch.Tensor:
+        tr, p = self.transformer, self.transformer.config.patch_size
+        out = tr.proj_out(tr.norm_out(x.img, x.rows["temb"]))
+        h, w = x.shared["size"][0] // p, x.shared["size"][1] // p
+        out = out.reshape(out.shape[0], h, w, p, p, tr.out_channels)
+        return torch.einsum("nhwpqc->nchpwq", out).reshape(out.shape[0], tr.out_channels, h * p, w * p)
 
     def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
         if uncond is None:

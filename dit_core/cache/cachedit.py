@@ -1,0 +1,65 @@
+"""cache-dit (DBCache) as a request-level backend.
+
+cache-dit decides for the whole batch of a forward, so the engine runs one request per
+forward in this mode (``max_batch_size`` becomes 1; a request's CFG rows still share its
+forward). The cache context is refreshed whenever a request starts, with its step count;
+a request that opted out gets threshold 0 (nothing is reused).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..families.base import Family
+from ..request import Request
+
+
+class CacheDiT:
+    key = "cache-dit"
+    request_level = True
+
+    def __init__(self, threshold: float, fn: int = 1, bn: int = 0, warmup: int = 1):
+        import cache_dit  # noqa: F401  (fails here, at engine start, when it is not installed)
+
+        self.threshold, self.fn, self.bn, self.warmup = threshold, fn, bn, warmup
+        self.last: dict = {}
+        self._cached_steps = 0
+
+    def _config(self, steps: int | None, threshold: float):
+        from cache_dit import DBCacheConfig
+
+        return DBCacheConfig(Fn_compute_blocks=self.fn, Bn_compute_blocks=self.bn, residual_diff_threshold=threshold,
+                             max_warmup_steps=self.warmup, enable_separate_cfg=False, num_inference_steps=steps)
+
+    def attach(self, family: Family) -> None:
+        import cache_dit
+
+        smallest = min(len(family.transformer.transformer_blocks),
+                       len(getattr(family.transformer, "single_transformer_blocks", None) or
+                           family.transformer.transformer_blocks))
+        if self.fn + self.bn >= smallest:
+            raise ValueError(f"cache-dit needs fn + bn < the blocks of each of the model's block lists "
+                             f"(smallest has {smallest}; got fn={self.fn}, bn={self.bn})")
+        cache_dit.enable_cache(family.transformer, cache_config=self._config(None, self.threshold))
+
+    def forward(self, family: Family, inputs: dict, requests: list[Request]) -> torch.Tensor:
+        import cache_dit
+
+        if len(requests) != 1:
+            raise RuntimeError("the cache-dit backend runs one request per forward")
+        (req,) = requests
+        if req.step_index == 0:
+            threshold = self.threshold if req.params.use_cache else 0.0
+            cache_dit.refresh_context(family.transformer, cache_config=self._config(req.total_steps, threshold))
+            self._cached_steps = 0
+        out = family.transformer(**inputs, return_dict=False)[0]
+        stats = cache_dit.summary(family.transformer, logging=False)
+        cached = len(stats[0].cached_steps) if stats else 0
+        skipped = cached > self._cached_steps
+        self._cached_steps = cached
+        req.metrics.cache_skipped_rows += req.rows if skipped else 0
+        n = family.num_blocks
+        self.last = {"rows": req.rows, "rows_skipped": req.rows if skipped else 0,
+                     "block_evals": req.rows * (n if not skipped else self.fn + self.bn),
+                     "block_evals_full": req.rows * n}
+        return out

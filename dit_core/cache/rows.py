@@ -1,0 +1,80 @@
+"""What the per-row caches share: each request owns a contiguous run of rows in the batch
+(its cond rows, then its uncond rows), keeps its cache state in ``request.state``, and
+decides for each of its rows on its own, so its result does not depend on its batchmates."""
+
+from __future__ import annotations
+
+import torch
+
+from ..families.base import BlockInputs, Family
+from ..request import Request
+
+
+def row_slices(requests: list[Request]):
+    """(request, slice of its rows in the batch), in batch order."""
+    start = 0
+    for req in requests:
+        yield req, slice(start, start + req.rows)
+        start += req.rows
+
+
+def must_compute(req: Request) -> bool:
+    """First and last steps always compute; so does a request that opted out."""
+    return req.step_index == 0 or req.step_index >= req.total_steps - 1 or not req.params.use_cache
+
+
+def rel_l1(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """Per-row relative L1 change: mean |current - previous| / mean |previous|."""
+    return (current - previous).abs().flatten(1).mean(1) / previous.abs().flatten(1).mean(1)
+
+
+def run_blocks(family: Family, x: BlockInputs, start: int, stop: int):
+    img, txt = x.img, x.txt
+    for i in range(start, stop):
+        img, txt = family.run_block(i, x.with_streams(img, txt))
+    return img, txt
+
+
+def gather_state(requests: list[Request], key: str, name: str, fallback: torch.Tensor) -> torch.Tensor:
+    """One [rows, ...] tensor of every request's ``state[key][name]``; ``fallback`` rows where missing."""
+    parts = []
+    for req, sl in row_slices(requests):
+        value = req.state.get(key, {}).get(name)
+        parts.append(fallback[sl] if value is None else value)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def cached_blocks(family: Family, x: BlockInputs, start: int, stop: int, compute: torch.Tensor,
+                  requests: list[Request], key: str, keep_text: bool):
+    """Blocks [start, stop) for the rows in ``compute`` (together, as one smaller batch); the
+    other rows add the residual each cached when it last computed. Returns (image, text)."""
+    idx = compute.nonzero().squeeze(1)
+    rows = len(compute)
+    streams = [("img", x.img)] + ([("txt", x.txt)] if keep_text and x.txt is not None else [])
+    if len(idx) == rows:
+        computed = run_blocks(family, x, start, stop)
+        out = dict(zip(("img", "txt"), computed))
+        residual = {name: out[name] - base for name, base in streams}
+    else:
+        out, residual = {}, {}
+        computed = run_blocks(family, x.select(idx), start, stop) if len(idx) else None
+        for j, (name, base) in enumerate(streams):
+            cached = gather_state(requests, key, "res_" + name, torch.zeros_like(base))
+            merged = base + cached
+            residual[name] = cached
+            if computed is not None:
+                merged[idx] = computed[j]
+                residual[name] = cached.index_copy(0, idx, computed[j] - base[idx])
+            out[name] = merged
+        out.setdefault("txt", x.txt)
+    for req, sl in row_slices(requests):  # every row's residual, fresh or carried over
+        state = req.state.setdefault(key, {})
+        for name, _ in streams:
+            state["res_" + name] = residual[name][sl]
+    return out["img"], out["txt"]
+
+
+def skip_counts(compute: torch.Tensor, requests: list[Request]) -> None:
+    """Add each request's skipped rows this step to its metrics."""
+    for req, sl in row_slices(requests):
+        req.metrics.cache_skipped_rows += int((~compute[sl]).sum())
