@@ -118,6 +118,7 @@ class AsyncEngine:
             time.sleep(0.02)
         self._stop.set()
         self._thread.join(timeout=30)
+        self.engine.close()
 
     # ---- loop thread ----
 

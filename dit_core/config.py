@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from ar_adapters import THINKERS
 from attention import AttentionConfig, UnknownBackendError
 
 from .cache.config import CacheConfig
@@ -28,6 +30,13 @@ class EngineConfig:
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
     attention_per_role: overrides on top, ``"joint=flex,self=math"`` or a dict
         (``None`` with ``attention=None`` reads OMNIDIT_ATTENTION_PER_ROLE).
+    thinker: for families whose text conditioning comes from an AR language model (Qwen-Image):
+        ``auto`` (vLLM where installed and starting, else transformers), ``vllm``, ``hf``, or a
+        ready ``ar_adapters.Thinker`` to share. ``None`` reads OMNIDIT_THINKER (default ``auto``).
+    thinker_kv_cache_gb, thinker_memory_utilization: vLLM's KV cache space (GiB;
+        VLLM_CPU_KVCACHE_SPACE on CPU) and ``gpu_memory_utilization`` (on CPU: of CPU memory).
+    prompt_cache_bytes: size of the prompt-embedding cache (LRU by model, template, prompt,
+        text length); 0 disables it.
     cache: step cache: ``none``, ``teacache:0.2``, ``fbcache:0.1[,fn=1][,bn=0]`` (per row, inside
         continuous batching) or ``cache-dit:0.1[,fn=1][,bn=0][,warmup=1]`` (request-level: forces
         ``max_batch_size=1``). See ``dit_core.cache``.
@@ -41,8 +50,20 @@ class EngineConfig:
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None
     cache: str | CacheConfig = "none"
+    thinker: object = None
+    thinker_kv_cache_gb: float = 1.0
+    thinker_memory_utilization: float = 0.1
+    prompt_cache_bytes: int = 256 << 20
 
     def __post_init__(self):
+        if self.thinker is None:
+            self.thinker = os.environ.get("OMNIDIT_THINKER") or "auto"
+        if isinstance(self.thinker, str) and self.thinker not in THINKERS:
+            raise InvalidParamError("thinker", self.thinker, f"one of {list(THINKERS)} or a Thinker")
+        if not isinstance(self.prompt_cache_bytes, int) or self.prompt_cache_bytes < 0:
+            raise InvalidParamError("prompt_cache_bytes", self.prompt_cache_bytes, "an integer >= 0")
+        if not 0 < self.thinker_memory_utilization <= 1:
+            raise InvalidParamError("thinker_memory_utilization", self.thinker_memory_utilization, "in (0, 1]")
         self.cache = CacheConfig.parse(self.cache)
         try:
             self.attention = AttentionConfig.parse(self.attention, self.attention_per_role)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ar_adapters import PromptCache
 from attention import resolve as resolve_attention
 
 from .cache import make_step_cache
@@ -63,6 +64,7 @@ class Engine:
         self.attention = resolve_attention(config.attention, config.device, config.torch_dtype, family.head_dims())
         family.set_attention(self.attention)
         family.step_cache = make_step_cache(config.cache, family)
+        family.prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         if family.step_cache is not None and family.step_cache.request_level and config.max_batch_size != 1:
             logger.info("cache %s decides per forward: running one request per forward", config.cache)
             config.max_batch_size = 1
@@ -77,7 +79,8 @@ class Engine:
     def from_pretrained(cls, path: str | Path, **config) -> "Engine":
         """Load a diffusers-format folder. ``config`` fields: see ``EngineConfig``."""
         cfg = EngineConfig(**config)
-        return cls(load_family(path, cfg.torch_dtype, torch.device(cfg.device)), cfg)
+        options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
+        return cls(load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options), cfg)
 
     # ---- requests ----
 
@@ -91,6 +94,7 @@ class Engine:
         elif not isinstance(params, SamplingParams):
             raise InvalidParamError("params", params, "a SamplingParams")
         params = self.family.resolve(params)
+        self.family.validate_prompt(prompt, params)
         if params.seed is None:
             params = params.with_defaults(seed=random.SystemRandom().randrange(2**63))
         cfg = self.family.uses_cfg(params)
@@ -153,6 +157,11 @@ class Engine:
         self.scheduler.running.clear()
         self._live.clear()
         return events
+
+    def close(self) -> None:
+        """Release what the engine started (a vLLM thinker's engine process)."""
+        if self.family.thinker is not None and self.family.owns_thinker:
+            self.family.thinker.close()
 
     # ---- convenience ----
 

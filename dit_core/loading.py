@@ -30,11 +30,12 @@ def read_model_index(path: str | Path) -> dict:
         raise UnknownModelError(f"{index} is not valid JSON: {e}") from None
 
 
-def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: torch.device) -> dict:
-    """Load every component ``model_index.json`` lists, models in ``dtype`` on ``device``."""
+def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: torch.device,
+                    skip: set[str] = frozenset()) -> dict:
+    """Load every component ``model_index.json`` lists (but ``skip``), models in ``dtype`` on ``device``."""
     components = {}
     for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None or name in skip:
             continue
         library, class_name = spec
         if library not in LIBRARIES:
@@ -44,6 +45,11 @@ def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: t
             raise UnknownModelError(f"component {name!r}: {library} has no class {class_name!r}")
         components[name] = _load_one(cls, library, Path(path) / name, dtype, device)
     return components
+
+
+def load_component(path: str | Path, index: dict, name: str, dtype: torch.dtype, device: torch.device):
+    """One component, loaded on demand (a thinker's transformers fallback)."""
+    return load_components(path, {name: index[name]}, dtype, device)[name]
 
 
 def _load_one(cls, library: str, folder: Path, dtype: torch.dtype, device: torch.device):

@@ -106,6 +106,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="step cache: none, teacache:T, fbcache:T[,fn=N][,bn=N] (per row, inside continuous "
                         "batching) or cache-dit:T[,fn=N][,bn=N][,warmup=N] (one request per forward); "
                         "e.g. teacache:0.2 (default none)")
+    p.add_argument("--thinker", default=None,
+                   help="AR thinker for Qwen-Image models: auto (vLLM where installed), vllm or hf "
+                        "(default: $OMNIDIT_THINKER or auto)")
+    p.add_argument("--thinker-kv-cache-gb", type=float, default=1.0, help="vLLM thinker KV cache in GiB (default 1)")
+    p.add_argument("--thinker-memory-utilization", type=float, default=0.1,
+                   help="vLLM thinker gpu_memory_utilization; CPU memory share on CPU (default 0.1)")
+    p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
+                   help="prompt-embedding cache size in bytes; 0 disables (default 256 MiB)")
     p.add_argument("--attention-per-role", default=None,
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
@@ -114,7 +122,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
                 max_tokens_per_step=args.max_tokens_per_step, attention=args.attention,
-                attention_per_role=args.attention_per_role, cache=args.cache)
+                attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
+                thinker_kv_cache_gb=args.thinker_kv_cache_gb,
+                thinker_memory_utilization=args.thinker_memory_utilization,
+                prompt_cache_bytes=args.prompt_cache_bytes)
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:

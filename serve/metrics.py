@@ -35,6 +35,11 @@ class Metrics:
         self.block_evals_saved = Counter("omnidit_block_evals_saved", "rows x blocks the step cache skipped",
                                          registry=r)
         self._evals = (0, 0)
+        cache = engine.engine.family.prompt_cache
+        for name, field, doc in (("omnidit_prompt_cache_hits", "hits", "prompt encodings served from the cache"),
+                                 ("omnidit_prompt_cache_misses", "misses", "prompt encodings computed"),
+                                 ("omnidit_prompt_cache_bytes", "bytes", "bytes held by the prompt cache")):
+            Gauge(name, doc, registry=r).set_function(lambda f=field: cache.stats()[f] if cache is not None else 0)
         engine.listeners.append(self.on_event)
         engine.step_listeners.append(self.on_step)
 

@@ -2,6 +2,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Engines built by tests run their thinker on transformers unless a test chooses one: a vLLM engine
+# takes tens of seconds to start, so the vLLM tests share one per session (tests/test_thinker.py).
+os.environ.setdefault("OMNIDIT_THINKER", "hf")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

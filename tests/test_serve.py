@@ -100,7 +100,13 @@ def test_url_response_format_serves_the_file(live):
     assert_error(httpx.get(f"{live.url}/v1/files/file-nope"), 404, "file_id", "file_not_found")
 
 
+def prompt_cache_misses(live) -> float:
+    text = httpx.get(f"{live.url}/metrics").text
+    return float(re.search(r"^omnidit_prompt_cache_misses (\S+)", text, re.M).group(1))
+
+
 def test_eight_concurrent_clients_are_batched(live):
+    misses = prompt_cache_misses(live)
     body = {"prompt": "a tree", "size": "32x32", "num_inference_steps": 6}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: post(live, {**body, "seed": i}), range(8)))
@@ -111,6 +117,7 @@ def test_eight_concurrent_clients_are_batched(live):
     assert count > single  # some forwards carried more than one request
     assert "omnidit_queue_depth" in text and "omnidit_request_latency_seconds_bucket" in text
     assert 'omnidit_cache_rows_total{decision="computed"}' in text
+    assert prompt_cache_misses(live) - misses <= 1  # the 8 requests share one prompt: encoded once
 
 
 def test_streaming_reports_progress_then_the_image(live):

@@ -24,9 +24,9 @@ def mixed(family):
 
 
 @pytest.mark.parametrize("family,kind", CASES)
-def test_threshold_zero_is_identical_to_no_cache(family, kind, tiny_models, engines):
+def test_threshold_zero_is_identical_to_no_cache(family, kind, tiny_models):
     specs = mixed(family)
-    ref, _ = run_staggered(engines(family), specs, arrivals=[0, 0, 2, 3])
+    ref, _ = run_staggered(Engine.from_pretrained(tiny_models[family]), specs, arrivals=[0, 0, 2, 3])
     cached = Engine.from_pretrained(tiny_models[family], cache=f"{kind}:0")
     got, _ = run_staggered(cached, specs, arrivals=[0, 0, 2, 3])
     for i in range(len(specs)):

@@ -57,6 +57,8 @@ class Family(abc.ABC):
     pipeline_class: ClassVar[str]
     attention_processor: ClassVar[type]  # our processor class, routing attention through ``attention.attend``
     teacache_coefficients: ClassVar[list[float] | None] = None  # published TeaCache rescaling polynomial
+    thinker_component: ClassVar[str | None] = None  # the AR language model component, if conditioning uses one
+    thinker_max_length: ClassVar[int | None] = None
     defaults: ClassVar[dict]  # SamplingParams defaults of the diffusers pipeline
     max_text_tokens: ClassVar[int]
 
@@ -71,12 +73,24 @@ class Family(abc.ABC):
         fitted = (checkpoint.get("_omnidit_teacache") or {}).get("coefficients")
         self.teacache_coefficients = fitted or type(self).teacache_coefficients
         self.step_cache = None  # set by the engine: a dit_core.cache step cache, or None
+        self.prompt_cache = None  # set by the engine: an ar_adapters.PromptCache, or None
+        self.thinker = None  # set by load_family for families with an AR thinker
+        self.owns_thinker = False
+        self.model_id = "unknown"  # the checkpoint's path; names its encodings in the prompt cache
         self.dtype = dtype
         self.device = device
         self.transformer = components["transformer"]
         self.vae = components["vae"]
         self.scheduler = components["scheduler"]
         self.processor: VaeImageProcessor  # set by subclasses
+
+    def set_thinker(self, thinker) -> None:
+        self.thinker = thinker
+
+    def validate_prompt(self, prompt: str, params: SamplingParams) -> None:
+        """Raise InvalidParamError if the conditioning stage cannot take this prompt."""
+        if not prompt.strip():
+            raise InvalidParamError("prompt", prompt, "a non-empty string")
 
     def head_dims(self) -> set[int]:
         return {self.transformer.config.attention_head_dim}
@@ -137,13 +151,31 @@ class Family(abc.ABC):
     # ---- once per request, when admitted ----
 
     def encode(self, requests: list[Request]) -> None:
-        """Set ``cond`` (and ``uncond`` for CFG requests) for all ``requests`` in one batched pass."""
+        """Set ``cond`` (and ``uncond`` for CFG requests) for all ``requests``: cached prompts come from
+        the prompt cache, the rest go to the encoders in ONE batched call (requests admitted together
+        share the batch key, hence the text length)."""
+        params = requests[0].params
         prompts = [r.prompt for r in requests] + [r.params.negative_prompt or "" for r in requests if r.cfg]
-        conds = self.encode_prompts(prompts, requests[0].params)
+        keys = [self.prompt_key(p, params) for p in prompts]
+        cache = self.prompt_cache
+        found = {k: cache.get(k) for k in dict.fromkeys(keys)} if cache is not None else {}
+        missing = [k for k in dict.fromkeys(keys) if found.get(k) is None]
+        if missing:
+            fresh = self.encode_prompts([k[-2] for k in missing], params)
+            for key, cond in zip(missing, fresh):
+                found[key] = cond
+                if cache is not None:
+                    cache.put(key, cond)
+        conds = [found[k] for k in keys]
         uncond = iter(conds[len(requests):])
         for req, cond in zip(requests, conds):
             req.cond = cond
             req.uncond = next(uncond) if req.cfg else None
+
+    def prompt_key(self, prompt: str, params: SamplingParams) -> tuple:
+        """What an encoding depends on: the encoders, the template, the prompt and the text length."""
+        encoder = self.thinker.model_id if self.thinker is not None else self.model_id
+        return (self.name, encoder, getattr(self, "template", None), prompt, params.max_sequence_length)
 
     @abc.abstractmethod
     def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:

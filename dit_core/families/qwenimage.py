@@ -13,6 +13,9 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
+from ar_adapters import PromptError
+
+from ..errors import InvalidParamError
 from ..params import SamplingParams
 from ..request import Request
 from .base import BlockInputs, Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, pad_stack, \
@@ -34,6 +37,9 @@ class QwenImageFamily(Family):
     attention_processor = QwenImageProcessor
     defaults = dict(num_inference_steps=50, true_cfg_scale=4.0, max_sequence_length=512)
     max_text_tokens = 1024
+    thinker_component = "text_encoder"
+    thinker_max_length = TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS
+    template = TEMPLATE
     # ComfyUI-TeaCache's Qwen-Image polynomial (also vLLM-Omni's default), highest power first
     teacache_coefficients = [-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02]
 
@@ -63,26 +69,28 @@ class QwenImageFamily(Family):
     def latent_tokens(self, params: SamplingParams) -> int:
         return (params.height // self.size_multiple) * (params.width // self.size_multiple)
 
+    def _texts(self, prompt: str, params: SamplingParams) -> list[str]:
+        return [TEMPLATE.format(t) for t in [prompt] + ([params.negative_prompt] if self.uses_cfg(params) else [])]
+
+    def validate_prompt(self, prompt: str, params: SamplingParams) -> None:
+        super().validate_prompt(prompt, params)
+        try:
+            self.thinker.check(self._texts(prompt, params))
+        except PromptError as e:
+            field = "prompt" if not e.index else "negative_prompt"
+            raise InvalidParamError(field, prompt if field == "prompt" else params.negative_prompt, str(e)) from None
+
     def row_tokens(self, prompt: str, params: SamplingParams) -> int:
-        texts = [prompt] + ([params.negative_prompt] if self.uses_cfg(params) else [])
-        longest = max(len(self.tokenizer(TEMPLATE.format(t)).input_ids) for t in texts)
+        longest = max(self.thinker.count_tokens(self._texts(prompt, params)))
         text = min(max(longest - TEMPLATE_PREFIX_TOKENS, 0), params.max_sequence_length)
         return self.latent_tokens(params) + text
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
-        lm = self.components["text_encoder"]
-        tokens = self.tokenizer([TEMPLATE.format(p) for p in prompts], padding=True, truncation=True,
-                                max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS, return_tensors="pt")
-        tokens = tokens.to(self.device)
-        hidden = lm(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                    output_hidden_states=True).hidden_states[-1]
-        mask = tokens.attention_mask.bool()
-        conds = []
-        for i in range(len(prompts)):
-            valid = hidden[i][mask[i]][TEMPLATE_PREFIX_TOKENS:][: params.max_sequence_length]
-            conds.append(TextCond(valid.to(lm.dtype)))
-        return conds
+        """The thinker's last hidden states of the templated prompts, template prefix dropped."""
+        encoded = self.thinker.encode([TEMPLATE.format(p) for p in prompts])
+        return [TextCond(e.hidden[TEMPLATE_PREFIX_TOKENS:][: params.max_sequence_length].to(self.device, self.dtype))
+                for e in encoded]
 
     def prepare(self, req: Request) -> None:
         p = req.params

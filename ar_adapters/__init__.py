@@ -1,0 +1,14 @@
+"""AR stages as conditioning encoders: thinkers (prompt -> per-token hidden states) and talkers
+(text -> discrete token ids), on vLLM or on transformers, plus a prompt-embedding cache.
+
+A leaf package: it never imports the engine. ``make_thinker`` picks the implementation.
+"""
+
+from .cache import PromptCache
+from .contract import Encoded, TalkerEvent, Thinker
+from .errors import PromptError
+from .hf import HFThinker
+from .select import THINKERS, make_thinker, vllm_available
+
+__all__ = ["THINKERS", "Encoded", "HFThinker", "PromptCache", "PromptError", "TalkerEvent", "Thinker",
+           "make_thinker", "vllm_available"]

@@ -1,0 +1,72 @@
+"""The contracts: a thinker encodes texts to per-token hidden states; a talker streams token ids."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from .errors import PromptError
+
+
+@dataclass
+class Encoded:
+    """One text's encoding: last-layer hidden states of its tokens [L, D], their mask [L]
+    (all True: padding is never returned) and an optional pooled vector."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor
+    pooled: torch.Tensor | None = None
+
+
+@dataclass
+class TalkerEvent:
+    """New token ids of one request (a delta), and whether it finished (and why)."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+class Thinker(abc.ABC):
+    """A causal LM whose raw (un-normalised) last-layer hidden states condition a diffusion model."""
+
+    kind: str  # "hf" or "vllm"
+
+    def __init__(self, tokenizer, model_id: str, max_length: int):
+        self.tokenizer = tokenizer
+        self.model_id = model_id  # names the weights: part of prompt-cache keys
+        self.max_length = max_length  # tokens per text, template included
+        self.calls = 0  # encode() calls that reached the model (tests and metrics read it)
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self.tokenizer(texts).input_ids]
+
+    def check(self, texts: list[str]) -> None:
+        """Raise PromptError for an empty text or one longer than ``max_length`` tokens."""
+        for i, (text, n) in enumerate(zip(texts, self.count_tokens(texts))):
+            if not text:
+                raise PromptError("the prompt is empty", i)
+            if n > self.max_length:
+                raise PromptError(f"the prompt is {n} tokens with its template; the thinker takes at most "
+                                  f"{self.max_length}", i)
+
+    def encode(self, texts: list[str]) -> list[Encoded]:
+        """All ``texts`` in ONE batched call to the model."""
+        self.check(texts)
+        self.calls += 1
+        return self._encode(texts)
+
+    @abc.abstractmethod
+    def _encode(self, texts: list[str]) -> list[Encoded]:
+        ...
+
+    def close(self) -> None:
+        pass
+
+
+def check_texts(texts: list[str]) -> None:
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise PromptError("texts must be a list of strings")

@@ -1,0 +1,68 @@
+"""``VLLMTalker``: a causal LM on vLLM's generate runner producing discrete token ids (codec or
+semantic tokens), streamed as they come. The first stage of the text-to-speech path."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Iterator
+
+from .contract import TalkerEvent
+from .errors import PromptError
+from .folders import model_folder
+
+
+class VLLMTalker:
+    def __init__(self, model_dir: str, tokenizer_dir: str | None = None, dtype: str = "float32",
+                 kv_cache_gb: float = 1.0, memory_utilization: float = 0.1, max_length: int | None = None):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+        from vllm import LLM
+
+        self.folder = model_folder(model_dir, tokenizer_dir)
+        self.llm = LLM(model=self.folder.name, runner="generate", dtype=dtype, gpu_memory_utilization=memory_utilization,
+                       max_model_len=max_length, enforce_eager=True, disable_log_stats=True)
+        self.max_length = self.llm.llm_engine.model_config.max_model_len
+        self._ids = itertools.count()
+
+    def generate(self, prompts: list[str | list[int]], max_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, stop_token_ids: list[int] | None = None, seed: int | None = None
+                 ) -> Iterator[TalkerEvent]:
+        """Stream new token ids of every prompt (text, or token ids) until each finishes."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompts:
+            raise PromptError("no prompts given")
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                stop_token_ids=stop_token_ids or [], seed=seed, output_kind=RequestOutputKind.DELTA)
+        engine = self.llm.llm_engine
+        names = {}
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str) and not prompt:
+                raise PromptError("the prompt is empty", i)
+            rid = f"talk-{next(self._ids)}"
+            names[rid] = i
+            engine.add_request(rid, {"prompt_token_ids": list(prompt)} if not isinstance(prompt, str) else prompt,
+                               params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id in names:
+                    completion = out.outputs[0]
+                    yield TalkerEvent(out.request_id, list(completion.token_ids), out.finished,
+                                      completion.finish_reason)
+
+    def generate_all(self, prompts: list[str | list[int]], **kwargs) -> list[list[int]]:
+        """The whole token sequence of each prompt, in prompt order."""
+        tokens: dict[str, list[int]] = {}
+        order: list[str] = []
+        for event in self.generate(prompts, **kwargs):
+            if event.request_id not in tokens:
+                order.append(event.request_id)
+            tokens.setdefault(event.request_id, []).extend(event.token_ids)
+        return [tokens[r] for r in sorted(order, key=lambda r: int(r.split("-")[1]))]
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        self.folder.cleanup()
