@@ -47,3 +47,15 @@ def run_staggered(engine: Engine, specs: list[tuple[str, SamplingParams]], arriv
 def assert_finished(ev):
     assert ev.kind == EventKind.FINISHED, f"{ev.kind}: {ev.error}"
     return images(ev.output.images)
+
+
+def inject_fault(monkeypatch, family, stage: str = "predict", prompt: str = "boom") -> None:
+    """Make ``family.<stage>`` raise whenever a request with ``prompt`` is among its requests."""
+    original = getattr(family, stage)
+
+    def faulty(requests, *args):
+        if any(r.prompt == prompt for r in requests):
+            raise RuntimeError("injected fault")
+        return original(requests, *args)
+
+    monkeypatch.setattr(family, stage, faulty)

@@ -7,7 +7,7 @@ import torch
 
 from dit_core import AsyncEngine, Engine, EngineDeadError, RequestFailedError
 from dit_core.request import EventKind
-from helpers import params
+from helpers import inject_fault, params
 
 
 @pytest.fixture
@@ -62,15 +62,7 @@ def test_leaving_the_stream_aborts_the_request(aengine):
 
 
 def test_a_failing_request_does_not_stop_the_loop(aengine, monkeypatch):
-    family = aengine.engine.family
-    original = family.predict
-
-    def faulty(requests):
-        if any(r.prompt == "boom" for r in requests):
-            raise RuntimeError("injected fault")
-        return original(requests)
-
-    monkeypatch.setattr(family, "predict", faulty)
+    inject_fault(monkeypatch, aengine.engine.family)
 
     async def main():
         bad = aengine.generate("boom", params(num_inference_steps=3))

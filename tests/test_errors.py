@@ -8,7 +8,7 @@ import torch
 
 from dit_core import Engine, InvalidParamError, RequestFailedError, SamplingParams, UnknownModelError
 from dit_core.request import EventKind
-from helpers import assert_finished, params, run_staggered
+from helpers import assert_finished, inject_fault, params, run_staggered
 
 
 @pytest.mark.parametrize("field,kwargs,expect", [
@@ -131,22 +131,13 @@ def test_injected_fault_fails_only_its_request(stage, engines, monkeypatch):
              ("boom", params(num_inference_steps=3, seed=2)),
              ("good two", params(num_inference_steps=3, seed=3))]
     alone = {i: torch.stack(engine.generate(p, sp)) for i, (p, sp) in enumerate(specs) if p != "boom"}
-    original = getattr(engine.family, stage)
-
-    def faulty(requests, *args):
-        if any(r.prompt == "boom" for r in requests):
-            raise RuntimeError("injected fault")
-        return original(requests, *args)
-
-    monkeypatch.setattr(engine.family, stage, faulty)
+    inject_fault(monkeypatch, engine.family, stage)
     finals, sizes = run_staggered(engine, specs, arrivals=[0, 0, 0])
     assert finals[1].kind == EventKind.FAILED
     assert "injected fault" in finals[1].error
     for i, ref in alone.items():
         assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5
-    monkeypatch.undo()
     # The engine keeps serving, and generate() reports a failure as an exception.
-    monkeypatch.setattr(engine.family, stage, faulty)
     with pytest.raises(RequestFailedError, match="injected fault"):
         engine.generate("boom", params(num_inference_steps=2))
     assert len(engine.generate("fine", params(num_inference_steps=2))) == 1

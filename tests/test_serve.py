@@ -22,6 +22,7 @@ import uvicorn
 from PIL import Image
 
 from dit_core import AsyncEngine, Engine
+from helpers import inject_fault
 from serve.app import ServeSettings, create_app
 
 
@@ -169,15 +170,7 @@ def test_oversized_body_is_413_and_long_prompt_400(live):
 
 
 def test_one_failing_request_gets_500_and_the_server_keeps_serving(live, monkeypatch):
-    family = live.engine.engine.family
-    original = family.predict
-
-    def faulty(requests):
-        if any(r.prompt == "boom" for r in requests):
-            raise RuntimeError("injected fault")
-        return original(requests)
-
-    monkeypatch.setattr(family, "predict", faulty)
+    inject_fault(monkeypatch, live.engine.engine.family)
     body = {"size": "32x32", "num_inference_steps": 3}
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         bad, good1, good2 = pool.map(lambda p: post(live, {**body, "prompt": p}), ["boom", "fine", "also fine"])

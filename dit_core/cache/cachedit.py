@@ -12,17 +12,18 @@ import torch
 
 from ..families.base import Family
 from ..request import Request
+from .base import StepCache
 
 
-class CacheDiT:
+class CacheDiT(StepCache):
     key = "cache-dit"
     request_level = True
 
     def __init__(self, threshold: float, fn: int = 1, bn: int = 0, warmup: int = 1):
+        super().__init__()
         import cache_dit  # noqa: F401  (fails here, at engine start, when it is not installed)
 
         self.threshold, self.fn, self.bn, self.warmup = threshold, fn, bn, warmup
-        self.last: dict = {}
         self._cached_steps = 0
 
     def _config(self, steps: int | None, threshold: float):

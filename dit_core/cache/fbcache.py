@@ -12,16 +12,16 @@ import torch
 
 from ..families.base import Family
 from ..request import Request
+from .base import StepCache
 from .rows import cached_blocks, gather_state, must_compute, rel_l1, row_slices, run_blocks, skip_counts
 
 
-class FirstBlockCache:
+class FirstBlockCache(StepCache):
     key = "fbcache"
-    request_level = False
 
     def __init__(self, threshold: float, fn: int = 1, bn: int = 0):
+        super().__init__()
         self.threshold, self.fn, self.bn = threshold, fn, bn
-        self.last: dict = {}
 
     def attach(self, family: Family) -> None:
         if self.fn + self.bn >= family.num_blocks:

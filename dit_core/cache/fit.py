@@ -21,23 +21,20 @@ import torch
 
 from ..families.base import Family
 from ..request import Request
+from .base import StepCache
 from .rows import rel_l1, row_slices, run_blocks
 
 KEY = "_omnidit_teacache"
 
 
-class Recorder:
+class Recorder(StepCache):
     """A pass-through "step cache" that runs every block and records (input change, output change)."""
 
     key = "teacache-fit"
-    request_level = False
 
     def __init__(self):
+        super().__init__()
         self.pairs: list[tuple[float, float]] = []
-        self.last: dict = {}
-
-    def attach(self, family: Family) -> None:
-        pass
 
     def forward(self, family: Family, inputs: dict, requests: list[Request]) -> torch.Tensor:
         x = family.block_inputs(inputs)

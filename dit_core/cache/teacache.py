@@ -14,6 +14,7 @@ import torch
 
 from ..families.base import Family
 from ..request import Request
+from .base import StepCache
 from .rows import cached_blocks, gather_state, must_compute, rel_l1, row_slices, skip_counts
 
 
@@ -25,17 +26,13 @@ def polyval(coefficients: list[float], x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class TeaCache:
+class TeaCache(StepCache):
     key = "teacache"
-    request_level = False
 
     def __init__(self, threshold: float, coefficients: list[float]):
+        super().__init__()
         self.threshold = threshold
         self.coefficients = list(coefficients)
-        self.last: dict = {}
-
-    def attach(self, family: Family) -> None:
-        pass
 
     def forward(self, family: Family, inputs: dict, requests: list[Request]) -> torch.Tensor:
         x = family.block_inputs(inputs)
