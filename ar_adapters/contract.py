@@ -64,7 +64,7 @@ class Thinker(abc.ABC):
         ...
 
     def close(self) -> None:
-        pass
+        """Release what the thinker started (vLLM's engine process); a transformers thinker holds nothing."""
 
 
 def check_texts(texts: list[str]) -> None:

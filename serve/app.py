@@ -113,4 +113,4 @@ class BodyLimitMiddleware:
 
 
 class _BodyTooLarge(Exception):
-    pass
+    """Raised from the wrapped ``receive`` once a streamed body passes the limit."""
