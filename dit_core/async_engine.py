@@ -41,6 +41,11 @@ class AsyncEngine:
     def from_pretrained(cls, path: str | Path, **config) -> "AsyncEngine":
         return cls(Engine.from_pretrained(path, **config))
 
+    @classmethod
+    def from_models(cls, paths: dict, **config) -> "AsyncEngine":
+        """Several named models in one engine (see ``Engine.from_models``)."""
+        return cls(Engine.from_models(paths, **config))
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
@@ -51,12 +56,14 @@ class AsyncEngine:
 
     # ---- caller side ----
 
-    def submit(self, prompt: str, params: SamplingParams | None = None, request_id: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> tuple[str, asyncio.Queue]:
-        """Validate (raising here, in the caller) and queue a request; returns its id and event queue."""
+    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               loop: asyncio.AbstractEventLoop | None = None, model: str | None = None) -> tuple[str, asyncio.Queue]:
+        """Validate (raising here, in the caller) and queue a request; returns its id and event queue.
+        ``prompt`` is the conditioning input (a string, or an observation dict for a policy);
+        ``model`` names the engine's model (default: the only one)."""
         if not self._accepting or not self.is_alive:
             raise EngineDeadError("the engine is not accepting requests (shutting down or stopped)")
-        req = self.engine.make_request(prompt, params, request_id)
+        req = self.engine.make_request(prompt, params, request_id, model)
         loop = loop or asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -68,10 +75,10 @@ class AsyncEngine:
         self._commands.put(("add", req))
         return req.id, events
 
-    async def stream(self, prompt: str, params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestEvent]:
+    async def stream(self, prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None, model: str | None = None) -> AsyncIterator[RequestEvent]:
         """Yield the request's events until its final one. Leaving early aborts the request."""
-        rid, events = self.submit(prompt, params, request_id)
+        rid, events = self.submit(prompt, params, request_id, model=model)
         async for event in self.events(rid, events):
             yield event
 
@@ -87,10 +94,10 @@ class AsyncEngine:
             if not final:
                 self.abort(rid, "client went away")
 
-    async def generate(self, prompt: str, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> RequestOutput:
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None, model: str | None = None) -> RequestOutput:
         """Run one request to completion; raises RequestFailedError / RequestAbortedError."""
-        async for event in self.stream(prompt, params, request_id):
+        async for event in self.stream(prompt, params, request_id, model=model):
             if event.kind == EventKind.FINISHED:
                 return event.output
             if event.kind == EventKind.FAILED:

@@ -15,19 +15,30 @@ LIBRARIES = ("diffusers", "transformers")
 
 
 def read_model_index(path: str | Path) -> dict:
+    """A model folder's index: ``model_index.json`` (diffusers pipelines), else a ``config.json``
+    whose ``_class_name`` names an omnidit family (single-model folders such as robot policies)."""
     folder = Path(path)
     if not folder.is_dir():
         raise UnknownModelError(f"model folder {str(path)!r} does not exist or is not a directory")
     index = folder / "model_index.json"
     if not index.is_file():
+        config = folder / "config.json"
+        data = _read_json(config) if config.is_file() else {}
+        if isinstance(data, dict) and "_class_name" in data:
+            return data
         raise UnknownModelError(
-            f"{str(path)!r} is not a diffusers-format model folder (no model_index.json); "
-            "build one with `omnidit make-random FAMILY SIZE OUT_DIR` or use a diffusers checkpoint"
+            f"{str(path)!r} is not a model folder omnidit can read (no model_index.json, and no config.json "
+            "naming a _class_name); build one with `omnidit make-random FAMILY SIZE OUT_DIR` or use a "
+            "diffusers checkpoint"
         )
+    return _read_json(index)
+
+
+def _read_json(path: Path) -> dict:
     try:
-        return json.loads(index.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise UnknownModelError(f"{index} is not valid JSON: {e}") from None
+        raise UnknownModelError(f"{path} is not valid JSON: {e}") from None
 
 
 def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: torch.device,

@@ -67,16 +67,23 @@ class RequestMetrics:
 
 @dataclass(eq=False)
 class Request:
-    """One generation request. Families keep per-request tensors in ``state``."""
+    """One generation request. Families keep per-request tensors in ``state``.
+
+    ``prompt`` is the text the request is conditioned on (a robot policy's instruction);
+    ``inputs`` holds any other conditioning input, as the family validated it (an
+    observation dict for a policy), else None."""
 
     id: str
     prompt: str
     params: SamplingParams  # resolved: family defaults filled in
     seq: int  # arrival order, for FIFO
-    key: tuple  # what must match to share a forward
+    key: tuple  # what must match to share a forward; starts with the model's name
     rows: int  # forward rows: num_outputs, doubled with CFG
     tokens: int  # rows x tokens per row, counted against max_tokens_per_step
     cfg: bool
+    model: str = "default"  # the engine's name for the model serving it
+    kind: str = "image"  # the model's output kind: image | video | audio | actions
+    inputs: Any = None
     status: RequestStatus = RequestStatus.WAITING
     step_index: int = 0
     latents: Any = None
@@ -98,14 +105,30 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """The result of a finished request: ``images`` has ``num_outputs`` entries."""
+    """The result of a finished request: ``outputs`` has ``num_outputs`` entries of the model's
+    output ``kind`` (PIL images / arrays / tensors for images, frames for video, waveforms for
+    audio, an ``[H, D]`` action chunk for a policy)."""
 
     request_id: str
     prompt: str
-    images: list
+    outputs: list
     seed: int
     params: SamplingParams
     metrics: dict
+    kind: str = "image"
+    model: str = "default"
+
+    @property
+    def images(self) -> list:
+        """The outputs (named for the image families, whose outputs are images)."""
+        return self.outputs
+
+    @property
+    def actions(self):
+        """A policy's action chunk ``[H, D]`` (the first output)."""
+        if self.kind != "actions":
+            raise AttributeError(f"a {self.kind} output has no actions")
+        return self.outputs[0]
 
 
 @dataclass

@@ -47,6 +47,10 @@ class StepBatch:
     new_requests: list[Request] = field(default_factory=list)  # admitted this step
 
     @property
+    def model(self) -> str:
+        return self.requests[0].model
+
+    @property
     def rows(self) -> int:
         return sum(r.rows for r in self.requests)
 
@@ -60,8 +64,9 @@ class RunnerOutput:
 
 
 class StepScheduler:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, max_batch: dict[str, int] | None = None):
         self.config = config
+        self.max_batch = max_batch or {}  # per model, where it is below config.max_batch_size
         self.policy = POLICIES[config.policy]()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -88,9 +93,10 @@ class StepScheduler:
         key = min(live, key=self.policy.priority).key
         batch = [r for r in self.running if r.key == key]
         n, tokens = len(batch), sum(r.tokens for r in batch)
+        limit = self.max_batch.get(key[0], self.config.max_batch_size)
         new = []
         for req in sorted((r for r in self.waiting if r.key == key), key=self.policy.priority):
-            if n + 1 > self.config.max_batch_size or tokens + req.tokens > self.config.max_tokens_per_step:
+            if n + 1 > limit or tokens + req.tokens > self.config.max_tokens_per_step:
                 break
             n, tokens = n + 1, tokens + req.tokens
             new.append(req)
@@ -114,14 +120,14 @@ class StepScheduler:
                 req.status = RequestStatus.FINISHED
                 req.metrics.finished = now
                 output = RequestOutput(req.id, req.prompt, out.finished[req.id], req.params.seed, req.params,
-                                       req.metrics.summary())
+                                       req.metrics.summary(), kind=req.kind, model=req.model)
                 events.append(RequestEvent(req.id, EventKind.FINISHED, req.step_index, req.total_steps,
                                            output=output))
             else:
                 events.append(RequestEvent(req.id, EventKind.STEP, req.step_index, req.total_steps))
             if req.status.done:
                 self.running.remove(req)
-                req.latents = req.cond = req.uncond = req.sampler = None
+                req.latents = req.cond = req.uncond = req.sampler = req.inputs = None
                 req.state.clear()
         return events
 
@@ -131,7 +137,7 @@ class StepScheduler:
             (self.waiting if req.status == RequestStatus.WAITING else self.running).remove(req)
             req.status, req.error = RequestStatus.ABORTED, self._aborts[req.id]
             req.metrics.finished = time.perf_counter()
-            req.latents = req.cond = req.uncond = None
+            req.latents = req.cond = req.uncond = req.inputs = None
             events.append(RequestEvent(req.id, EventKind.ABORTED, req.step_index, req.total_steps,
                                        error=req.error))
         self._aborts.clear()

@@ -35,7 +35,7 @@ class Metrics:
         self.block_evals_saved = Counter("omnidit_block_evals_saved", "rows x blocks the step cache skipped",
                                          registry=r)
         self._evals = (0, 0)
-        cache = engine.engine.family.prompt_cache
+        cache = engine.engine.prompt_cache
         for name, field, doc in (("omnidit_prompt_cache_hits", "hits", "prompt encodings served from the cache"),
                                  ("omnidit_prompt_cache_misses", "misses", "prompt encodings computed"),
                                  ("omnidit_prompt_cache_bytes", "bytes", "bytes held by the prompt cache")):
