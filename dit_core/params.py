@@ -39,6 +39,10 @@ class SamplingParams:
     output_type: str = "pil"
     max_sequence_length: int | None = None
     use_cache: bool = True  # False: this request computes every step even when the engine caches
+    # Action policies: real-time chunking (the previous chunk's remaining actions come with the
+    # observation; its first ``rtc_delay`` actions are frozen into the new chunk).
+    rtc: bool = False
+    rtc_delay: int = 0
 
     def __post_init__(self):
         for name in ("height", "width"):
@@ -56,6 +60,9 @@ class SamplingParams:
         _check_int("max_sequence_length", self.max_sequence_length, 1, 4096, optional=True)
         if not isinstance(self.use_cache, bool):
             raise InvalidParamError("use_cache", self.use_cache, "true or false")
+        if not isinstance(self.rtc, bool):
+            raise InvalidParamError("rtc", self.rtc, "true or false")
+        _check_int("rtc_delay", self.rtc_delay, 0, MAX_STEPS)
 
     def with_defaults(self, **defaults) -> "SamplingParams":
         """A copy whose ``None`` fields take the given defaults."""

@@ -14,6 +14,7 @@ from ..params import SamplingParams
 from .base import Family, TextCond
 from .flux import FluxFamily
 from .image import DiffusersFamily, ImageFamily
+from .pi0 import Pi0Family
 from .qwenimage import QwenImageFamily
 from .sd3 import SD3Family
 
@@ -30,7 +31,7 @@ def register(cls: type[Family]) -> type[Family]:
     return cls
 
 
-for _cls in (FluxFamily, SD3Family, QwenImageFamily):
+for _cls in (FluxFamily, SD3Family, QwenImageFamily, Pi0Family):
     register(_cls)
 
 

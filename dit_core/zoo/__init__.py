@@ -1,10 +1,12 @@
-"""Models shipped inside the package. ``digits``: the embedded default model."""
+"""Models shipped inside the package. ``digits``: the embedded default model; ``reach``: the
+embedded robot policy for the reaching task (``reach_env``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).parent / "digits"
+DEFAULT_POLICY = Path(__file__).parent / "reach"
 
 
 def default_model() -> Path:
@@ -15,3 +17,13 @@ def default_model() -> Path:
             "`omnidit train-default` or pass a model folder"
         )
     return DEFAULT_MODEL
+
+
+def default_policy() -> Path:
+    """The folder of the embedded reaching policy (a pi0-shaped policy checkpoint)."""
+    if not (DEFAULT_POLICY / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the embedded policy is missing from {DEFAULT_POLICY}; rebuild it with "
+            "`omnidit train-policy` or pass a policy folder"
+        )
+    return DEFAULT_POLICY
