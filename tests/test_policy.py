@@ -225,3 +225,19 @@ def test_a_policy_folder_with_missing_or_mismatched_weights_is_refused(policy_di
     shutil.copy(policy_dir / "model.safetensors", broken)
     with pytest.raises(UnknownModelError, match="does not match"):
         Engine.from_pretrained(broken)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "math"])
+def test_attend_packed_equals_each_sequence_alone(name):
+    from attention import attend_packed, get_backend
+
+    g = torch.Generator().manual_seed(0)
+    lq, lk = [8, 8, 8, 8], [30, 12, 30, 21]  # action queries against prefixes of different lengths
+    q, k, v = torch.randn(sum(lq), 2, 16, generator=g), torch.randn(sum(lk), 2, 16, generator=g), \
+        torch.randn(sum(lk), 2, 16, generator=g)
+    cu = lambda n: torch.tensor([0] + np.cumsum(n).tolist(), dtype=torch.int32)  # noqa: E731
+    out = attend_packed(q, k, v, cu(lq), cu(lk), get_backend(name))
+    for i in range(4):
+        qs, ks = slice(sum(lq[:i]), sum(lq[:i + 1])), slice(sum(lk[:i]), sum(lk[:i + 1]))
+        ref = get_backend("math").dense(q[None, qs], k[None, ks], v[None, ks])[0]
+        assert (out[qs] - ref).abs().max().item() < 1e-5
