@@ -39,6 +39,7 @@ class SamplingParams:
     output_type: str = "pil"
     max_sequence_length: int | None = None
     use_cache: bool = True  # False: this request computes every step even when the engine caches
+    deadline_ms: float | None = None  # latency budget from arrival (``edf`` serves earliest first); None: bulk
 
     def __post_init__(self):
         for name in ("height", "width"):
@@ -56,6 +57,10 @@ class SamplingParams:
         _check_int("max_sequence_length", self.max_sequence_length, 1, 4096, optional=True)
         if not isinstance(self.use_cache, bool):
             raise InvalidParamError("use_cache", self.use_cache, "true or false")
+        if self.deadline_ms is not None:
+            d = self.deadline_ms
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 3.6e6:
+                raise InvalidParamError("deadline_ms", d, "a number of milliseconds in (0, 3600000], or None")
 
     def with_defaults(self, **defaults) -> "SamplingParams":
         """A copy whose ``None`` fields take the given defaults."""

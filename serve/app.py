@@ -14,6 +14,7 @@ from dit_core import AsyncEngine
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
 from .metrics import Metrics
+from .models import served_models
 from .routes import images, system
 
 
@@ -21,7 +22,7 @@ from .routes import images, system
 class ServeSettings:
     """Server behaviour; every field is a ``omnidit serve`` flag."""
 
-    model_name: str = "omnidit"
+    model_name: str | None = None  # the public id of a single-model engine's model (default: its name)
     api_key: str | None = None
     max_queue: int = 64  # waiting (not yet admitted) requests before 429
     max_body_bytes: int = 1 << 20
@@ -48,6 +49,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
     app.state.metrics = Metrics(engine)
     app.state.started = int(time.time())
+    app.state.model_ids = served_models(engine.engine, settings)
     install_handlers(app)
     app.include_router(images.router)
     app.include_router(system.router)

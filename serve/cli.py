@@ -49,13 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-style HTTP API")
     srv.add_argument("model", nargs="?", default=None,
-                     help="a diffusers-format model folder (default: the embedded digits model)")
+                     help="a model folder (default: the embedded digits model); for several, use --model")
+    srv.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
+                     help="serve this model under NAME (repeatable: several models share one engine); "
+                          "a bare NAME is an embedded model (e.g. --model digits)")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every route but /health (default: open)")
     srv.add_argument("--model-name", default=None,
-                     help="the model id clients send and /v1/models lists (default: the folder's name)")
+                     help="with a positional model folder: the model id clients send and /v1/models lists "
+                          "(default: the folder's name)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for admission before 429 + Retry-After (default 64)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
@@ -114,6 +118,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM thinker gpu_memory_utilization; CPU memory share on CPU (default 0.1)")
     p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
                    help="prompt-embedding cache size in bytes; 0 disables (default 256 MiB)")
+    p.add_argument("--policy", default=None, choices=["fifo", "edf"],
+                   help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
+                        "at least 1 step in 10 to bulk); default: edf when a robot policy model is loaded, else fifo")
     p.add_argument("--attention-per-role", default=None,
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
@@ -125,7 +132,7 @@ def engine_kwargs(args) -> dict:
                 attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
                 thinker_memory_utilization=args.thinker_memory_utilization,
-                prompt_cache_bytes=args.prompt_cache_bytes)
+                prompt_cache_bytes=args.prompt_cache_bytes, **({"policy": args.policy} if args.policy else {}))
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:
@@ -191,12 +198,48 @@ def cmd_serve(args) -> int:
     from .app import ServeSettings
     from .server import serve
 
-    model = resolve_model(args.model)
-    settings = ServeSettings(model_name=args.model_name or Path(model).resolve().name, api_key=args.api_key,
-                             max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+    models = served_model_paths(args)
+    settings = ServeSettings(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
                              max_files=args.max_files)
-    return serve(model, args.host, args.port, settings, args.shutdown_timeout, **engine_kwargs(args))
+    options = engine_kwargs(args)
+    if "policy" not in options:
+        options["policy"] = default_policy(models.values())
+    return serve(models, args.host, args.port, settings, args.shutdown_timeout, **options)
+
+
+def served_model_paths(args) -> dict[str, str]:
+    """NAME -> folder from ``--model NAME=PATH`` / ``--model NAME`` (embedded), or the positional folder."""
+    from dit_core.errors import InvalidParamError
+    from dit_core.zoo import embedded_model
+
+    if args.models and (args.model or args.model_name):
+        raise InvalidParamError("--model", args.models, "either NAME=PATH options or one positional model folder "
+                                                        "(with --model-name), not both")
+    if not args.models:
+        model = resolve_model(args.model)
+        return {args.model_name or Path(model).resolve().name: model}
+    models = {}
+    for spec in args.models:
+        name, eq, path = spec.partition("=")
+        if not name or (eq and not path):
+            raise InvalidParamError("--model", spec, "NAME=PATH or the NAME of an embedded model")
+        if name in models:
+            raise InvalidParamError("--model", spec, f"a name not used twice ({name!r} is)")
+        if not eq:
+            try:
+                path = str(embedded_model(name))
+            except (KeyError, FileNotFoundError) as e:
+                raise InvalidParamError("--model", spec, f"NAME=PATH, or an embedded model: {e}") from None
+        models[name] = path
+    return models
+
+
+def default_policy(paths) -> str:
+    """``edf`` when any model is a robot policy (actions), else ``fifo``."""
+    from dit_core.families import family_class
+
+    return "edf" if any(family_class(p).output_kind == "actions" for p in paths) else "fifo"
 
 
 def cmd_train_default(args) -> int:

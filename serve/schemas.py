@@ -62,6 +62,13 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omnidit"
+    kind: str = "image"  # what the model makes: image | video | audio | actions
+
+
+class ModelDetail(ModelCard):
+    """``GET /v1/models/{id}``: the card plus the family's defaults and limits."""
+
+    details: dict
 
 
 class ModelList(BaseModel):
