@@ -8,7 +8,7 @@ from .cache import PromptCache
 from .contract import Encoded, TalkerEvent, Thinker
 from .errors import PromptError
 from .hf import HFThinker
-from .select import THINKERS, make_thinker, vllm_available
+from .select import THINKERS, choose_thinker, make_thinker, vllm_available
 
 __all__ = ["THINKERS", "Encoded", "HFThinker", "PromptCache", "PromptError", "TalkerEvent", "Thinker",
-           "make_thinker", "vllm_available"]
+           "choose_thinker", "make_thinker", "vllm_available"]

@@ -8,13 +8,17 @@ import os
 import sys
 from pathlib import Path
 
-from dit_core.errors import OmniditError
+from .quiet import quiet_third_party
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # omnidit never downloads
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not getattr(args, "verbose", True):
+        quiet_third_party()  # before torch / transformers / diffusers / vLLM are imported
+    from dit_core.errors import OmniditError
+
     try:
         return args.func(args)
     except OmniditError as e:
@@ -98,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="show third-party logs, warnings and progress bars (transformers, diffusers, vLLM); "
+                        "by default only omnidit's own output and errors are shown")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward (default 8)")

@@ -11,7 +11,7 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.torch_utils import randn_tensor
 
-from ar_adapters import make_thinker, vllm_available
+from ar_adapters import choose_thinker, make_thinker, vllm_available
 
 from ..errors import InvalidParamError
 from ..loading import load_component, load_components
@@ -46,7 +46,8 @@ class DiffusersFamily(Family):
     @classmethod
     def load(cls, path, index, dtype, device, thinker="auto", thinker_options=None) -> "DiffusersFamily":
         lm = cls.thinker_component  # families without an AR thinker ignore the thinker setting
-        uses_vllm = lm is not None and (not isinstance(thinker, str) or thinker in ("auto", "vllm")
+        # a thinker passed in (shared) or one that runs on vLLM does not need the LM loaded here
+        uses_vllm = lm is not None and (not isinstance(thinker, str) or choose_thinker(thinker, str(device)) == "vllm"
                                         and vllm_available())
         components = load_components(path, index, dtype, device, skip={lm} if uses_vllm else set())
         family = cls(components, dtype, device, {k: v for k, v in index.items() if k.startswith("_omnidit")})
@@ -58,7 +59,7 @@ class DiffusersFamily(Family):
                 model_id=f"{family.model_id}/{lm}", tokenizer=components["tokenizer"],
                 load_hf_model=lambda: components.get(lm) or load_component(path, index, lm, dtype, device),
                 dtype=str(dtype).replace("torch.", ""), max_length=family.thinker_max_length,
-                **(thinker_options or {}))
+                device=str(device), **(thinker_options or {}))
         return family
 
     def head_dims(self) -> set[int]:
