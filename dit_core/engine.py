@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
 from .families import Family, load_family
 from .params import SamplingParams
+from .quantize import apply_quant
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
 from .runner import Runner
 from .scheduler import StepScheduler
@@ -80,7 +81,9 @@ class Engine:
         """Load a diffusers-format folder. ``config`` fields: see ``EngineConfig``."""
         cfg = EngineConfig(**config)
         options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
-        return cls(load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options), cfg)
+        family = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options)
+        apply_quant(family, cfg.quant)  # EngineConfig.quant: swap the transformer's Linear layers (quant/)
+        return cls(family, cfg)
 
     # ---- requests ----
 
