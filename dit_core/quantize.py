@@ -39,9 +39,11 @@ def validate_quant(value, device: str) -> str | None:
     try:
         spec = quant.parse_spec(value)
         quant.METHODS[spec.method].kernel_for(torch.device(device), spec.kernel)
+    except quant.QuantSpecError as e:
+        raise InvalidParamError("quant", value, f"none or one of {quant.allowed()}, optionally with "
+                                                f"',components=a+b' and ',kernel=NAME' ({e.reason})") from None
     except quant.QuantError as e:
-        raise InvalidParamError("quant", value, f"none or one of {quant.allowed()} "
-                                                f"(optionally ',components=a+b', ',kernel=NAME'); {e}") from None
+        raise InvalidParamError("quant", value, f"a method that runs on {device!r} ({e})") from None
     return str(spec)
 
 

@@ -19,11 +19,18 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.dtype = linear.weight.dtype  # the float dtype the layer stands in for
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the layer computes with, in float32 [out, in] (for references and tests)."""
         raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, for code that reads ``layer.weight`` (e.g. T5 checks its dtype);
+        it is computed on each access, never stored."""
+        return self.dequantized_weight().to(self.dtype)
 
     def weight_bytes(self) -> int:
         """Bytes the layer holds for its weight and bias."""

@@ -12,6 +12,7 @@ class QuantSpecError(QuantError):
 
     def __init__(self, spec, message: str):
         self.spec = spec
+        self.reason = message
         super().__init__(f"quant={spec!r}: {message}")
 
 

@@ -1,11 +1,12 @@
 """GGUF block formats: split a tensor's blocks into planes at load, join them back, dequantize at use.
 
 A quantized weight stays in memory as the file's bytes, split once into contiguous planes (scales,
-packed quants), the same number of bytes as the blocks. ``dequantize`` turns planes into float16
-values with the arithmetic torch GGUF consumers use (diffusers, ComfyUI-GGUF: the block's float16
-scale times the integer quant, rounded to float16), so a layer here and diffusers' ``GGUFLinear``
-compute with identical weights. The difference from ggml's float32 product is at most half a float16
-ulp of each weight (tests bound it against gguf-py's reference).
+packed quants), the same number of bytes as the blocks. ``dequant`` has two arithmetics:
+* default: the one torch GGUF consumers use (diffusers, ComfyUI-GGUF): the block's float16 scale times
+  the integer quant, rounded to float16, so a layer here and diffusers' ``GGUFLinear`` compute with
+  identical weights (at most a few float16 ulps from ggml's float32 values; tests bound it);
+* ``exact=True``: ggml's float32 arithmetic, equal to gguf-py's reference and faster on CPUs without
+  float16 math; the ``dequant32`` kernel of the ``gguf`` method.
 """
 
 from __future__ import annotations
@@ -25,8 +26,18 @@ F16 = torch.float16
 class BlockFormat:
     name: str
     layout: tuple[tuple[str, int, torch.dtype], ...]  # (plane, bytes per block, dtype) in block order
-    dequant: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # planes -> [n_blocks, block_size] float16
+    # (planes, output dtype) -> [n_blocks, block_size]. The arithmetic runs in the scale planes' dtype:
+    # float16 as stored (diffusers' values), or float32 when the caller upcasts them (ggml's values).
+    dequant_fn: Callable[[dict[str, torch.Tensor], torch.dtype], torch.Tensor]
     quantize: Callable[[np.ndarray], np.ndarray]  # float32 [..., K] -> uint8 [..., K / block * type_size]
+
+    def dequant(self, planes: dict[str, torch.Tensor], out_dtype: torch.dtype = torch.float16,
+                exact: bool = False) -> torch.Tensor:
+        """Planes -> values [n_blocks, block_size] in ``out_dtype``. ``exact``: float32 arithmetic as ggml
+        and gguf-py (faster on CPU); default: float16 arithmetic as diffusers (identical weights)."""
+        if exact:
+            planes = {k: v.float() if v.dtype == F16 else v for k, v in planes.items()}
+        return self.dequant_fn(planes, out_dtype)
 
     @property
     def qtype(self) -> gguf.GGMLQuantizationType:
@@ -79,41 +90,48 @@ def _k_low(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([q & 0x0F, q >> 4], dim=2).reshape(qs.shape[0], 8, 32)
 
 
-def _dq_q8_0(p):
-    return p["d"] * p["qs"]
+def _last(op, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``op(a, b)`` computed in the inputs' dtype and written straight into ``out_dtype`` (one pass; the
+    same values as computing then casting)."""
+    out = torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=out_dtype, device=a.device)
+    return op(a, b, out=out)
 
 
-def _dq_q4_0(p):
-    return p["d"] * (_nibbles(p["qs"]).to(torch.int8) - 8)
+def _dq_q8_0(p, dt):
+    return _last(torch.mul, p["d"], p["qs"], dt)
 
 
-def _dq_q4_1(p):
-    return p["d"] * _nibbles(p["qs"]) + p["m"]
+def _dq_q4_0(p, dt):
+    return _last(torch.mul, p["d"], _nibbles(p["qs"]).to(torch.int8) - 8, dt)
 
 
-def _dq_q5_0(p):
+def _dq_q4_1(p, dt):
+    return _last(torch.add, p["d"] * _nibbles(p["qs"]), p["m"], dt)
+
+
+def _dq_q5_0(p, dt):
     q = _nibbles(p["qs"]) | (_bits(p["qh"], 32) << 4)
-    return p["d"] * (q.to(torch.int8) - 16)
+    return _last(torch.mul, p["d"], q.to(torch.int8) - 16, dt)
 
 
-def _dq_q5_1(p):
-    return p["d"] * (_nibbles(p["qs"]) | (_bits(p["qh"], 32) << 4)) + p["m"]
+def _dq_q5_1(p, dt):
+    return _last(torch.add, p["d"] * (_nibbles(p["qs"]) | (_bits(p["qh"], 32) << 4)), p["m"], dt)
 
 
-def _dq_q4_k(p):
+def _dq_q4_k(p, dt):
     sc, mn = _k_scales(p["scales"])
     d, dm = (p["d"] * sc)[:, :, None], (p["dmin"] * mn)[:, :, None]
-    return (d * _k_low(p["qs"]) - dm).reshape(-1, QK_K)
+    return _last(torch.sub, d * _k_low(p["qs"]), dm, dt).reshape(-1, QK_K)
 
 
-def _dq_q5_k(p):
+def _dq_q5_k(p, dt):
     sc, mn = _k_scales(p["scales"])
     d, dm = (p["d"] * sc)[:, :, None], (p["dmin"] * mn)[:, :, None]
     high = _bits(p["qh"], 256).reshape(-1, 32, 8).transpose(1, 2)  # bit j of byte i: sub-block j, value i
-    return (d * (_k_low(p["qs"]) | (high << 4)) - dm).reshape(-1, QK_K)
+    return _last(torch.sub, d * (_k_low(p["qs"]) | (high << 4)), dm, dt).reshape(-1, QK_K)
 
 
-def _dq_q6_k(p):
+def _dq_q6_k(p, dt):
     n = p["ql"].shape[0]
     ql = p["ql"].reshape(n, 2, 1, 64)
     low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n, 8, 32)
@@ -121,7 +139,7 @@ def _dq_q6_k(p):
     shifts = torch.tensor([0, 2, 4, 6], device=qh.device, dtype=torch.uint8).reshape(1, 1, 4, 1)
     high = ((qh >> shifts) & 0x03).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16)
-    return ((p["d"] * p["scales"])[:, :, None] * q).reshape(n, QK_K)
+    return _last(torch.mul, (p["d"] * p["scales"])[:, :, None], q, dt).reshape(n, QK_K)
 
 
 def _gguf_py(name: str):

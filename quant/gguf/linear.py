@@ -16,10 +16,11 @@ class GGUFLinear(QuantLinear):
     the blocks into the activation dtype and runs the float GEMM (the float weight lives only
     for that call)."""
 
-    def __init__(self, linear: nn.Linear, qtype: str, raw: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear, qtype: str, raw: torch.Tensor | None = None, kernel: str = "dequant"):
         super().__init__(linear)
         fmt = FORMATS[qtype]
         self.qtype = qtype
+        self.kernel = kernel  # "dequant": diffusers' float16 arithmetic; "dequant32": ggml's float32
         if raw is None:  # quantize the float weight now
             raw = torch.from_numpy(fmt.quantize(linear.weight.detach().float().cpu().numpy()))
         for name, plane in fmt.split(raw).items():
@@ -28,10 +29,10 @@ class GGUFLinear(QuantLinear):
 
     @classmethod
     def from_blocks(cls, qtype: str, raw: torch.Tensor, out_features: int, in_features: int,
-                    bias: torch.Tensor | None) -> "GGUFLinear":
+                    bias: torch.Tensor | None, kernel: str = "dequant") -> "GGUFLinear":
         """A layer straight from a file's bytes ([out, in / block * type_size] uint8)."""
         shell = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
-        layer = cls(shell, qtype, raw)
+        layer = cls(shell, qtype, raw, kernel)
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return layer
@@ -44,14 +45,15 @@ class GGUFLinear(QuantLinear):
         return FORMATS[self.qtype].join(self.planes()).reshape(self.out_features, -1)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return FORMATS[self.qtype].dequant(self.planes()).reshape(self.out_features, self.in_features).to(dtype)
+        w = FORMATS[self.qtype].dequant(self.planes(), dtype, exact=self.kernel == "dequant32")
+        return w.reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", qtype={self.qtype}"
+        return super().extra_repr() + f", qtype={self.qtype}, kernel={self.kernel}"
 
 
 def fits(qtype: str, linear: nn.Linear) -> str | None:
