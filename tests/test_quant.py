@@ -351,7 +351,8 @@ def test_default_model_quality_gate_for_every_method():
         return images, float((clf.predict(images) == digits).mean())
 
     base, base_adherence = run(None)
-    for method, min_psnr in (("int8-weight", 30), ("int8-dynamic", 25), ("gguf:Q8_0", 30), ("gguf:Q4_0", 18)):
+    # measured here: 57.5, 49.3, 59.2 and 36.2 dB; adherence 100% for all (fp32: 100%)
+    for method, min_psnr in (("int8-weight", 45), ("int8-dynamic", 40), ("gguf:Q8_0", 45), ("gguf:Q4_0", 30)):
         images, adherence = run(method)
         assert adherence >= base_adherence - 0.02, f"{method}: adherence {adherence} vs {base_adherence}"
         assert psnr(base, images) >= min_psnr, f"{method}: PSNR {psnr(base, images):.1f} dB"
