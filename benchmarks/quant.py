@@ -164,8 +164,7 @@ def main(argv=None):
     gguf = diffusers_side_by_side(model, work, args.repeats, args.steps)
     rows = {name: {"weight_bytes": weights[name], "bytes_ratio": weights[name] / weights["fp32"],
                    "peak_rss": rss[name], **{f"step_{s}": timing[s][name] for s in SHAPES},
-                   "speedup_256x256x1": timing["256x256x1"]["fp32"]["median_ms"] / timing["256x256x1"][name]["median_ms"],
-                   "speedup_64x64x8": timing["64x64x8"]["fp32"]["median_ms"] / timing["64x64x8"][name]["median_ms"],
+                   **{f"speedup_{s}": timing[s]["fp32"]["median_ms"] / timing[s][name]["median_ms"] for s in SHAPES},
                    **quality[name], "kept_float": kept.get(name, [])} for name in VARIANTS}
     print(f"{'variant':<13} {'weights':>9} {'ratio':>6} {'RSS MB':>7} {'64x64x8 ms':>11} {'256x1 ms':>9} "
           f"{'x fp32':>6} {'adher.':>6} {'PSNR':>6}")
@@ -175,7 +174,8 @@ def main(argv=None):
               f"{r['speedup_256x256x1']:6.2f} {r['adherence']:6.3f} {r['psnr']:6.1f}")
     for qtype, g in gguf.items():
         print(f"GGUF {qtype} forward 256x256: omnidit {g['omnidit']['median_ms']:.1f} ms, diffusers "
-              f"{g['diffusers']['median_ms']:.1f} ms ({g['speed_vs_diffusers']:.2f}x), max diff {g['max_abs_diff']:.2e}")
+              f"{g['diffusers']['median_ms']:.1f} ms ({g['speed_vs_diffusers']:.2f}x), "
+              f"max diff {g['max_abs_diff']:.2e}")
     methods = [n for n in VARIANTS if n != "fp32"]
     summary = {
         "int8_dynamic_speedup": rows["int8-dynamic"]["speedup_256x256x1"],

@@ -74,7 +74,8 @@ class Int8DynamicLinear(QuantLinear):
         q, scale = int8_per_channel(linear.weight)
         with warnings.catch_warnings():  # torch flags its quantized-tensor constructors as deprecated
             warnings.simplefilter("ignore")
-            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
+            zero = torch.zeros_like(scale, dtype=torch.long)
+            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
             self._packed = torch.ops.quantized.linear_prepack(qw, None)
         self.register_buffer("scale", scale)  # kept for reports; the packed weight holds its own copy
         self.kernel = kernel

@@ -215,7 +215,8 @@ def test_exported_folder_loads_in_diffusers_and_here_with_identical_tensors_and_
             assert torch.equal(blocks, tensors[f"{name}.weight"].data)
             assert torch.equal(blocks, fresh.get_submodule(name).blocks())
             assert torch.equal(blocks, theirs.get_submodule(name).weight.as_tensor().view(torch.uint8))
-            assert torch.equal(m.dequantized_weight(), dequantize_gguf_tensor(theirs.get_submodule(name).weight).float())
+            theirs_w = dequantize_gguf_tensor(theirs.get_submodule(name).weight).float()
+            assert torch.equal(m.dequantized_weight(), theirs_w)
     assert layers == 29  # all but x_embedder (16 inputs: not a multiple of 32)
     kw = dict(num_inference_steps=4, height=32, width=32, guidance_scale=3.5)
     out = torch.stack(engine.generate("a cat", params(seed=5, **kw)))
@@ -328,7 +329,8 @@ def test_cli_quantize_writes_a_folder_that_generate_serves(tiny_models, tmp_path
     assert main(["quantize", str(tiny_models["flux"]), "--to", "gguf:Q8_0", "-o", str(out)]) == 0
     assert (out / "transformer" / "diffusion_pytorch_model-Q8_0.gguf").is_file()
     assert not (out / "transformer" / "diffusion_pytorch_model.safetensors").exists()
-    assert main(["generate", "-m", str(out), "a cat", "--steps", "2", "--seed", "1", "-o", str(tmp_path / "a.png")]) == 0
+    png = str(tmp_path / "a.png")
+    assert main(["generate", "-m", str(out), "a cat", "--steps", "2", "--seed", "1", "-o", png]) == 0
     assert main(["quantize", str(tiny_models["flux"]), "--to", "int8-weight", "-o", str(tmp_path / "x")]) == 2
     assert "to='int8-weight' is invalid: expected gguf:TYPE" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--quant", "int8-dynamic"])
