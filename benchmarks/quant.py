@@ -174,7 +174,7 @@ def main(argv=None):
     for name, r in rows.items():
         print(f"{name:<13} {r['weight_bytes'] / 1e6:8.1f}M {r['bytes_ratio']:6.3f} {r['peak_rss'] / 1e6:7.0f} "
               f"{r['step_64x64x8']['median_ms']:11.1f} {r['step_256x256x1']['median_ms']:9.1f} "
-              f"{r['speedup_256x256x1']:6.2f} {r['adherence']:6.3f} {r['psnr']:6.1f}")
+              f"{r['speedup_256x256x1']:6.2f} {r['adherence']:6.3f} {r['psnr'] or float('inf'):6.1f}")
     for qtype, g in gguf.items():
         print(f"GGUF {qtype} forward 256x256: omnidit {g['omnidit']['median_ms']:.1f} ms, diffusers "
               f"{g['diffusers']['median_ms']:.1f} ms ({g['speed_vs_diffusers']:.2f}x), "
