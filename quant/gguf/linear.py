@@ -23,6 +23,7 @@ class GGUFLinear(QuantLinear):
         self.kernel = kernel  # "dequant": diffusers' float16 arithmetic; "dequant32": ggml's float32
         if raw is None:  # quantize the float weight now
             raw = torch.from_numpy(fmt.quantize(linear.weight.detach().float().cpu().numpy()))
+        self._plane_names = [name for name, _, _ in fmt.layout]
         for name, plane in fmt.split(raw).items():
             self.register_buffer(f"q_{name}", plane.to(linear.weight.device) if linear.weight.device.type != "meta"
                                  else plane)
@@ -38,7 +39,7 @@ class GGUFLinear(QuantLinear):
         return layer
 
     def planes(self) -> dict[str, torch.Tensor]:
-        return {name[2:]: buf for name, buf in self.named_buffers() if name.startswith("q_")}
+        return {name: getattr(self, f"q_{name}") for name in self._plane_names}
 
     def blocks(self) -> torch.Tensor:
         """The weight as GGUF bytes [out, in / block * type_size] (what a file stores)."""
