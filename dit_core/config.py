@@ -43,6 +43,9 @@ class EngineConfig:
     cache: step cache: ``none``, ``teacache:0.2``, ``fbcache:0.1[,fn=1][,bn=0]`` (per row, inside
         continuous batching) or ``cache-dit:0.1[,fn=1][,bn=0][,warmup=1]`` (request-level: forces
         ``max_batch_size=1``). See ``dit_core.cache``.
+    quant: weight quantization of the transformer (or the components named with ``,components=``):
+        ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
+        ``dit_core.quantize``.
     """
 
     dtype: str = "float32"
@@ -58,6 +61,7 @@ class EngineConfig:
     thinker_kv_cache_gb: float = 1.0
     thinker_memory_utilization: float = 0.1
     prompt_cache_bytes: int = 256 << 20
+    quant: str | None = None
 
     def __post_init__(self):
         if self.thinker is None:
@@ -98,6 +102,9 @@ class EngineConfig:
         if isinstance(self.edf_bulk_every, bool) or not isinstance(self.edf_bulk_every, int) \
                 or self.edf_bulk_every < 1:
             raise InvalidParamError("edf_bulk_every", self.edf_bulk_every, "an integer >= 1")
+        from .quantize import validate_quant
+
+        self.quant = validate_quant(self.quant, self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,6 +20,7 @@ from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
 from .families import Family, load_family
 from .params import SamplingParams
+from .quantize import apply_quant
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
 from .runner import Runner
 from .scheduler import StepScheduler
@@ -120,6 +121,7 @@ class Engine:
                 if not isinstance(name, str) or not name.strip():
                     raise InvalidParamError("models", name, "a non-empty model name")
                 models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options)
+                apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
         except BaseException:
             for family in models.values():
                 family.close()

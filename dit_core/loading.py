@@ -45,6 +45,7 @@ def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: t
                     skip: set[str] = frozenset()) -> dict:
     """Load every component ``model_index.json`` lists (but ``skip``), models in ``dtype`` on ``device``."""
     components = {}
+    stored_quantized = index.get("_omnidit_quant") or {}  # components kept as GGUF files (dit_core.quantize)
     for name, spec in index.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None or name in skip:
             continue
@@ -54,6 +55,11 @@ def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: t
         cls = getattr(importlib.import_module(library), class_name, None)
         if cls is None:
             raise UnknownModelError(f"component {name!r}: {library} has no class {class_name!r}")
+        if name in stored_quantized:
+            from .quantize import load_quantized_component
+
+            components[name] = load_quantized_component(Path(path), name, stored_quantized[name], cls, dtype, device)
+            continue
         components[name] = _load_one(cls, library, Path(path) / name, dtype, device)
     return components
 

@@ -92,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--write", action="store_true", help="store the coefficients in the model's model_index.json")
     fit.set_defaults(func=cmd_fit_teacache)
 
+    qnt = sub.add_parser("quantize", help="write a copy of a model folder with its transformer as a GGUF file")
+    qnt.add_argument("model", help="a diffusers-format model folder (float weights)")
+    qnt.add_argument("--to", required=True, metavar="gguf:TYPE",
+                     help="GGUF block type: gguf:Q8_0, gguf:Q4_0, gguf:Q4_1, gguf:Q5_0, gguf:Q5_1, gguf:Q4_K, "
+                          "gguf:Q5_K or gguf:Q6_K")
+    qnt.add_argument("-o", "--output", required=True,
+                     help="new folder: loads with Engine.from_pretrained / omnidit serve, and its .gguf file with "
+                          "diffusers' from_single_file")
+    qnt.add_argument("--component", default="transformer", help="component to quantize (default transformer)")
+    qnt.set_defaults(func=cmd_quantize)
+
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
     rnd.add_argument("family", help="flux, sd3 or qwenimage")
     rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
@@ -128,6 +139,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, choices=["fifo", "edf"],
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
                         "at least 1 step in 10 to bulk); default: edf when a robot policy model is loaded, else fifo")
+    p.add_argument("--quant", default=None,
+                   help="weight quantization of the transformer: int8-weight, int8-dynamic (CPU), fp8 or "
+                        "gguf:TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); options ',kernel=NAME', "
+                        "',components=transformer+text_encoder' (default: none; a folder from `omnidit quantize` "
+                        "is quantized already)")
     p.add_argument("--attention-per-role", default=None,
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
@@ -139,7 +155,8 @@ def engine_kwargs(args) -> dict:
                 attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
                 thinker_memory_utilization=args.thinker_memory_utilization,
-                prompt_cache_bytes=args.prompt_cache_bytes, **({"policy": args.policy} if args.policy else {}))
+                prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant,
+                **({"policy": args.policy} if args.policy else {}))
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:
@@ -279,6 +296,15 @@ def cmd_fit_teacache(args) -> int:
     if args.write:
         steps = engine.family.resolve(params).num_inference_steps
         print(f"written to {fit.write(model, result, prompts, steps)}")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from dit_core.quantize import export_gguf
+
+    summary = export_gguf(args.model, args.to, args.output, args.component)
+    print(json.dumps(summary, indent=2))
+    print(args.output)
     return 0
 
 
