@@ -57,7 +57,7 @@ def apply_quant(family, value: str | None) -> None:
     for name in spec.components:
         module = getattr(family, "components", {}).get(name)
         if not isinstance(module, torch.nn.Module):
-            loaded = sorted(k for k, v in family.components.items() if isinstance(v, torch.nn.Module))
+            loaded = sorted(k for k, v in getattr(family, "components", {}).items() if isinstance(v, torch.nn.Module))
             raise InvalidParamError("quant", value, f"components among the loaded models {loaded} "
                                                     f"(no model {name!r} is loaded)")
         if quant.is_quantized(module):
