@@ -1,0 +1,45 @@
+// Labelled form fields with an error line each, and placing the server's errors next to the field
+// they name. Shared by the tabs.
+
+import { el } from "./dom.js";
+
+/** A labelled control (``input`` or ``textarea``) with its error line; returns {wrap, input, error}. */
+export function field(id, label, tag = "input", attrs = {}) {
+  const input = el(tag, { id, name: id, ...attrs });
+  const error = el("p", { class: "field-error", id: `${id}-error`, role: "alert" });
+  input.setAttribute("aria-describedby", [attrs["aria-describedby"], error.id].filter(Boolean).join(" "));
+  const wrap = el("div", { class: "field" }, el("label", { for: id, text: label }), input, error);
+  return { wrap, input, error };
+}
+
+/** Error lines of one form, keyed by field; ``paramToField`` maps the server's ``param`` names. */
+export class FormErrors {
+  constructor(fields, general, paramToField) {
+    this.fields = fields; // name -> {input, error}
+    this.general = general; // the error line for errors that name no field
+    this.paramToField = paramToField;
+  }
+
+  clear() {
+    for (const { input, error } of Object.values(this.fields)) {
+      error.textContent = "";
+      if (input) input.removeAttribute("aria-invalid");
+    }
+    this.general.textContent = "";
+  }
+
+  /** Show ``err`` (an ApiError) next to the field its ``param`` names, else under the form. */
+  show(err) {
+    const name = this.paramToField[err.param] || err.param;
+    const target = this.fields[name];
+    if (!target) {
+      this.general.textContent = err.message;
+      return;
+    }
+    target.error.textContent = err.message;
+    if (target.input) {
+      target.input.setAttribute("aria-invalid", "true");
+      target.input.focus();
+    }
+  }
+}
