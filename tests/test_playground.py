@@ -1,7 +1,8 @@
 """The playground page at ``/`` in a real browser (playwright driving Debian's chromium, headless)
-against real ``omnidit serve`` processes with the embedded default model: one without and one with
-an API key, started together and shared by the module, as is the browser."""
+against a real ``omnidit serve`` process with the embedded default model, shared by the module as
+is the browser; the API-key test uses the same app with a key, served from this process."""
 
+import math
 import os
 import re
 import shutil
@@ -17,6 +18,10 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
+
+from dit_core.zoo import default_model
+from serve.app import ServeSettings
+from tests.test_serve import live_server
 
 CHROMIUM = os.environ.get("OMNIDIT_CHROMIUM", "/usr/bin/chromium")
 # headless, and nothing of chromium's own that reaches out (updates, sync, safe browsing, metrics)
@@ -71,31 +76,25 @@ def stop_server(server: SimpleNamespace) -> None:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """(open server, server with --api-key), loading their models at the same time."""
-    tmp = tmp_path_factory.mktemp("playground")
-    started = [start_server(tmp), start_server(tmp, "--api-key", API_KEY)]
+def server(tmp_path_factory):
+    """A real ``omnidit serve`` process with the embedded default model, on a free port."""
+    server = start_server(tmp_path_factory.mktemp("playground"))
     try:
-        for server in started:
-            wait_ready(server)
-        yield started
+        wait_ready(server)
+        yield server
     finally:
-        for server in started:
-            stop_server(server)
+        stop_server(server)
 
 
 @pytest.fixture(scope="module")
-def server(servers):
-    return servers[0]
+def keyed_server():
+    """The same app with ``api_key`` set, served from this process (saves a second process's imports)."""
+    with live_server(default_model(), ServeSettings(api_key=API_KEY), max_batch_size=8) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
-def keyed_server(servers):
-    return servers[1]
-
-
-@pytest.fixture(scope="module")
-def browser(servers):  # on the servers, so that it closes (and drops its connections) before they stop
+def browser(server):  # on the server, so that it closes (and drops its connections) before the server stops
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install chromium)")
     with sync_playwright() as p:
@@ -149,9 +148,9 @@ def ready_form(page):
     return page
 
 
-def fill(page, prompt="the digit 3", width=None, height=None, steps=None, seed=0):
+def fill(page, prompt="the digit 3", width=None, height=None, steps=None, seed=0, n=None):
     page.fill("#image-prompt", prompt)
-    for sel, value in (("#image-width", width), ("#image-height", height), ("#image-steps", steps)):
+    for sel, value in (("#image-width", width), ("#image-height", height), ("#image-steps", steps), ("#image-n", n)):
         if value is not None:
             page.fill(sel, str(value))
     page.fill("#image-seed", str(seed))
@@ -179,15 +178,18 @@ def test_page_generates_an_image_of_the_requested_size_with_progress_in_order(vi
     page = ready_form(visit.open())
     expect(page.locator("#tab-image")).to_have_attribute("aria-selected", "true")
     expect(page.locator("#server-status")).to_contain_text("Connected: 1 model")
-    fill(page, "the digit 3", width=48, height=32, steps=6, seed=3)
+    unlabelled = page.evaluate("[...document.querySelectorAll('input, select, textarea')]"
+                               ".filter(e => !e.labels.length).map(e => e.id)")
+    assert unlabelled == []
+    fill(page, "the digit 3", width=48, height=32, steps=6, seed=3, n=2)
     record_progress(page)
     page.click("button:has-text('Generate')")
     job = page.locator(".job").first
     expect(job).to_have_attribute("data-state", "done")
-    img = job.locator("img")
-    expect(img).to_have_count(1)
-    size = img.evaluate("i => [i.naturalWidth, i.naturalHeight]")
-    assert size == [48, 32]
+    images = job.locator("img")
+    expect(images).to_have_count(2)
+    sizes = images.evaluate_all("all => all.map(i => [i.naturalWidth, i.naturalHeight])")
+    assert sizes == [[48, 32], [48, 32]]
     steps = page.evaluate("window.__steps")
     assert steps == [f"step {k} of 6" for k in range(1, 7)], steps
     assert visit.errors == [], visit.errors
@@ -217,11 +219,15 @@ def test_cancel_aborts_the_request_in_the_engine(visit, server):
     page = ready_form(visit.open())
     before = metric(server, "omnidit_requests_total", 'outcome="aborted"')
     fill(page, "the digit 8", steps=1000)
-    page.click("button:has-text('Generate')")
+    page.focus("#image-prompt")
+    page.keyboard.press("Control+Enter")  # by keyboard: Ctrl+Enter in the prompt submits, Enter on Cancel cancels
     job = page.locator(".job").first
     expect(job.locator(".job-steps")).to_have_text(re.compile(r"step [2-9]\d* of 1000"))
-    job.locator("button", has_text="Cancel").click()
+    cancel = job.locator("button", has_text="Cancel")
+    cancel.focus()
+    page.keyboard.press("Enter")
     expect(job).to_have_attribute("data-state", "cancelled")
+    expect(job).to_be_focused()  # the keyboard user stays on the card, not thrown to the page top
     deadline = time.monotonic() + 30
     while metric(server, "omnidit_requests_total", 'outcome="aborted"') < before + 1:
         assert time.monotonic() < deadline, "the engine did not abort the cancelled request"
@@ -246,6 +252,31 @@ def test_two_requests_from_the_page_share_engine_steps(visit, server):
         jobs.nth(i).locator("button", has_text="Cancel").click()
     for i in range(2):
         expect(jobs.nth(i)).to_have_attribute("data-state", "cancelled")
+
+
+def test_engine_stats_endpoint_and_panel(visit, server):
+    page = ready_form(visit.open())
+    before = httpx.get(f"{server.url}/v1/engine/stats", timeout=10).json()
+    body = {"prompt": "a repeated prompt", "size": "32x32", "num_inference_steps": 3, "seed": 1}
+    for _ in range(2):  # the second encoding of the same prompt comes from the prompt cache
+        assert httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=WAIT_MS / 1e3).status_code == 200
+    stats = httpx.get(f"{server.url}/v1/engine/stats", timeout=10).json()
+    assert set(stats) == {"queue", "steps", "step_cache", "prompt_cache", "requests"}
+    assert stats["steps"]["total"] == before["steps"]["total"] + 6
+    assert stats["steps"]["recent"][-1]["batch_size"] == 1 and stats["steps"]["per_second"] > 0
+    assert stats["requests"]["finished"] == before["requests"]["finished"] + 2
+    assert stats["queue"] == {"waiting": 0, "running": 0}
+    assert stats["step_cache"]["mode"] == "none" and stats["step_cache"]["rows_skipped"] == 0
+    cache = stats["prompt_cache"]
+    assert cache["hits"] >= before["prompt_cache"]["hits"] + 2  # prompt and negative prompt
+    assert cache["hit_rate"] == round(cache["hits"] / (cache["hits"] + cache["misses"]), 4)
+    expect(page.locator("#stat-prompt-cache")).to_have_text(re.compile(rf"^{math.floor(cache['hit_rate'] * 100 + 0.5)}% \("))
+    expect(page.locator("#stat-requests")).to_have_text(re.compile(rf"^{stats['requests']['finished']} / "))
+    detail = httpx.get(f"{server.url}/v1/models/digits", timeout=10).json()["details"]
+    assert {k: detail[k] for k in ("min_steps", "max_steps", "max_outputs", "cfg_param", "size_multiple")} == {
+        "min_steps": 2, "max_steps": 1000, "max_outputs": 10, "cfg_param": "true_cfg_scale", "size_multiple": 8}
+    expect(page.locator("#image-steps")).to_have_attribute("max", "1000")
+    expect(page.locator("#image-n")).to_have_attribute("max", "10")
 
 
 @pytest.mark.parametrize("case", ["size", "prompt"])
