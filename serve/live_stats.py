@@ -26,7 +26,8 @@ class LiveStats:
     def __init__(self, engine: AsyncEngine, window_s: float = WINDOW_S, history: int = HISTORY):
         self.engine, self.window_s = engine, window_s
         self._lock = threading.Lock()
-        self._steps: collections.deque[tuple] = collections.deque(maxlen=history)  # (end, ms, requests, rows, skipped, model)
+        # per step: (end time, ms, requests, rows, rows skipped, model)
+        self._steps: collections.deque[tuple] = collections.deque(maxlen=history)
         self._totals = {"steps": 0, "rows": 0, "rows_skipped": 0, "block_evals": 0, "block_evals_full": 0}
         self._outcomes: collections.Counter[str] = collections.Counter()
         engine.step_listeners.append(self.on_step)

@@ -15,15 +15,15 @@ export function field(id, label, tag = "input", attrs = {}) {
 /** Error lines of one form, keyed by field; ``paramToField`` maps the server's ``param`` names. */
 export class FormErrors {
   constructor(fields, general, paramToField) {
-    this.fields = fields; // name -> {input, error}
+    this.fields = fields; // name -> {input, error, inputs?: {param: input}}
     this.general = general; // the error line for errors that name no field
     this.paramToField = paramToField;
   }
 
   clear() {
-    for (const { input, error } of Object.values(this.fields)) {
+    for (const { input, inputs, error } of Object.values(this.fields)) {
       error.textContent = "";
-      if (input) input.removeAttribute("aria-invalid");
+      for (const node of [input, ...Object.values(inputs || {})]) node?.removeAttribute("aria-invalid");
     }
     this.general.textContent = "";
   }
@@ -37,9 +37,11 @@ export class FormErrors {
       return;
     }
     target.error.textContent = err.message;
-    if (target.input) {
-      target.input.setAttribute("aria-invalid", "true");
-      target.input.focus();
+    // a field of several inputs (size: width and height) marks the one the server named
+    const input = (target.inputs && target.inputs[err.param]) || target.input;
+    if (input) {
+      input.setAttribute("aria-invalid", "true");
+      input.focus();
     }
   }
 }

@@ -71,7 +71,7 @@ class ImageTab {
     };
     const [width, widthWrap] = side("image-width", "Width");
     const [height, heightWrap] = side("image-height", "Height");
-    this.f.size = { input: width, error, width, height, hint };
+    this.f.size = { input: width, inputs: { width, height }, error, width, height, hint };
     return el("fieldset", { class: "size" }, el("legend", { text: "Size in pixels" }),
       el("div", { class: "row" }, widthWrap, el("span", { "aria-hidden": "true", text: "×" }), heightWrap), hint, error);
   }
