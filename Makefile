@@ -6,7 +6,7 @@ STAMP := $(VENV)/.omnidit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean chromium
 
 install: $(STAMP)
 
@@ -25,7 +25,12 @@ PORT ?= 8000
 run: install
 	$(BIN)/omnidit serve --host $(HOST) --port $(PORT)
 
-test: install
+# the playground's browser tests drive Debian's chromium (playwright's own browser download cannot work offline)
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	test -x $(CHROMIUM) || (apt-get update && apt-get install -y --no-install-recommends chromium)
+
+test: install chromium
 	$(BIN)/python -m pytest -q tests
 
 bench: install

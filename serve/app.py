@@ -11,11 +11,13 @@ from fastapi import FastAPI
 
 from dit_core import AsyncEngine
 
+from . import playground
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
+from .live_stats import LiveStats
 from .metrics import Metrics
 from .models import served_models
-from .routes import images, system
+from .routes import images, stats, system
 
 
 @dataclass
@@ -48,11 +50,14 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.state.settings = settings
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
     app.state.metrics = Metrics(engine)
+    app.state.live_stats = LiveStats(engine)
     app.state.started = int(time.time())
     app.state.model_ids = served_models(engine.engine, settings)
     install_handlers(app)
     app.include_router(images.router)
     app.include_router(system.router)
+    app.include_router(stats.router)
+    playground.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
@@ -60,15 +65,19 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on every route but /health."""
+    """``Authorization: Bearer KEY`` on every route but /health and the playground page's files
+    (they hold no secret; the page asks for the key and sends it with its API calls)."""
 
-    open_paths = ("/health",)
+    open_paths = ("/health", *playground.OPEN_PATHS)
+    open_prefixes = playground.OPEN_PREFIXES
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in self.open_paths or (
+                path.startswith(self.open_prefixes) and ".." not in path):
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):

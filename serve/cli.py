@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on every route but /health (default: open)")
+                     help="require 'Authorization: Bearer KEY' on every route but /health and the playground page "
+                          "(/, /static/; the page asks for the key) (default: open)")
     srv.add_argument("--model-name", default=None,
                      help="with a positional model folder: the model id clients send and /v1/models lists "
                           "(default: the folder's name)")

@@ -15,7 +15,7 @@ from ar_adapters import choose_thinker, make_thinker, vllm_available
 
 from ..errors import InvalidParamError
 from ..loading import load_component, load_components
-from ..params import SamplingParams
+from ..params import MAX_OUTPUTS, MAX_SIDE, MAX_STEPS, SamplingParams
 from ..request import Request
 from .base import Family, TextCond, split_rows
 
@@ -141,6 +141,7 @@ class ImageFamily(DiffusersFamily):
     params_used = frozenset({"height", "width", "num_frames", "guidance_scale", "true_cfg_scale",
                              "negative_prompt", "max_sequence_length"})
     processor: VaeImageProcessor  # set by subclasses
+    cfg_param: ClassVar[str] = "true_cfg_scale"  # the SamplingParams field that sets classifier-free guidance
 
     @property
     def size_multiple(self) -> int:
@@ -154,8 +155,13 @@ class ImageFamily(DiffusersFamily):
         return (params.height // self.size_multiple) * (params.width // self.size_multiple)
 
     def describe(self) -> dict:
-        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": 8192,
-                "max_text_tokens": self.max_text_tokens}
+        """Adds the size rule (``size_multiple``, ``max_side``), ``max_text_tokens``, the step and
+        output ranges (``min_steps``..``max_steps``, ``max_outputs``) and ``cfg_param``: the field
+        that sets classifier-free guidance for this family."""
+        min_steps = 2 if self.scheduler.config.get("shift_terminal") else 1
+        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": MAX_SIDE,
+                "max_text_tokens": self.max_text_tokens, "min_steps": min_steps, "max_steps": MAX_STEPS,
+                "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param}
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         self.check_fields(params)
