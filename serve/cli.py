@@ -26,14 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnidit", description="Serve and run diffusion transformers.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate images from a prompt, with a progress bar")
+    gen = sub.add_parser("generate", help="generate images (PNG) or videos (MP4) from a prompt, with a progress bar")
     gen.add_argument("prompt", nargs="+",
                      help="one or more prompts (one image each, or --num-outputs); a first argument that is a "
                           "model folder is taken as --model")
     gen.add_argument("-m", "--model", default=None,
                      help="a diffusers-format model folder (default: the embedded digits model)")
     gen.add_argument("-o", "--output", default="out.png",
-                     help="output PNG; with several images, _0, _1, ... are added before .png (default out.png)")
+                     help="output PNG (an image model) or MP4 (a video model); with several outputs, _0, _1, ... "
+                          "are added before the suffix (default out.png, or out.mp4 for a video model)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
     gen.add_argument("--seed", type=int, default=None,
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
     gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
     gen.add_argument("--num-outputs", type=int, default=1, help="images per prompt (default 1)")
+    gen.add_argument("--frames", type=int, default=None,
+                     help="video models: frames per clip (Wan: 4k + 1; default: the model's)")
+    gen.add_argument("--fps", type=int, default=16, help="video models: frame rate of the MP4 (default 16)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -168,7 +172,8 @@ def cmd_generate(args) -> int:
         params = SamplingParams(height=height, width=width, num_inference_steps=args.steps,
                                 seed=None if args.seed is None else args.seed + i,
                                 guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
-                                negative_prompt=args.negative_prompt, num_outputs=args.num_outputs)
+                                negative_prompt=args.negative_prompt, num_outputs=args.num_outputs,
+                                num_frames=args.frames)
         ids.append(engine.add_request(prompt, params))
     total = sum(engine.get_request(r).total_steps for r in ids)
     outputs = {}
@@ -183,11 +188,19 @@ def cmd_generate(args) -> int:
                 elif ev.kind.final:
                     print(f"omnidit: request {ev.request_id} {ev.kind.value}: {ev.error}", file=sys.stderr)
                     return 1
-    images = [img for rid in ids for img in outputs[rid].images]
+    images = [img for rid in ids for img in outputs[rid].outputs]
     out = Path(args.output)
+    video = engine.family.output_kind == "video"
+    if video and out.suffix.lower() != ".mp4":
+        out = out.with_suffix(".mp4")
     for i, img in enumerate(images):
         path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
-        img.save(path)
+        if video:
+            from dit_core.video import write_mp4
+
+            write_mp4(path, img, fps=args.fps)
+        else:
+            img.save(path)
         print(path)
     print(f"seeds: {[outputs[rid].seed for rid in ids]}", file=sys.stderr)
     return 0

@@ -10,7 +10,7 @@ Shape (a WanPipeline folder, served by the same family code as a real Wan checkp
   not compress time (temporal factor 1): its causal convolutions' past-frame taps are zero, so it
   codes each frame alone and trains on single frames, which a 2-core CPU can afford. Frame counts
   are therefore free for this model (real Wan VAEs take 4k + 1).
-* DiT: a WanTransformer3DModel (4 blocks, 4 heads x 32, patch 1x2x2: 144 tokens for 9 frames)
+* DiT: a WanTransformer3DModel (4 blocks, 3 heads x 32, patch 1x2x2: 144 tokens for 9 frames)
   trained with flow matching (x_t = (1 - s) x0 + s e, target e - x0, s ~ logit-normal, t = 1000 s),
   10% of prompts dropped to "" so classifier-free guidance works, EMA of the weights saved.
 * scheduler: UniPC with flow prediction, as Wan 2.1 ships.
@@ -49,13 +49,13 @@ SERVING_DEFAULTS = {"height": md.SIZE, "width": md.SIZE, "num_frames": md.FRAMES
 @dataclass
 class TrainConfig:
     seed: int = 0
-    vae_steps: int = 200
-    vae_batch: int = 32
+    vae_steps: int = 150
+    vae_batch: int = 24
     vae_lr: float = 2e-3
     kl_weight: float = 1e-4
-    clips: int = 3600  # clips encoded once for the DiT
-    dit_steps: int = 2000
-    dit_batch: int = 32
+    clips: int = 2400  # clips encoded once for the DiT
+    dit_steps: int = 1500
+    dit_batch: int = 24
     dit_lr: float = 1e-3
     drop_prompt: float = 0.1
     ema: float = 0.999
@@ -69,7 +69,7 @@ def build_components(seed: int) -> dict:
                            scale_factor_spatial=4, scale_factor_temporal=1)
     frame_local(vae)
     return {"tokenizer": tokenizer, "text_encoder": umt5(64, 2, tokenizer), "vae": vae,
-            "transformer": transformer(heads=4, head_dim=32, layers=4, ffn=512, text=64, latent=8),
+            "transformer": transformer(heads=3, head_dim=32, layers=4, ffn=384, text=64, latent=8),
             "scheduler": scheduler(flow_shift=2.0)}
 
 
