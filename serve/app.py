@@ -14,7 +14,8 @@ from dit_core import AsyncEngine
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
 from .metrics import Metrics
-from .routes import images, system
+from .routes import images, system, videos
+from .video_jobs import VideoJobStore
 
 
 @dataclass
@@ -30,6 +31,11 @@ class ServeSettings:
     max_files: int = 256
     drain_timeout_s: float = 0.0  # at shutdown, after the HTTP server's own grace period
     retry_after_s: int = 1
+    # the video job store (see serve.video_jobs): folder (None: the system temp dir), jobs, bytes, TTL
+    video_dir: str | None = None
+    max_videos: int = 64
+    max_video_bytes: int = 256 << 20
+    video_ttl_s: float = 3600.0
 
 
 def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
@@ -41,16 +47,20 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
         yield
         if owns_engine:
             engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+        app.state.videos.close()
 
     app = FastAPI(title="omnidit", lifespan=lifespan)
     app.state.engine = engine
     app.state.settings = settings
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
     app.state.metrics = Metrics(engine)
+    app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,
+                                     settings.video_ttl_s)
     app.state.started = int(time.time())
     install_handlers(app)
     app.include_router(images.router)
     app.include_router(system.router)
+    app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

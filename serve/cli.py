@@ -67,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--file-ttl", type=float, default=3600.0,
                      help="seconds a response_format=url image stays downloadable (default 3600)")
     srv.add_argument("--max-files", type=int, default=256, help="url images kept at most (default 256)")
+    srv.add_argument("--video-dir", default=None,
+                     help="folder for finished videos (a private subfolder, removed at exit; default: the "
+                          "system temp dir)")
+    srv.add_argument("--max-videos", type=int, default=64,
+                     help="video jobs kept at most, finished or not; more get 429 + Retry-After (default 64)")
+    srv.add_argument("--max-video-bytes", type=int, default=256 << 20,
+                     help="bytes of stored MP4s at most; more get 429 + Retry-After (default 256 MiB)")
+    srv.add_argument("--video-ttl", type=float, default=3600.0,
+                     help="seconds a finished video job and its file are kept (default 3600)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
@@ -214,7 +223,8 @@ def cmd_serve(args) -> int:
     settings = ServeSettings(model_name=args.model_name or Path(model).resolve().name, api_key=args.api_key,
                              max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
-                             max_files=args.max_files)
+                             max_files=args.max_files, video_dir=args.video_dir, max_videos=args.max_videos,
+                             max_video_bytes=args.max_video_bytes, video_ttl_s=args.video_ttl)
     return serve(model, args.host, args.port, settings, args.shutdown_timeout, **engine_kwargs(args))
 
 

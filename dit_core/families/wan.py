@@ -34,6 +34,10 @@ TEACACHE_1_3B = [2.39676752e03, -1.31110545e03, 2.01331979e02, -8.29855975e00, 1
 TEACACHE_14B = [-5.78454975e03, 5.44950912e03, -1.81116592e03, 2.56271784e02, -1.30225240e01]
 
 
+DEFAULT_FPS = 16  # Wan 2.1's
+FPS_KEY = "_omnidit_fps"  # a checkpoint's own frame rate, in model_index.json
+
+
 class WanFamily(DiffusersFamily):
     name = "wan"
     pipeline_class = "WanPipeline"
@@ -57,6 +61,8 @@ class WanFamily(DiffusersFamily):
         self.s_scale = self.vae.config.scale_factor_spatial
         self.patch = tuple(self.transformer.config.patch_size)
         self.processor = VideoProcessor(vae_scale_factor=self.s_scale)
+        # the frame rate its clips are meant to play at (MP4s, and seconds <-> frames in the Videos API)
+        self.fps = int(checkpoint.get(FPS_KEY) or DEFAULT_FPS)
         if not checkpoint.get("_omnidit_teacache"):
             self.teacache_coefficients = TEACACHE_14B if len(self.transformer.blocks) > 30 else TEACACHE_1_3B
 
@@ -75,7 +81,7 @@ class WanFamily(DiffusersFamily):
         return self.s_scale * max(self.patch[1], self.patch[2])
 
     def describe(self) -> dict:
-        return {**super().describe(), "size_multiple": self.size_multiple, "frame_step": self.t_scale,
+        return {**super().describe(), "size_multiple": self.size_multiple, "frame_step": self.t_scale, "fps": self.fps,
                 "max_text_tokens": self.max_text_tokens, "max_side": 8192}
 
     # ---- per request ----
