@@ -6,11 +6,11 @@ Shape (a WanPipeline folder, served by the same family code as a real Wan checkp
 
 * text encoder: a UMT5 encoder (d_model 64, 2 layers) left at its seeded random init, over a
   word-level tokenizer; the DiT learns to read its states (the trick of the image default).
-* VAE: an AutoencoderKLWan (32x32 RGB <-> 8 x 8 x 8 latents per frame, spatial factor 4). It does
+* VAE: an AutoencoderKLWan (32x32 RGB <-> 8 x 4 x 4 latents per frame, spatial factor 8). It does
   not compress time (temporal factor 1): its causal convolutions' past-frame taps are zero, so it
   codes each frame alone and trains on single frames, which a 2-core CPU can afford. Frame counts
   are therefore free for this model (real Wan VAEs take 4k + 1).
-* DiT: a WanTransformer3DModel (4 blocks, 3 heads x 32, patch 1x2x2: 144 tokens for 9 frames)
+* DiT: a WanTransformer3DModel (4 blocks, 4 heads x 32, patch 1x2x2: 36 tokens for 9 frames)
   trained with flow matching (x_t = (1 - s) x0 + s e, target e - x0, s ~ logit-normal, t = 1000 s),
   10% of prompts dropped to "" so classifier-free guidance works, EMA of the weights saved.
 * scheduler: UniPC with flow prediction, as Wan 2.1 ships.
@@ -34,13 +34,15 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan, WanPipeline
 
 from ..families import DEFAULTS_KEY
-from ..families.wan import WanFamily
+from ..families.wan import FPS_KEY, WanFamily
 from ..params import SamplingParams
 from ..random_models.wan import scheduler, transformer, umt5
 from . import digits_data, moving_digits as md
 
 logger = logging.getLogger(__name__)
 
+VAE_SCALE = 8  # pixels per latent cell
+FPS = 8  # 9 frames play for about a second
 TEXT_TOKENS = 16  # prompts are at most 8 words + </s>; the padded length the model is trained and served at
 SERVING_DEFAULTS = {"height": md.SIZE, "width": md.SIZE, "num_frames": md.FRAMES, "num_inference_steps": 20,
                     "guidance_scale": 3.0, "max_sequence_length": TEXT_TOKENS}
@@ -49,14 +51,14 @@ SERVING_DEFAULTS = {"height": md.SIZE, "width": md.SIZE, "num_frames": md.FRAMES
 @dataclass
 class TrainConfig:
     seed: int = 0
-    vae_steps: int = 150
-    vae_batch: int = 24
-    vae_lr: float = 2e-3
+    vae_steps: int = 100
+    vae_batch: int = 16
+    vae_lr: float = 3e-3
     kl_weight: float = 1e-4
-    clips: int = 2400  # clips encoded once for the DiT
-    dit_steps: int = 1500
-    dit_batch: int = 24
-    dit_lr: float = 1e-3
+    clips: int = 1600  # clips encoded once for the DiT
+    dit_steps: int = 1200
+    dit_batch: int = 32
+    dit_lr: float = 1.5e-3
     drop_prompt: float = 0.1
     ema: float = 0.999
 
@@ -64,12 +66,12 @@ class TrainConfig:
 def build_components(seed: int) -> dict:
     torch.manual_seed(seed)
     tokenizer = md.word_tokenizer()
-    vae = AutoencoderKLWan(base_dim=8, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1,
-                           temperal_downsample=[False, False], latents_mean=[0.0] * 8, latents_std=[1.0] * 8,
-                           scale_factor_spatial=4, scale_factor_temporal=1)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, False, False], latents_mean=[0.0] * 8, latents_std=[1.0] * 8,
+                           scale_factor_spatial=VAE_SCALE, scale_factor_temporal=1)
     frame_local(vae)
     return {"tokenizer": tokenizer, "text_encoder": umt5(64, 2, tokenizer), "vae": vae,
-            "transformer": transformer(heads=3, head_dim=32, layers=4, ffn=384, text=64, latent=8),
+            "transformer": transformer(heads=4, head_dim=32, layers=4, ffn=384, text=64, latent=8),
             "scheduler": scheduler(flow_shift=2.0)}
 
 
@@ -120,7 +122,7 @@ def encode_clips(vae, videos: torch.Tensor, batch: int = 512):
         dist = vae.encode(frames[i:i + batch]).latent_dist
         means.append(dist.mean)
         stds.append(dist.std)
-    unflat = (lambda t: t.reshape(n, f, -1, h // 4, w // 4).permute(0, 2, 1, 3, 4).contiguous())
+    unflat = (lambda t: t.reshape(n, f, -1, h // VAE_SCALE, w // VAE_SCALE).permute(0, 2, 1, 3, 4).contiguous())
     return unflat(torch.cat(means)), unflat(torch.cat(stds))
 
 
@@ -196,5 +198,6 @@ def train(out_dir: str | Path, cfg: TrainConfig | None = None) -> Path:
     pipe.save_pretrained(out)
     index = json.loads((out / "model_index.json").read_text())
     index[DEFAULTS_KEY] = SERVING_DEFAULTS
+    index[FPS_KEY] = FPS
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
