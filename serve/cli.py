@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="retrain the embedded video model, moving digits (about 20 minutes on 2 cores)")
     tvd.add_argument("out_dir")
     tvd.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tvd.add_argument("--threads", type=int, default=None,
+                     help="torch threads (default: torch's); 1 is much faster on a machine busy with other jobs")
     tvd.set_defaults(func=cmd_train_video_default)
 
     fit = sub.add_parser("fit-teacache", help="fit TeaCache coefficients for a checkpoint")
@@ -244,7 +246,7 @@ def cmd_train_video_default(args) -> int:
     from dit_core.zoo.train_video import TrainConfig, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    print(train(args.out_dir, TrainConfig(seed=args.seed, threads=args.threads)))
     return 0
 
 
