@@ -16,6 +16,7 @@ Writes ``benchmarks/results/video_throughput.json`` (top-level ``summary``).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from diffusers import DiffusionPipeline
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import RESULTS, machine, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import train_classifier
 from dit_core.eval.video_digits import generate, requests, score
@@ -125,17 +126,35 @@ def main(argv=None):
     ap.add_argument("--per-pair", type=int, default=2, help="TeaCache part: clips per (digit, direction) pair")
     ap.add_argument("--cache", default="teacache:0.2", help="the cache measured on the embedded model")
     ap.add_argument("--model", default=None, help="a Wan checkpoint (default: build the small random one)")
+    ap.add_argument("--part", choices=["all", "pipeline", "teacache"], default="all",
+                    help="run one part only; the other part's figures are kept from the last results file")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.per_pair = 1, 1
-    with tempfile.TemporaryDirectory() as tmp:
-        model = Path(args.model) if args.model else build("wan", "small", Path(tmp) / "wan-small")
-        a = engine_vs_pipeline(model, args.repeats)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    previous = {}
+    if args.part != "all" and (RESULTS / "video_throughput.json").is_file():
+        previous = json.loads((RESULTS / "video_throughput.json").read_text())
+    if args.part in ("all", "pipeline"):
+        with tempfile.TemporaryDirectory() as tmp:
+            model = Path(args.model) if args.model else build("wan", "small", Path(tmp) / "wan-small")
+            a = engine_vs_pipeline(model, args.repeats)
+    else:
+        a = previous.get("engine_vs_pipeline")
+        if a is None:
+            raise SystemExit("no earlier pipeline figures to keep: run --part all or --part pipeline first")
     print(f"small Wan, 8 concurrent requests (steps {a['steps']}): engine {a['engine_s']:.1f} s vs sequential "
           f"WanPipeline {a['pipeline_s']:.1f} s -> {a['throughput_ratio']:.2f}x; max abs diff {a['max_abs_diff']:.2e}; "
           f"mean batch {a['mean_batch_size']:.1f}")
-    b = teacache_on_default(args.cache, args.per_pair, args.repeats)
-    print(f"embedded video model, {b['clips']} clips, {args.cache}: {b['teacache_speedup']:.2f}x faster "
+    if args.part != "pipeline":
+        b = teacache_on_default(args.cache, args.per_pair, args.repeats)
+    else:  # the teacache part is not run: keep the last one's figures (or None)
+        b = previous.get("teacache") or dict.fromkeys(("teacache_speedup", "teacache_adherence_drop",
+                                                       "block_evals_ratio"))
+    if b.get("teacache_speedup") is not None:
+        print(f"embedded video model, {b['clips']} clips, {b['cache']}: {b['teacache_speedup']:.2f}x faster "
           f"({b['block_evals_ratio']:.2f}x fewer block evaluations); digit adherence {b['plain_digit_adherence']:.3f} "
           f"-> {b['cached_digit_adherence']:.3f}, direction {b['plain_direction_adherence']:.3f} -> "
           f"{b['cached_direction_adherence']:.3f}")
@@ -143,7 +162,9 @@ def main(argv=None):
                "max_abs_diff": a["max_abs_diff"], "teacache_speedup": b["teacache_speedup"],
                "teacache_adherence_drop": b["teacache_adherence_drop"], "teacache_block_evals_ratio":
                b["block_evals_ratio"]}
-    payload = {"benchmark": "video_throughput", "machine": machine(), "args": vars(args), "summary": summary,
+    runs = {**previous.get("runs", {}), **{part: vars(args) for part in ("pipeline", "teacache")
+                                           if args.part in ("all", part)}}
+    payload = {"benchmark": "video_throughput", "machine": machine(), "runs": runs, "summary": summary,
                "engine_vs_pipeline": a, "teacache": b}
     print(f"-> {write_json('video_throughput', payload)}")
     return payload

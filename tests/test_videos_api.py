@@ -62,7 +62,8 @@ def test_json_body_num_frames_and_sync_mp4(live, client):
 
 
 def test_content_is_404_until_completed_and_list_paginates(client, live):
-    slow = client.videos.create(prompt="a slow one", size="32x32", extra_body={"num_inference_steps": 400, "max_sequence_length": 16})
+    slow = client.videos.create(prompt="a slow one", size="32x32",
+                                extra_body={"num_inference_steps": 400, "max_sequence_length": 16})
     with pytest.raises(openai.NotFoundError, match="no content yet"):
         client.videos.download_content(slow.id)
     made = [slow.id] + [client.videos.create(prompt=f"clip {i}", size="32x32", extra_body=FAST).id for i in range(3)]

@@ -66,9 +66,9 @@ def frame_count(seconds: float, fps: int, step: int) -> int:
     k = round((seconds * fps - 1) / step)
     frames = step * k + 1
     if k < 1 or frames > 1024:
-        raise InvalidParamError("seconds", seconds, f"a length whose {fps} fps frame count maps to {step} k + 1 "
-                                                    f"frames with 1 <= k and at most 1024 frames "
-                                                    f"(from {(1 + step) / fps:g} s to {(1 + step * (1023 // step)) / fps:g} s)")
+        lo, hi = (1 + step) / fps, (1 + step * (1023 // step)) / fps
+        raise InvalidParamError("seconds", seconds, f"from {lo:g} to {hi:g} seconds at {fps} fps (the model makes "
+                                                    f"{step} k + 1 frames, k >= 1, at most 1024)")
     return frames
 
 
