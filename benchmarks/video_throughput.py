@@ -91,11 +91,12 @@ def engine_vs_pipeline(model: Path, repeats: int) -> dict:
             "engine_times": te, "pipeline_times": tp}
 
 
-def teacache_on_default(cache: str, per_pair: int, repeats: int) -> dict:
+def teacache_on_default(cache: str, per_pair: int, repeats: int, model=None) -> dict:
     clf = train_classifier()
     reqs = requests(per_pair)
-    plain = Engine.from_pretrained(default_video_model(), max_batch_size=40)
-    cached = Engine.from_pretrained(default_video_model(), max_batch_size=40, cache=cache)
+    model = model or default_video_model()
+    plain = Engine.from_pretrained(model, max_batch_size=40)
+    cached = Engine.from_pretrained(model, max_batch_size=40, cache=cache)
     for engine in (plain, cached):
         generate(engine, reqs[:4])  # warm-up
     evals = cached.stats.block_evals, cached.stats.block_evals_full
@@ -126,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--per-pair", type=int, default=2, help="TeaCache part: clips per (digit, direction) pair")
     ap.add_argument("--cache", default="teacache:0.2", help="the cache measured on the embedded model")
     ap.add_argument("--model", default=None, help="a Wan checkpoint (default: build the small random one)")
+    ap.add_argument("--video-model", default=None,
+                    help="moving-digits model for the TeaCache part (default: the embedded one)")
     ap.add_argument("--part", choices=["all", "pipeline", "teacache"], default="all",
                     help="run one part only; the other part's figures are kept from the last results file")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
@@ -149,7 +152,7 @@ def main(argv=None):
           f"WanPipeline {a['pipeline_s']:.1f} s -> {a['throughput_ratio']:.2f}x; max abs diff {a['max_abs_diff']:.2e}; "
           f"mean batch {a['mean_batch_size']:.1f}")
     if args.part != "pipeline":
-        b = teacache_on_default(args.cache, args.per_pair, args.repeats)
+        b = teacache_on_default(args.cache, args.per_pair, args.repeats, args.video_model)
     else:  # the teacache part is not run: keep the last one's figures (or None)
         b = previous.get("teacache") or dict.fromkeys(("teacache_speedup", "teacache_adherence_drop",
                                                        "block_evals_ratio"))
