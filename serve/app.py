@@ -17,7 +17,8 @@ from .files import FileStore
 from .live_stats import LiveStats
 from .metrics import Metrics
 from .models import served_models
-from .routes import images, stats, system
+from .routes import images, stats, system, videos
+from .video_jobs import VideoJobStore
 
 
 @dataclass
@@ -33,6 +34,11 @@ class ServeSettings:
     max_files: int = 256
     drain_timeout_s: float = 0.0  # at shutdown, after the HTTP server's own grace period
     retry_after_s: int = 1
+    # the video job store (see serve.video_jobs): folder (None: the system temp dir), jobs, bytes, TTL
+    video_dir: str | None = None
+    max_videos: int = 64
+    max_video_bytes: int = 256 << 20
+    video_ttl_s: float = 3600.0
 
 
 def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
@@ -44,6 +50,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
         yield
         if owns_engine:
             engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+        app.state.videos.close()
 
     app = FastAPI(title="omnidit", lifespan=lifespan)
     app.state.engine = engine
@@ -51,6 +58,8 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
     app.state.metrics = Metrics(engine)
     app.state.live_stats = LiveStats(engine)
+    app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,
+                                     settings.video_ttl_s)
     app.state.started = int(time.time())
     app.state.model_ids = served_models(engine.engine, settings)
     install_handlers(app)
@@ -58,6 +67,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.include_router(system.router)
     app.include_router(stats.router)
     playground.install(app)
+    app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

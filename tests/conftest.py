@@ -40,3 +40,9 @@ def engines(tiny_models):
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def wan_tiny(tmp_path_factory):
+    """The tiny random Wan 2.1 checkpoint (VAE factors 8 spatial, 4 temporal: 4k + 1 frames)."""
+    return build("wan", "tiny", tmp_path_factory.mktemp("models") / "wan")
