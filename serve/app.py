@@ -14,7 +14,7 @@ from dit_core import AsyncEngine
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
 from .metrics import Metrics
-from .routes import images, system
+from .routes import audio, images, system
 
 
 @dataclass
@@ -50,6 +50,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.state.started = int(time.time())
     install_handlers(app)
     app.include_router(images.router)
+    app.include_router(audio.router)
     app.include_router(system.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:

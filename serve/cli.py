@@ -26,14 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnidit", description="Serve and run diffusion transformers.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate images from a prompt, with a progress bar")
+    gen = sub.add_parser("generate", help="generate images (or audio, for an audio model) from a prompt, with a "
+                                          "progress bar")
     gen.add_argument("prompt", nargs="+",
                      help="one or more prompts (one image each, or --num-outputs); a first argument that is a "
                           "model folder is taken as --model")
     gen.add_argument("-m", "--model", default=None,
                      help="a diffusers-format model folder (default: the embedded digits model)")
-    gen.add_argument("-o", "--output", default="out.png",
-                     help="output PNG; with several images, _0, _1, ... are added before .png (default out.png)")
+    gen.add_argument("-o", "--output", default=None,
+                     help="output file; with several outputs, _0, _1, ... are added before the suffix (default "
+                          "out.png; out.wav for an audio model, whose suffix picks the format: .wav, .flac, .mp3, "
+                          ".opus, .pcm)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
     gen.add_argument("--seed", type=int, default=None,
@@ -43,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--true-cfg", type=float, default=None,
                      help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
     gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
-    gen.add_argument("--num-outputs", type=int, default=1, help="images per prompt (default 1)")
+    gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
+    gen.add_argument("--seconds", type=float, default=None,
+                     help="audio models: clip length in seconds (default: the model's maximum)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -85,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.set_defaults(func=cmd_fit_teacache)
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
-    rnd.add_argument("family", help="flux, sd3 or qwenimage")
+    rnd.add_argument("family", help="flux, sd3, qwenimage or stable-audio")
     rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
@@ -157,9 +162,16 @@ def cmd_generate(args) -> int:
         args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
     engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
+    audio = engine.family.output_kind == "audio"
+    out = Path(args.output or ("out.wav" if audio else "out.png"))
+    if audio and out.suffix.lower().lstrip(".") not in ("wav", "flac", "mp3", "opus", "ogg", "pcm"):
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
     ids = []
     for i, prompt in enumerate(args.prompt):
         params = SamplingParams(height=height, width=width, num_inference_steps=args.steps,
+                                audio_end_in_s=args.seconds,
                                 seed=None if args.seed is None else args.seed + i,
                                 guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
                                 negative_prompt=args.negative_prompt, num_outputs=args.num_outputs)
@@ -177,8 +189,7 @@ def cmd_generate(args) -> int:
                 elif ev.kind.final:
                     print(f"omnidit: request {ev.request_id} {ev.kind.value}: {ev.error}", file=sys.stderr)
                     return 1
-    images = [img for rid in ids for img in outputs[rid].images]
-    out = Path(args.output)
+    images = [img for rid in ids for img in outputs[rid].outputs]
     for i, img in enumerate(images):
         path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
         img.save(path)

@@ -40,3 +40,9 @@ def engines(tiny_models):
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_audio(tmp_path_factory):
+    """The tiny random Stable Audio checkpoint (8 kHz stereo, at most 0.128 s), built once per session."""
+    return build("stable-audio", "tiny", tmp_path_factory.mktemp("models") / "stable-audio")
