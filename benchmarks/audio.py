@@ -10,7 +10,8 @@ after another with ``StableAudioPipeline.__call__``; side B with ``Engine`` (all
 forward). The sides alternate A B A B with the same warm-up; the throughput ratio is the median
 over repeats. Every engine waveform is compared with the pipeline's (max abs diff).
 
-(b) See ``benchmarks/tts.py`` (the embedded text-to-speech model).
+(b) The embedded text-to-speech model: time to first audio and real-time factor, streamed against
+whole-utterance, 1 and 8 concurrent speakers (``benchmarks/tts.py``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=8, help="(a) concurrent requests (default 8)")
     parser.add_argument("--steps", type=int, default=None, help="(a) denoising steps (default 20; quick 6)")
     parser.add_argument("--repeats", type=int, default=None, help="A B repeats (default 3; quick 1)")
+    parser.add_argument("--tts-model", default=None, help="(b) a text-to-speech folder (default: the embedded one)")
     parser.add_argument("--name", default="audio", help="results file name under benchmarks/results/")
     args = parser.parse_args(argv)
     args.steps = args.steps or (6 if args.quick else 20)
@@ -119,6 +121,18 @@ def main(argv=None) -> int:
 
         payload["tts"] = b = part_b(args)
         payload["summary"].update(tts_first_audio_ratio=b["tts_first_audio_ratio"], tts_rtf=b["tts_rtf"])
+    if args.part != "ab":  # one part: keep the other part's figures from an earlier run
+        from benchmarks.common import RESULTS
+
+        previous = RESULTS / f"{args.name}.json"
+        if previous.is_file():
+            import json
+
+            old = json.loads(previous.read_text())
+            for key in ("stable_audio", "tts"):
+                if key not in payload and key in old:
+                    payload[key] = old[key]
+            payload["summary"] = {**old.get("summary", {}), **payload["summary"]}
     print(f"wrote {write_json(args.name, payload)}")
     return 0
 

@@ -14,7 +14,7 @@ from dit_core import AsyncEngine
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
 from .metrics import Metrics
-from .routes import audio, images, system
+from .routes import audio, images, speech, system
 
 
 @dataclass
@@ -39,6 +39,8 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        for service in app.state.speech.values():
+            service.close()
         if owns_engine:
             engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
 
@@ -48,9 +50,11 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
     app.state.metrics = Metrics(engine)
     app.state.started = int(time.time())
+    app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
     install_handlers(app)
     app.include_router(images.router)
     app.include_router(audio.router)
+    app.include_router(speech.router)
     app.include_router(system.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:

@@ -79,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     trn.set_defaults(func=cmd_train_default)
 
+    tts = sub.add_parser("train-tts-default",
+                         help="retrain the embedded text-to-speech model and its digit recognizer (espeak-ng data; "
+                              "apt-get installs espeak-ng when missing; about 15-20 minutes on 2 cores)")
+    tts.add_argument("out_dir")
+    tts.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tts.add_argument("--talker-minutes", type=float, default=6.0, help="time budget of the talker (default 6)")
+    tts.add_argument("--dit-minutes", type=float, default=4.0, help="time budget of the audio DiT (default 4)")
+    tts.add_argument("--no-recognizer", action="store_true", help="skip the recognizer")
+    tts.set_defaults(func=cmd_train_tts)
+
     fit = sub.add_parser("fit-teacache", help="fit TeaCache coefficients for a checkpoint")
     fit.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded digits model)")
     fit.add_argument("--prompt", action="append", default=None,
@@ -217,6 +227,17 @@ def cmd_train_default(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    return 0
+
+
+def cmd_train_tts(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_tts import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = TrainConfig(seed=args.seed, talker_minutes=args.talker_minutes, dit_minutes=args.dit_minutes)
+    print(train(args.out_dir, cfg, recognizer=not args.no_recognizer))
     return 0
 
 

@@ -16,6 +16,7 @@ from .flux import FluxFamily
 from .image import DiffusersFamily, ImageFamily
 from .qwenimage import QwenImageFamily
 from .sd3 import SD3Family
+from .speech import SpeechFamily
 from .stable_audio import StableAudioFamily
 
 # A checkpoint may declare its own serving defaults (any SamplingParams fields) under this key of
@@ -31,7 +32,7 @@ def register(cls: type[Family]) -> type[Family]:
     return cls
 
 
-for _cls in (FluxFamily, SD3Family, QwenImageFamily, StableAudioFamily):
+for _cls in (FluxFamily, SD3Family, QwenImageFamily, StableAudioFamily, SpeechFamily):
     register(_cls)
 
 

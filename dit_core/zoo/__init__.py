@@ -15,3 +15,14 @@ def default_model() -> Path:
             "`omnidit train-default` or pass a model folder"
         )
     return DEFAULT_MODEL
+
+
+TTS_MODEL = Path(__file__).parent / "tts"
+
+
+def tts_model() -> Path:
+    """The folder of the embedded text-to-speech model (talker + audio DiT + audio VAE)."""
+    if not (TTS_MODEL / "model_index.json").is_file():
+        raise FileNotFoundError(f"the embedded TTS model is missing from {TTS_MODEL}; rebuild it with "
+                                "`omnidit train-tts-default OUT`")
+    return TTS_MODEL
