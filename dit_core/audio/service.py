@@ -314,7 +314,7 @@ class SpeechService:
         if done:
             utt.timeline["first_chunk_done"], utt.timeline["last_chunk_done"] = min(done), max(done)
         utt.timeline["chunks"] = len(utt.chunk_ids)
-        self.timelines[utt.req.id] = utt.timeline
+        self.timelines[utt.req.id] = {**self.timelines.get(utt.req.id, {}), **utt.timeline}  # + what the route noted
         while len(self.timelines) > 1024:
             self.timelines.pop(next(iter(self.timelines)))
 

@@ -2,7 +2,7 @@
 espeak-ng recordings that the TTS never trained on, and word / digit accuracy.
 
 The recognizer reads words spoken one by one: an energy detector cuts the utterance at pauses
-(>= 120 ms under -35 dB of its loudest 10 ms), and a small MLP names each segment from its
+(>= 120 ms under -35 dB of its loudest 10 ms, or near its noise floor), and a small MLP names each segment from its
 log-mel spectrogram (40 bands, resampled to 24 frames, normalised per utterance) and duration.
 It ships in ``dit_core/zoo/tts/recognizer`` with its held-out accuracy; ``train_recognizer``
 rebuilds it (``omnidit train-tts-default`` does).
@@ -56,7 +56,8 @@ def segments(audio: np.ndarray, rate: int) -> list[tuple[int, int]]:
     if n == 0:
         return []
     energy = 10 * np.log10(np.mean(audio[:n * hop].reshape(n, hop) ** 2, axis=1) + 1e-12)
-    loud = energy > energy.max() + SILENCE_DB
+    # under SILENCE_DB of the loudest 10 ms, or within 12 dB of the noise floor, is a pause
+    loud = energy > max(energy.max() + SILENCE_DB, np.percentile(energy, 10) + 12)
     spans, start, gap = [], None, 0
     for i, on in enumerate(loud):
         if on:
@@ -156,12 +157,12 @@ def word_accuracy(references: list[list[str]], hypotheses: list[list[str]]) -> f
 
 
 def _augment(audio: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Gain, a random tilt of the spectrum, and noise at 15-40 dB SNR: robustness to a vocoder's colouring."""
+    """Gain, a random tilt of the spectrum, and noise at 20-45 dB SNR: robustness to a vocoder's colouring."""
     x = audio * rng.uniform(0.3, 1.5)
     if rng.random() < 0.5:
         a = rng.uniform(-0.6, 0.6)
         x = np.append(x[:1], x[1:] - a * x[:-1])
-    snr = rng.uniform(15, 40)
+    snr = rng.uniform(20, 45)
     noise = rng.standard_normal(len(x)).astype(np.float32) * np.sqrt(np.mean(x ** 2) / 10 ** (snr / 10) + 1e-12)
     return (x + noise).astype(np.float32)
 
