@@ -69,7 +69,7 @@ def synthesize(engine, requests: list[SpeechRequest], model: str | None = None) 
     talker_out = _talk_all(family.talker, prompts, [text.max_tokens(g) for _, g in groups], [text.special["eos"]])
     units_of = [[] for _ in requests]
     for (i, _), tokens in zip(groups, talker_out):
-        units_of[i] += text.to_units(tokens)
+        units_of[i] += (text.gap(requests[i].speed) if units_of[i] else []) + text.to_units(tokens)
     chunk_reqs, owners = [], []
     for req, units in zip(requests, units_of):
         for k in range(text.chunk_count(len(units))):
@@ -263,6 +263,7 @@ class SpeechService:
         utt.timeline.setdefault("first_token", time.perf_counter())
         if finished and utt.group + 1 < len(utt.groups):  # the next group of words
             utt.group += 1
+            utt.units += t.gap(utt.req.speed)
             self._add(utt)
             finished = False
         elif finished:

@@ -56,6 +56,8 @@ class SpeechText:
         self.max_words = config["max_words"]
         self.markers: list[int] = config["markers"]
         self.group = config["group_words"]
+        self.pauses = {float(k): v for k, v in config["pause_tokens"].items()}
+        self.edges = config["lead_tokens"] + config["tail_tokens"]
         self.max_chars = config.get("max_chars", 4096)
 
     @classmethod
@@ -95,8 +97,12 @@ class SpeechText:
 
     def groups(self, words: list[str]) -> list[list[str]]:
         """A text is spoken in groups of at most ``group_words`` words: one talker request each, their
-        units concatenated (a group ends in silence and the next starts with it: a pause)."""
+        units joined by ``gap`` (a group ends in silence and the next starts with it)."""
         return [words[i:i + self.group] for i in range(0, len(words), self.group)]
+
+    def gap(self, speed: float) -> list[int]:
+        """Silent units between two groups, so that they are as far apart as two words of one group."""
+        return [self.silence] * max(0, self.pauses[speed] - self.edges)
 
     def prompt(self, words: list[str], voice: str, speed: float) -> list[int]:
         """``<bos> <voice> <speed> <p0> w0 <p1> w1 ... <sep>`` for one group of words."""
