@@ -81,11 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     tts = sub.add_parser("train-tts-default",
                          help="retrain the embedded text-to-speech model and its digit recognizer (espeak-ng data; "
-                              "apt-get installs espeak-ng when missing; about 15-20 minutes on 2 cores)")
+                              "apt-get installs espeak-ng when missing; see README for times)")
     tts.add_argument("out_dir")
     tts.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
-    tts.add_argument("--talker-minutes", type=float, default=6.0, help="time budget of the talker (default 6)")
-    tts.add_argument("--dit-minutes", type=float, default=4.0, help="time budget of the audio DiT (default 4)")
+    tts.add_argument("--talker-steps", type=int, default=1400, help="talker training steps (default 1400)")
+    tts.add_argument("--talker-minutes", type=float, default=30.0,
+                     help="talker time budget: it stops at its steps or this, whichever is first (default 30)")
+    tts.add_argument("--dit-steps", type=int, default=1000, help="audio DiT training steps (default 1000)")
+    tts.add_argument("--dit-minutes", type=float, default=10.0, help="audio DiT time budget (default 10)")
     tts.add_argument("--no-recognizer", action="store_true", help="skip the recognizer")
     tts.set_defaults(func=cmd_train_tts)
 
@@ -236,7 +239,8 @@ def cmd_train_tts(args) -> int:
     from dit_core.zoo.train_tts import TrainConfig, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = TrainConfig(seed=args.seed, talker_minutes=args.talker_minutes, dit_minutes=args.dit_minutes)
+    cfg = TrainConfig(seed=args.seed, talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
+                      dit_steps=args.dit_steps, dit_minutes=args.dit_minutes)
     print(train(args.out_dir, cfg, recognizer=not args.no_recognizer))
     return 0
 

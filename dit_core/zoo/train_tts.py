@@ -52,10 +52,10 @@ SERVE_GROUP = 1
 @dataclass
 class TrainConfig:
     seed: int = 0
-    talker_steps: int = 3000
-    talker_minutes: float = 6.0
-    dit_steps: int = 3000
-    dit_minutes: float = 4.0
+    talker_steps: int = 1400  # the shipped model's counts
+    talker_minutes: float = 30.0
+    dit_steps: int = 1000
+    dit_minutes: float = 10.0
     threads: int = 2
 
 
