@@ -22,7 +22,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from ..errors import InvalidParamError, RequestFailedError
+from ..errors import RequestFailedError
 from ..params import SamplingParams
 from ..request import EventKind
 from .speech import Assembler, SpeechChunk, SpeechText
@@ -329,4 +329,4 @@ async def _final(engine, rid, events):
     raise RequestFailedError(rid, "the chunk's event stream ended")
 
 
-__all__ = ["SpeechRequest", "SpeechService", "make_speech_request", "synthesize", "InvalidParamError"]
+__all__ = ["SpeechRequest", "SpeechService", "make_speech_request", "synthesize"]

@@ -11,8 +11,6 @@ different durations share forwards (the batch key holds the latent length, which
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..errors import InvalidParamError
@@ -112,9 +110,3 @@ class StableAudioFamily(AudioDiTFamily):
                 start += n
         return [out[r.id] for r in requests]
 
-
-def seconds_params(params: SamplingParams, seconds: float | None) -> SamplingParams:
-    """``params`` asking for a clip of ``seconds`` from 0 (None: the model's maximum)."""
-    if seconds is None:
-        return params
-    return dataclasses.replace(params, audio_start_in_s=0.0, audio_end_in_s=float(seconds))
