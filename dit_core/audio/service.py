@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import RequestFailedError
 from ..params import SamplingParams
 from ..request import EventKind
-from .speech import Assembler, SpeechChunk, SpeechText
+from .speech import Assembler, SpeechText
 
 logger = logging.getLogger(__name__)
 

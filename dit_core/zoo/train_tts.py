@@ -3,13 +3,13 @@
 Stages, each with a step count and a time budget (it stops at whichever comes first):
 
 1. espeak-ng renders every (word, voice, speed) once (``speech_data``), 8 kHz mono.
-2. The audio VAE (``AutoencoderOobleck``, hop 256 = 32 ms, 8 latent channels) learns to
-   reconstruct utterances made of those renderings: waveform L1 + multi-resolution STFT + a
-   small KL term.
-3. Speech tokens: k-means (256 centroids) over the VAE's latent frames of every rendering. One
-   token per latent frame (31.25 tokens/s); a centroid is its token's embedding.
+2. The audio VAE: an ``AutoencoderOobleck`` whose layers are set (not learned) to an MDCT
+   analysis / synthesis pair, hop 32 samples, 32 coefficients per frame (``mdct_vae``): a learned
+   Oobleck VAE did not get past stationary noise in the time this shared machine allowed.
+3. Speech tokens: k-means (1024 centroids) over every rendering's tokens, each 8 latent frames
+   (32 ms, 31.25 tokens/s), normalised per coefficient; a centroid is its token's embedding.
 4. The talker (a Qwen2 causal LM, head size 64 so vLLM serves it) learns
-   ``<bos> <voice> <speed> words <sep> -> speech tokens <eos>`` on random texts.
+   ``<bos> <voice> <speed> <p0> w0 ... <sep> -> speech tokens <eos>`` on random texts of 1-4 words.
 5. The audio DiT (``StableAudioDiTModel``) learns to turn a chunk of speech tokens into VAE
    latents: input channels = noisy latents ++ the tokens' centroids (frame-aligned), cross
    attention over the centroids with their positions, the voice as the global token; the
@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import speech_data as data
 
