@@ -39,6 +39,8 @@ bench: install
 	$(BIN)/python -m benchmarks.quality --quick
 	$(BIN)/python -m benchmarks.serve_load --quick
 	$(BIN)/python -m benchmarks.quant --quick
+	$(BIN)/python -m benchmarks.audio --quick
+	$(BIN)/python -m benchmarks.tts_quality --quick
 
 clean:
 	rm -rf $(VENV) out

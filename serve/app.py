@@ -17,7 +17,7 @@ from .files import FileStore
 from .live_stats import LiveStats
 from .metrics import Metrics
 from .models import served_models
-from .routes import images, stats, system, videos
+from .routes import audio, images, speech, stats, system, videos
 from .video_jobs import VideoJobStore
 
 
@@ -48,6 +48,8 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        for service in app.state.speech.values():
+            service.close()
         if owns_engine:
             engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
         app.state.videos.close()
@@ -62,8 +64,11 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
                                      settings.video_ttl_s)
     app.state.started = int(time.time())
     app.state.model_ids = served_models(engine.engine, settings)
+    app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
     install_handlers(app)
     app.include_router(images.router)
+    app.include_router(audio.router)
+    app.include_router(speech.router)
     app.include_router(system.router)
     app.include_router(stats.router)
     playground.install(app)

@@ -30,15 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnidit", description="Serve and run diffusion transformers.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate images (PNG) or videos (MP4) from a prompt, with a progress bar")
+    gen = sub.add_parser("generate", help="generate images (PNG), videos (MP4) or audio from a prompt, with a "
+                                          "progress bar")
     gen.add_argument("prompt", nargs="+",
                      help="one or more prompts (one image each, or --num-outputs); a first argument that is a "
                           "model folder is taken as --model")
     gen.add_argument("-m", "--model", default=None,
                      help="a diffusers-format model folder (default: the embedded digits model)")
-    gen.add_argument("-o", "--output", default="out.png",
-                     help="output PNG (an image model) or MP4 (a video model); with several outputs, _0, _1, ... "
-                          "are added before the suffix (default out.png, or out.mp4 for a video model)")
+    gen.add_argument("-o", "--output", default=None,
+                     help="output file; with several outputs, _0, _1, ... are added before the suffix (default "
+                          "out.png; out.mp4 for a video model; out.wav for an audio model, whose suffix picks the "
+                          "format: .wav, .flac, .mp3, .opus, .pcm)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
     gen.add_argument("--seed", type=int, default=None,
@@ -48,10 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--true-cfg", type=float, default=None,
                      help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
     gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
-    gen.add_argument("--num-outputs", type=int, default=1, help="images per prompt (default 1)")
     gen.add_argument("--frames", type=int, default=None,
                      help="video models: frames per clip (Wan: 4k + 1; default: the model's)")
     gen.add_argument("--fps", type=int, default=16, help="video models: frame rate of the MP4 (default 16)")
+    gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
+    gen.add_argument("--seconds", type=float, default=None,
+                     help="audio models: clip length in seconds (default: the model's maximum)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -103,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     tvd.add_argument("--threads", type=int, default=None,
                      help="torch threads (default: torch's); 1 is much faster on a machine busy with other jobs")
     tvd.set_defaults(func=cmd_train_video_default)
+    tts = sub.add_parser("train-tts-default",
+                         help="retrain the embedded text-to-speech model and its digit recognizer (espeak-ng data; "
+                              "apt-get installs espeak-ng when missing; see README for times)")
+    tts.add_argument("out_dir")
+    tts.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tts.add_argument("--talker-steps", type=int, default=1400, help="talker training steps (default 1400)")
+    tts.add_argument("--talker-minutes", type=float, default=30.0,
+                     help="talker time budget: it stops at its steps or this, whichever is first (default 30)")
+    tts.add_argument("--dit-steps", type=int, default=1000, help="audio DiT training steps (default 1000)")
+    tts.add_argument("--dit-minutes", type=float, default=10.0, help="audio DiT time budget (default 10)")
+    tts.add_argument("--no-recognizer", action="store_true", help="skip the recognizer")
+    tts.set_defaults(func=cmd_train_tts)
 
     fit = sub.add_parser("fit-teacache", help="fit TeaCache coefficients for a checkpoint")
     fit.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded digits model)")
@@ -126,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.set_defaults(func=cmd_quantize)
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
-    rnd.add_argument("family", help="flux, sd3, qwenimage or wan")
+    rnd.add_argument("family", help="flux, sd3, qwenimage, wan or stable-audio")
     rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
@@ -210,9 +226,19 @@ def cmd_generate(args) -> int:
         args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
     engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
+    kind = engine.family.output_kind
+    audio = kind == "audio"
+    out = Path(args.output or {"audio": "out.wav", "video": "out.mp4"}.get(kind, "out.png"))
+    if kind == "video" and out.suffix.lower() != ".mp4":
+        out = out.with_suffix(".mp4")
+    if audio and out.suffix.lower().lstrip(".") not in ("wav", "flac", "mp3", "opus", "ogg", "pcm"):
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
     ids = []
     for i, prompt in enumerate(args.prompt):
         params = SamplingParams(height=height, width=width, num_inference_steps=args.steps,
+                                audio_end_in_s=args.seconds,
                                 seed=None if args.seed is None else args.seed + i,
                                 guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
                                 negative_prompt=args.negative_prompt, num_outputs=args.num_outputs,
@@ -232,13 +258,9 @@ def cmd_generate(args) -> int:
                     print(f"omnidit: request {ev.request_id} {ev.kind.value}: {ev.error}", file=sys.stderr)
                     return 1
     images = [img for rid in ids for img in outputs[rid].outputs]
-    out = Path(args.output)
-    video = engine.family.output_kind == "video"
-    if video and out.suffix.lower() != ".mp4":
-        out = out.with_suffix(".mp4")
     for i, img in enumerate(images):
         path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
-        if video:
+        if kind == "video":
             from dit_core.video import write_mp4
 
             write_mp4(path, img, fps=args.fps)
@@ -315,6 +337,18 @@ def cmd_train_video_default(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(train(args.out_dir, TrainConfig(seed=args.seed, threads=args.threads)))
+    return 0
+
+
+def cmd_train_tts(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_tts import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = TrainConfig(seed=args.seed, talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
+                      dit_steps=args.dit_steps, dit_minutes=args.dit_minutes)
+    print(train(args.out_dir, cfg, recognizer=not args.no_recognizer))
     return 0
 
 

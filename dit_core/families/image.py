@@ -75,8 +75,11 @@ class DiffusersFamily(Family):
 
     def encode(self, requests: list[Request]) -> None:
         """Set ``cond`` (and ``uncond`` for CFG requests) for all ``requests``: cached prompts come from
-        the prompt cache, the rest go to the encoders in ONE batched call (requests admitted together
-        share the batch key, hence the text length)."""
+        the prompt cache, the rest go to the local encoders one prompt per call. Encoding prompts
+        together would make an embedding depend (in its last bits: GEMM blocking follows the batch size)
+        on the prompts it was encoded with, and the prompt cache would carry that into later requests;
+        text encoding is a small part of a request's cost. A thinker (an AR stage, e.g. vLLM) gets all
+        missing prompts in one call: batching is what it is for."""
         params = requests[0].params
         prompts = [r.prompt for r in requests] + [r.params.negative_prompt or "" for r in requests if r.cfg]
         keys = [self.prompt_key(p, params) for p in prompts]
@@ -84,7 +87,10 @@ class DiffusersFamily(Family):
         found = {k: cache.get(k) for k in dict.fromkeys(keys)} if cache is not None else {}
         missing = [k for k in dict.fromkeys(keys) if found.get(k) is None]
         if missing:
-            fresh = self.encode_prompts([k[-2] for k in missing], params)
+            if self.thinker is not None:  # an AR stage batches by design: one call for all missing prompts
+                fresh = self.encode_prompts([k[-2] for k in missing], params)
+            else:
+                fresh = [self.encode_prompts([k[-2]], params)[0] for k in missing]
             for key, cond in zip(missing, fresh):
                 found[key] = cond
                 if cache is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).parent
 DEFAULT_MODEL = ROOT / "digits"
 DEFAULT_VIDEO_MODEL = ROOT / "digits_video"
-EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL, "digits_video": DEFAULT_VIDEO_MODEL}
+EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL, "digits_video": DEFAULT_VIDEO_MODEL, "tts": ROOT / "tts"}
 
 
 def embedded_model(name: str) -> Path:
@@ -32,3 +32,11 @@ def default_model() -> Path:
 def default_video_model() -> Path:
     """The folder of the embedded video model (a diffusers-format WanPipeline checkpoint)."""
     return embedded_model("digits_video")
+
+
+TTS_MODEL = ROOT / "tts"
+
+
+def tts_model() -> Path:
+    """The folder of the embedded text-to-speech model (talker + audio DiT + audio VAE)."""
+    return embedded_model("tts")
