@@ -89,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bytes of stored MP4s at most; more get 429 + Retry-After (default 256 MiB)")
     srv.add_argument("--video-ttl", type=float, default=3600.0,
                      help="seconds a finished video job and its file are kept (default 3600)")
+    srv.add_argument("--robot-deadline-ms", type=float, default=1000.0,
+                     help="robot WebSocket (/v1/realtime/robot/openpi): each observation's latency budget unless "
+                          "the connection (?deadline_ms=) or the frame sets one; 0: no deadline, bulk work "
+                          "(default 1000)")
+    srv.add_argument("--robot-idle-timeout", type=float, default=300.0,
+                     help="robot WebSocket: close a connection that sends no frame for this many seconds "
+                          "(default 300)")
+    srv.add_argument("--robot-max-frame-bytes", type=int, default=64 << 20,
+                     help="robot WebSocket: larger frames get an error text frame and close 1011 (default 64 MiB)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
@@ -296,7 +305,10 @@ def cmd_serve(args) -> int:
     settings = ServeSettings(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
                              max_files=args.max_files, video_dir=args.video_dir, max_videos=args.max_videos,
-                             max_video_bytes=args.max_video_bytes, video_ttl_s=args.video_ttl)
+                             max_video_bytes=args.max_video_bytes, video_ttl_s=args.video_ttl,
+                             robot_deadline_ms=args.robot_deadline_ms or None,
+                             robot_idle_timeout_s=args.robot_idle_timeout,
+                             robot_max_frame_bytes=args.robot_max_frame_bytes)
     options = engine_kwargs(args)
     if "policy" not in options:
         options["policy"] = default_policy(models.values())
