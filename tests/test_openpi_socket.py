@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from robot_server import LiveServer
-from websockets.exceptions import ConnectionClosedError, InvalidStatus
+from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK, InvalidStatus
 
 from dit_core import AsyncEngine, Engine, SamplingParams
+from dit_core.request import EventKind
 from dit_core.eval.policy import run_policy
 from dit_core.eval.remote_policy import run_remote
 from dit_core.policy import Pi0Model, save_policy, word_tokenizer
@@ -46,6 +47,13 @@ def live(folders, policy: str, **settings) -> LiveServer:
 def server(folders):
     s = live(folders, "edf", robot_idle_timeout_s=20)
     s.folders = folders
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def fifo_server(folders):
+    s = live(folders, "fifo", robot_idle_timeout_s=1.0)
     yield s
     s.stop()
 
@@ -168,3 +176,98 @@ def test_closed_loop_over_the_socket_equals_the_in_process_loop(server):
         assert (r.success, r.steps) == (l.success, l.steps)
         np.testing.assert_allclose(r.jumps, l.jumps, atol=1e-4)
     assert len(remote.latencies_ms) > 2 and remote.percentile(50) > 0
+
+
+class Bulk(threading.Thread):
+    """An image request (bulk work: no deadline) on the server's engine, from a thread of its own."""
+
+    def __init__(self, engine, steps: int):
+        super().__init__(daemon=True)
+        self.engine, self.steps = engine, steps
+        self.running = threading.Event()  # its first step is done
+        self.done_at = None
+        self.final = None
+
+    def run(self):
+        asyncio.run(self._go())
+
+    async def _go(self):
+        params = SamplingParams(height=32, width=32, num_inference_steps=self.steps, seed=3, output_type="pt")
+        async for event in self.engine.stream("a photo of a cat", params, model="img"):
+            if event.kind == EventKind.STEP:
+                self.running.set()
+            if event.kind.final:
+                self.final, self.done_at = event.kind, time.perf_counter()
+
+
+@pytest.mark.parametrize("policy", ["edf", "fifo"])
+def test_a_robot_frame_with_a_deadline_goes_ahead_of_running_image_work_only_under_edf(server, fifo_server,
+                                                                                        policy):
+    s = server if policy == "edf" else fifo_server
+    bulk = Bulk(s.engine, steps=16)
+    bulk.start()
+    assert bulk.running.wait(60)
+    robot = client(s, model="pol", deadline_ms=60_000)
+    reply = robot.infer(obs(5, num_inference_steps=4))
+    answered = time.perf_counter()
+    bulk.join(120)
+    assert bulk.final == EventKind.FINISHED  # the image work, paused or not, finished
+    if policy == "edf":
+        assert answered < bulk.done_at  # served while the image still had steps to go
+        assert reply["server_timing"]["deadline_met"] is True
+    else:
+        assert answered > bulk.done_at  # oldest first: the robot waited for the whole image
+
+
+def test_an_idle_connection_is_closed(fifo_server):
+    robot = client(fifo_server, model="pol")
+    time.sleep(1.5)  # the server's idle timeout is 1 s
+    with pytest.raises(ConnectionClosedOK) as closed:
+        robot._ws.recv()
+    assert closed.value.rcvd.code == 1000 and closed.value.rcvd.reason == "idle timeout"
+
+
+def test_image_work_is_not_starved_by_a_continuous_robot_stream(server):
+    robot = client(server, model="pol", deadline_ms=60_000)
+    bulk = Bulk(server.engine, steps=10)
+    replies = []
+
+    def stream():
+        while bulk.done_at is None:
+            replies.append(robot.infer(obs(6, num_inference_steps=4))["server_timing"])
+
+    robot_thread = threading.Thread(target=stream, daemon=True)
+    robot_thread.start()
+    while not replies:
+        time.sleep(0.01)
+    bulk.start()
+    before = len(replies)
+    bulk.join(180)
+    robot_thread.join(60)
+    assert bulk.final == EventKind.FINISHED  # at least 1 step in edf_bulk_every (4) went to the image
+    assert len(replies) - before >= 2 and all(r["deadline_met"] for r in replies)  # robots were served too
+
+
+def test_wire_format_matches_openpi_client_both_ways():
+    """Our msgpack-numpy coding and openpi_client's agree on every dtype a robot sends (this also
+    shows the client's packing works beside numpy 2, which its numpy<2 pin does not claim)."""
+    from openpi_client import msgpack_numpy
+
+    from serve.openpi_wire import WireError, pack, unpack
+
+    rng = np.random.default_rng(0)
+    message = {"u8": rng.integers(0, 256, (4, 5, 3), dtype=np.uint8), "f32": rng.normal(size=(2, 3)).astype(np.float32),
+               "f64": rng.normal(size=7), "i64": np.arange(6).reshape(2, 3), "b": np.array([True, False]),
+               "s": np.array(["ab", "c"]), "empty": np.zeros((0, 2), np.float32), "scalar": np.float32(1.5),
+               "i": np.int64(-3), "text": "reach the red target", "nested": {"x": [1, 2.5, None]}}
+    for decoded in (unpack(msgpack_numpy.packb(message)), msgpack_numpy.unpackb(pack(message))):
+        for key, value in message.items():
+            got = decoded[key]
+            if isinstance(value, (np.ndarray, np.generic)):
+                assert got.dtype == value.dtype and np.array_equal(got, value)
+            else:
+                assert got == value
+    with pytest.raises(WireError, match="dtype"):
+        unpack(msgpack_numpy.packb({"o": {b"__ndarray__": True, b"data": b"", b"dtype": "|O", b"shape": [0]}}))
+    with pytest.raises(WireError, match="data bytes"):
+        unpack(msgpack_numpy.packb({"x": {b"__ndarray__": True, b"data": b"abc", b"dtype": "<f4", b"shape": [2]}}))
