@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 
 import uvicorn
 
@@ -33,3 +34,10 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, settings: ServeSetti
     if engine.is_alive:  # uvicorn returned without running the lifespan shutdown (e.g. it failed to bind)
         engine.shutdown()
     return 0 if server.started else 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for tests and benchmarks that start servers)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
