@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
     rnd.add_argument("family", help="flux, sd3 or qwenimage")
-    rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
+    rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
+                                  "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     rnd.set_defaults(func=cmd_make_random)

@@ -23,6 +23,26 @@ def tiny_models(tmp_path_factory):
     return {f: build(f, "tiny", root / f) for f in FAMILIES}
 
 
+# variants of the tiny checkpoints: name -> (family, random_models size)
+VARIANTS = {"sd3.5": ("sd3", "tiny-3.5"), "qwenimage-vl": ("qwenimage", "tiny-vl")}
+
+
+@pytest.fixture(scope="session")
+def variant_models(tmp_path_factory):
+    """name -> path of a variant checkpoint (SD3.5 dual attention + qk-norm; Qwen-Image with the
+    Qwen2.5-VL text encoder), each built on first use."""
+    root = tmp_path_factory.mktemp("variants")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            family, size = VARIANTS[name]
+            built[name] = build(family, size, root / name)
+        return built[name]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def engines(tiny_models):
     """family -> a shared fp32 Engine. Tests must leave it idle (every request finished)."""
