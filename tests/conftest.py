@@ -5,6 +5,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Engines built by tests run their thinker on transformers unless a test chooses one: a vLLM engine
 # takes tens of seconds to start, so the vLLM tests share one per session (tests/test_thinker.py).
 os.environ.setdefault("OMNIDIT_THINKER", "hf")
+# vLLM's legacy KV-cache variable, set as a user might have it: the engines' own kv_cache_gb must win
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest  # noqa: E402
