@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--file-ttl", type=float, default=3600.0,
                      help="seconds a response_format=url image stays downloadable (default 3600)")
     srv.add_argument("--max-files", type=int, default=256, help="url images kept at most (default 256)")
+    srv.add_argument("--max-file-bytes", type=int, default=256 << 20,
+                     help="bytes of url images kept at most; the oldest go first, and a request whose PNGs could "
+                          "exceed it is refused with 400 (default 256 MiB)")
+    srv.add_argument("--request-timeout", type=float, default=3600.0,
+                     help="seconds a request may take from arrival to its image; past it the request is aborted "
+                          "and answered 504 (0: no limit; default 3600)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
@@ -196,7 +202,8 @@ def cmd_serve(args) -> int:
     settings = ServeSettings(model_name=args.model_name or Path(model).resolve().name, api_key=args.api_key,
                              max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
-                             max_files=args.max_files)
+                             max_files=args.max_files, max_file_bytes=args.max_file_bytes,
+                             request_timeout_s=args.request_timeout)
     return serve(model, args.host, args.port, settings, args.shutdown_timeout, **engine_kwargs(args))
 
 
