@@ -100,6 +100,7 @@ async def _until_final(engine, rid, events, request: Request, deadline: float | 
                 task.cancel()  # the stream's cleanup aborts the request in the engine
                 raise RequestAbortedError(rid, "client disconnected")
             if deadline is not None and time.monotonic() > deadline:
+                engine.abort(rid, f"the server's request timeout ({timeout_s:g} s) passed")
                 task.cancel()
                 raise _timeout_error(rid, timeout_s)
     except asyncio.CancelledError:
