@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default 300)")
     srv.add_argument("--robot-max-frame-bytes", type=int, default=64 << 20,
                      help="robot WebSocket: larger frames get an error text frame and close 1011 (default 64 MiB)")
+    srv.add_argument("--max-file-bytes", type=int, default=256 << 20,
+                     help="bytes of url images kept at most; the oldest go first, and a request whose PNGs could "
+                          "exceed it is refused with 400 (default 256 MiB)")
+    srv.add_argument("--request-timeout", type=float, default=3600.0,
+                     help="seconds a request may take from arrival to its image; past it the request is aborted "
+                          "and answered 504 (0: no limit; default 3600)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
@@ -169,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
     rnd.add_argument("family", help="flux, sd3, qwenimage, wan, stable-audio or pi0 (a robot policy)")
-    rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
+    rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
+                                  "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     rnd.set_defaults(func=cmd_make_random)
@@ -304,9 +311,10 @@ def cmd_serve(args) -> int:
     models = served_model_paths(args)
     settings = ServeSettings(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
-                             max_files=args.max_files, video_dir=args.video_dir, max_videos=args.max_videos,
-                             max_video_bytes=args.max_video_bytes, video_ttl_s=args.video_ttl,
-                             robot_deadline_ms=args.robot_deadline_ms or None,
+                             max_files=args.max_files, max_file_bytes=args.max_file_bytes,
+                             request_timeout_s=args.request_timeout, video_dir=args.video_dir,
+                             max_videos=args.max_videos, max_video_bytes=args.max_video_bytes,
+                             video_ttl_s=args.video_ttl, robot_deadline_ms=args.robot_deadline_ms or None,
                              robot_idle_timeout_s=args.robot_idle_timeout,
                              robot_max_frame_bytes=args.robot_max_frame_bytes)
     options = engine_kwargs(args)
