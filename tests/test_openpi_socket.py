@@ -271,3 +271,17 @@ def test_wire_format_matches_openpi_client_both_ways():
         unpack(msgpack_numpy.packb({"o": {b"__ndarray__": True, b"data": b"", b"dtype": "|O", b"shape": [0]}}))
     with pytest.raises(WireError, match="data bytes"):
         unpack(msgpack_numpy.packb({"x": {b"__ndarray__": True, b"data": b"abc", b"dtype": "<f4", b"shape": [2]}}))
+
+
+def test_the_robot_loop_example_runs_against_the_server(server, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "robot_loop.py"
+    spec = importlib.util.spec_from_file_location("robot_loop", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--url", server.url(), "--api-key", KEY, "--model", "reach", "--episodes", "1",
+                         "--rate", "0", "--rtc-delay", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "connected to reach" in out and "success" in out and "p95" in out and "deadline met" in out
