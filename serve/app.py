@@ -51,6 +51,7 @@ class ServeSettings:
 def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
     """Build the app. With ``owns_engine`` the app shuts the engine down when it stops."""
     settings = settings or ServeSettings()
+    robot.check_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -285,3 +285,14 @@ def test_the_robot_loop_example_runs_against_the_server(server, capsys):
                          "--rate", "0", "--rtc-delay", "2"]) == 0
     out = capsys.readouterr().out
     assert "connected to reach" in out and "success" in out and "p95" in out and "deadline met" in out
+
+
+@pytest.mark.parametrize("field, value, flag", [("robot_deadline_ms", -1.0, "--robot-deadline-ms"),
+                                                 ("robot_idle_timeout_s", 0, "--robot-idle-timeout"),
+                                                 ("robot_max_frame_bytes", 0, "--robot-max-frame-bytes")])
+def test_bad_robot_settings_are_refused_at_startup_by_flag_name(server, field, value, flag):
+    from dit_core import InvalidParamError
+    from serve.app import create_app
+
+    with pytest.raises(InvalidParamError, match=flag):
+        create_app(server.engine, ServeSettings(**{field: value}), owns_engine=False)

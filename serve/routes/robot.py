@@ -52,6 +52,18 @@ async def healthz(request: Request):
     return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
 
 
+def check_settings(settings) -> None:
+    """The robot socket's server settings, checked at startup (named by their ``omnidit serve`` flags)."""
+    d = settings.robot_deadline_ms
+    if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 3.6e6):
+        raise InvalidParamError("--robot-deadline-ms", d, "a number of milliseconds in (0, 3600000], or 0 for none")
+    if not settings.robot_idle_timeout_s > 0:
+        raise InvalidParamError("--robot-idle-timeout", settings.robot_idle_timeout_s, "a number of seconds > 0")
+    if isinstance(settings.robot_max_frame_bytes, bool) or not isinstance(settings.robot_max_frame_bytes, int) \
+            or settings.robot_max_frame_bytes < 1:
+        raise InvalidParamError("--robot-max-frame-bytes", settings.robot_max_frame_bytes, "an integer >= 1")
+
+
 def _authorized(ws: WebSocket, api_key: str | None) -> bool:
     if not api_key:
         return True
