@@ -43,6 +43,7 @@ bench: install
 	$(BIN)/python -m benchmarks.attention_backends --quick
 	$(BIN)/python -m benchmarks.quality --quick
 	$(BIN)/python -m benchmarks.serve_load --quick
+	$(BIN)/python -m benchmarks.control_loop --quick
 	$(BIN)/python -m benchmarks.quant --quick
 	$(BIN)/python -m benchmarks.audio --quick
 	$(BIN)/python -m benchmarks.tts_quality --quick

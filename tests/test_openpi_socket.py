@@ -127,7 +127,16 @@ def expect_error(policy, send, *needles):
     assert closed.value.rcvd.code == 1011
 
 
-@pytest.mark.parametrize("case", ["not_msgpack", "not_a_map", "missing_state", "bad_image", "bad_reset",
+def send_raw(policy, data):
+    """A frame the client cannot make (it packs every dict it is given), sent on its connection; a
+    text reply is raised as the client itself does."""
+    policy._ws.send(data)
+    reply = policy._ws.recv()
+    if isinstance(reply, str):
+        raise RuntimeError(reply)
+
+
+@pytest.mark.parametrize("case", ["not_msgpack", "text_frame", "not_a_map", "missing_state", "bad_image", "bad_reset",
                                   "bad_deadline", "oversized"])
 def test_bad_frames_get_an_error_and_1011_and_others_carry_on(server, case):
     bystander = client(server, model="pol")
@@ -135,7 +144,9 @@ def test_bad_frames_get_an_error_and_1011_and_others_carry_on(server, case):
     policy = client(server, model="pol")
     o = obs(3)
     if case == "not_msgpack":
-        expect_error(policy, lambda: (policy._ws.send(b"\xc1\xc1"), policy.infer(o)), "not valid msgpack")
+        expect_error(policy, lambda: send_raw(policy, b"\xc1\xc1"), "not valid msgpack")
+    elif case == "text_frame":
+        expect_error(policy, lambda: send_raw(policy, "hello"), "expected a binary msgpack frame")
     elif case == "not_a_map":
         expect_error(policy, lambda: policy.infer([1, 2]), "expected a map")
     elif case == "missing_state":

@@ -117,7 +117,7 @@ async def robot_socket(ws: WebSocket):
             previous_end = now
         try:
             await ws.send_bytes(pack(reply))
-        except WebSocketDisconnect:
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the robot went away meanwhile
             return
 
 
@@ -170,5 +170,5 @@ async def _fail(ws: WebSocket, text: str) -> None:
     try:
         await ws.send_text(text)
         await ws.close(code=INTERNAL_ERROR, reason=text.encode()[:120].decode(errors="ignore"))
-    except (WebSocketDisconnect, RuntimeError):
+    except (WebSocketDisconnect, RuntimeError, OSError):
         pass
