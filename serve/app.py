@@ -17,7 +17,7 @@ from .files import FileStore
 from .live_stats import LiveStats
 from .metrics import Metrics
 from .models import served_models
-from .routes import audio, images, speech, stats, system, videos
+from .routes import audio, images, robot, speech, stats, system, videos
 from .video_jobs import VideoJobStore
 
 
@@ -41,11 +41,17 @@ class ServeSettings:
     max_videos: int = 64
     max_video_bytes: int = 256 << 20
     video_ttl_s: float = 3600.0
+    # the OpenPI robot WebSocket (serve.routes.robot): default latency budget per observation
+    # (None: bulk work), idle close, largest frame accepted
+    robot_deadline_ms: float | None = 1000.0
+    robot_idle_timeout_s: float = 300.0
+    robot_max_frame_bytes: int = 64 << 20
 
 
 def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
     """Build the app. With ``owns_engine`` the app shuts the engine down when it stops."""
     settings = settings or ServeSettings()
+    robot.check_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -75,6 +81,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.include_router(stats.router)
     playground.install(app)
     app.include_router(videos.router)
+    app.include_router(robot.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
@@ -82,10 +89,11 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on every route but /health and the playground page's files
-    (they hold no secret; the page asks for the key and sends it with its API calls)."""
+    """``Authorization: Bearer KEY`` on every route but /health(z) and the playground page's files
+    (they hold no secret; the page asks for the key and sends it with its API calls). WebSockets
+    check the key themselves at the handshake (serve.routes.robot)."""
 
-    open_paths = ("/health", *playground.OPEN_PATHS)
+    open_paths = ("/health", "/healthz", *playground.OPEN_PATHS)
     open_prefixes = playground.OPEN_PREFIXES
 
     def __init__(self, app, api_key: str):
