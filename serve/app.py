@@ -1,4 +1,5 @@
-"""The FastAPI app factory: one AsyncEngine, its metrics, a file store, and the routes."""
+"""The FastAPI app factory: an engine (in this process, or remote replicas), its metrics, a file store,
+and the routes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from fastapi import FastAPI
 
 from dit_core import AsyncEngine
 
+from .client import EngineClient, LocalEngineClient
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
-from .metrics import Metrics
 from .models import served_models
 from .routes import images, system
 
@@ -33,23 +34,27 @@ class ServeSettings:
     retry_after_s: int = 1
 
 
-def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
-    """Build the app. With ``owns_engine`` the app shuts the engine down when it stops."""
+def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | None = None,
+               owns_engine: bool = True) -> FastAPI:
+    """Build the app over an in-process ``AsyncEngine`` or an ``EngineClient`` (e.g. Ray Serve replicas,
+    see ``serve.ray_app``). With ``owns_engine`` the app shuts the engine down when it stops."""
     settings = settings or ServeSettings()
+    client = engine if isinstance(engine, EngineClient) else LocalEngineClient(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         if owns_engine:
-            engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+            client.shutdown(drain_timeout_s=settings.drain_timeout_s)
 
     app = FastAPI(title="omnidit", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.client = client  # what the routes use
+    app.state.engine = engine if isinstance(engine, AsyncEngine) else None  # the in-process engine, if any
     app.state.settings = settings
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
-    app.state.metrics = Metrics(engine)
+    app.state.metrics = client.make_metrics()
     app.state.started = int(time.time())
-    app.state.model_ids = served_models(engine.engine, settings)
+    app.state.model_ids = served_models(client, settings)
     install_handlers(app)
     app.include_router(images.router)
     app.include_router(system.router)

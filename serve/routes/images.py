@@ -12,7 +12,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from dit_core import RequestAbortedError, RequestFailedError
+from dit_core import EngineDeadError, RequestAbortedError, RequestFailedError
 from dit_core.request import EventKind, RequestOutput
 
 from ..errors import APIError
@@ -27,22 +27,22 @@ DISCONNECT_POLL_S = 0.2
 @router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True)
 async def create_image(body: ImageGenerationRequest, request: Request):
     state = request.app.state
-    settings, engine = state.settings, state.engine
+    settings, client = state.settings, state.client
     model = resolve_model(state, body.model, "image")
     if len(body.prompt) > settings.max_prompt_chars:
         raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {settings.max_prompt_chars}",
                        "invalid_request_error", "prompt", "prompt_too_long")
     params = body.sampling_params()
-    waiting = engine.num_unfinished - len(engine.engine.scheduler.running)
+    waiting = client.num_waiting()
     if waiting >= settings.max_queue:
         raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
                        None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
-    rid, events = engine.submit(body.prompt, params, model=model)
+    rid, events = await client.submit(body.prompt, params, model=model, progress=body.stream)
     base_url = str(request.base_url)
     if body.stream:
         return StreamingResponse(_sse(state, rid, events, body, base_url), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-    event = await _until_final(engine, rid, events, request)
+    event = await _until_final(client, rid, events, request)
     data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url)
     _log(event.output)
     return ImagesResponse(created=int(time.time()), data=data)
@@ -57,11 +57,11 @@ async def get_file(file_id: str, request: Request):
     return Response(content=item[0], media_type=item[1])
 
 
-async def _until_final(engine, rid, events, request: Request):
+async def _until_final(client, rid, events, request: Request):
     """Wait for the request's final event; abort it if the client disconnects first."""
 
     async def consume():
-        async for event in engine.events(rid, events):
+        async for event in client.events(rid, events):
             if event.kind.final:
                 return event
 
@@ -85,20 +85,26 @@ async def _until_final(engine, rid, events, request: Request):
 
 async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str):
     """progress events, then one event per image, then [DONE]. Disconnecting aborts the request."""
-    async for event in state.engine.events(rid, events):
-        if event.kind == EventKind.STEP:
-            yield _sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})
-        elif event.kind == EventKind.FINISHED:
-            yield _sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})
-            data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url)
-            for i, item in enumerate(data):
-                yield _sse_data({"type": "image", "id": rid, "index": i, **item.model_dump(exclude_none=True)})
-            _log(event.output)
-        elif event.kind.final:
-            kind = "server_error"
-            yield _sse_data({"type": "error", "id": rid, "error": {"message": event.error, "type": kind,
-                                                                  "param": None, "code": event.kind.value}})
+    try:
+        async for event in state.client.events(rid, events):
+            if event.kind == EventKind.STEP:
+                yield _sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})
+            elif event.kind == EventKind.FINISHED:
+                yield _sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})
+                data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url)
+                for i, item in enumerate(data):
+                    yield _sse_data({"type": "image", "id": rid, "index": i, **item.model_dump(exclude_none=True)})
+                _log(event.output)
+            elif event.kind.final:
+                yield _sse_data(_sse_error(rid, event.error, event.kind.value))
+    except EngineDeadError as e:  # the engine serving it went away (e.g. a Ray Serve replica died)
+        yield _sse_data(_sse_error(rid, str(e), "engine_unavailable"))
     yield "data: [DONE]\n\n"
+
+
+def _sse_error(rid: str, message: str, code: str) -> dict:
+    return {"type": "error", "id": rid, "error": {"message": message, "type": "server_error", "param": None,
+                                                  "code": code}}
 
 
 def _sse_data(payload: dict) -> str:
