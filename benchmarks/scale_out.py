@@ -63,13 +63,15 @@ def app_args(models: dict, replicas: int, threads: int, router: str, shared_thin
                 max_ongoing_requests=2 * CLIENTS)
 
 
-def deploy(name: str, args: dict) -> str:
+def deploy(apps: dict[str, dict]) -> dict[str, str]:
+    """Deploy ``{name: build_app args}`` side by side (in parallel); their base URLs."""
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from serve.ray_app import build_app
 
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-    return f"http://127.0.0.1:{PORT}/{name}"
+    serve.run_many([RunTarget(build_app(args), name=name, route_prefix=f"/{name}") for name, args in apps.items()])
+    return {name: f"http://127.0.0.1:{PORT}/{name}" for name in apps}
 
 
 def stats(url: str) -> dict:
@@ -155,27 +157,26 @@ def pss_mb(pids) -> float:
     return sum(psutil.Process(pid).memory_full_info().pss for pid in pids) / 2**20
 
 
-def thinker_memory(model_path: str, label: str) -> dict:
-    """PSS of 2 replicas holding the thinker vs 2 replicas + one shared thinker stage."""
-    from ray import serve
-
+def thinker_memory(local_url: str, shared_url: str, label: str, model: str) -> dict:
+    """PSS of the 2 replicas of ``local_url`` (each holds the thinker) against the 2 replicas of
+    ``shared_url`` plus its shared thinker stage, after the same two requests on each."""
     out = {}
-    for name, shared in (("mem-local", False), ("mem-shared", True)):
-        url = deploy(name, app_args({"m": model_path}, 2, 1, "batch", shared_thinker=shared))
-        # one request per replica so each has run its thinker path once
-        for i in range(2):
+    for name, url in (("local", local_url), ("shared", shared_url)):
+        for i in range(4):  # reaches both replicas (the router spreads requests of an idle deployment)
             httpx.post(f"{url}/v1/images/generations", timeout=300,
-                       json={"prompt": f"digit {i}", "num_inference_steps": 2, "seed": i})
+                       json={"model": model, "prompt": f"digit {i}", "num_inference_steps": 2, "seed": i,
+                             "size": "32x32"})
         s = stats(url)
         engines = [e["pid"] for e in s["engines"]]
         stage = [t["pid"] for ts in s["thinkers"].values() for t in ts]
         out[name] = {"engines_mb": pss_mb(engines), "stage_mb": pss_mb(stage) if stage else 0.0,
-                     "lm_parameters_per_replica": s["engines"][0]["lm_parameters"]}
-        serve.delete(name)
-    local = out["mem-local"]["engines_mb"]
-    shared = out["mem-shared"]["engines_mb"] + out["mem-shared"]["stage_mb"]
+                     "replicas": len(engines), "lm_parameters_per_replica": s["engines"][0]["lm_parameters"]}
+    local = out["local"]["engines_mb"]
+    shared = out["shared"]["engines_mb"] + out["shared"]["stage_mb"]
     print(f"thinker memory ({label}): 2 replicas with their own thinker {local:.0f} MB PSS; shared: replicas "
-          f"{out['mem-shared']['engines_mb']:.0f} + stage {out['mem-shared']['stage_mb']:.0f} MB; saved {local - shared:.0f} MB")
+          f"{out['shared']['engines_mb']:.0f} + stage {out['shared']['stage_mb']:.0f} MB; "
+          f"saved {local - shared:.0f} MB",
+          flush=True)
     return {**out, "saved_mb": local - shared}
 
 
@@ -195,7 +196,8 @@ def big_thinker_checkpoint(out: Path) -> str:
                                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=1024,
                                               axes_dims_rope=(4, 6, 6)).eval()
     vae = AutoencoderKLQwenImage(base_dim=4, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
-                                 temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
+                                 temperal_downsample=[False, True], latents_mean=[0.0] * 4,
+                                 latents_std=[1.0] * 4).eval()
     QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, text_encoder=lm,
                       tokenizer=tokenizer, transformer=transformer).save_pretrained(out)
     return str(out)
@@ -225,8 +227,11 @@ def main() -> None:
     ray.init(include_dashboard=False, num_cpus=os.cpu_count(), logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT}, logging_config={"log_level": "WARNING"})
-        urls = {name: deploy(name, app_args(paths, **opts)) for name, opts in APPS.items()}
+        urls = deploy({**{name: app_args(paths, **opts) for name, opts in APPS.items()},
+                       "shared": app_args(paths, 2, 1, "batch", shared_thinker=["digits"])})
         print(f"cluster and {len(urls)} apps up in {time.perf_counter() - started:.0f} s", flush=True)
+        # before any load, so that no replica's allocator holds more than another's
+        memory = {"digits": thinker_memory(urls["default"], urls["shared"], "digits", "digits")}
         runs = {(m, a): [] for m in models for a in APPS}
         for model in models:
             sizes, steps = WORKLOADS[model]
@@ -240,12 +245,14 @@ def main() -> None:
                     print(f"{model:6s} {app:8s} {result['images_per_s']:6.2f} img/s  p50 {result['p50']:.2f} s  "
                           f"p95 {result['p95']:.2f} s  mean batch {result['mean_batch'] or 0:.2f}", flush=True)
         identical = identical_outputs(urls["batch"], paths["digits"])
-        for name in APPS:
+        for name in urls:
             serve.delete(name)
-        memory = {"digits": thinker_memory(paths["digits"], "digits")}
         if not args.quick:
-            memory["qwenimage-84M-thinker"] = thinker_memory(big_thinker_checkpoint(Path(tmp.name) / "big"),
-                                                             "84 M-parameter thinker")
+            big = {"m": big_thinker_checkpoint(Path(tmp.name) / "big")}
+            big_urls = deploy({"big-local": app_args(big, 2, 1, "batch"),
+                               "big-shared": app_args(big, 2, 1, "batch", shared_thinker=True)})
+            memory["qwenimage-84M-thinker"] = thinker_memory(big_urls["big-local"], big_urls["big-shared"],
+                                                             "84 M-parameter thinker", "m")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -83,7 +83,8 @@ class ScaleOutConfig:
             _int("max_ongoing_requests", self.max_ongoing_requests, 1)
         unknown = set(self.autoscaling) - set(AUTOSCALING_FIELDS)
         if unknown:
-            raise InvalidParamError("autoscaling", sorted(unknown), f"Ray Serve autoscaling fields: {AUTOSCALING_FIELDS}")
+            raise InvalidParamError("autoscaling", sorted(unknown),
+                                    f"Ray Serve autoscaling fields: {AUTOSCALING_FIELDS}")
         if self.shared_thinker is True:
             self.shared_thinker = [n for n, p in self.models.items() if _has_thinker(p)]
         elif not self.shared_thinker:

@@ -59,16 +59,19 @@ class EngineReplica:
         key = route_key or self._route_key(model, params)
         self.live[rid] = (key, origin)
         self.accepted[key] += 1
+        stepped = final = False
         try:
             yield Accepted(rid, self.replica_id)
-            stepped = False
-            async for event in self.engine.events(rid, events):  # leaving early (cancelled) aborts it
+            async for event in self.engine.events(rid, events):
                 if event.kind == EventKind.QUEUED or (event.kind == EventKind.STEP and stepped and not progress):
                     continue
                 stepped = stepped or event.kind == EventKind.STEP
+                final = event.kind.final
                 yield event
-        finally:
+        finally:  # the caller cancelled the stream (its HTTP client went away): abort the request here
             self.live.pop(rid, None)
+            if not final:
+                self.engine.abort(rid, "client went away")
 
     def describe(self) -> dict:
         """Per model: its kind, ``describe()`` details and default size (for routing keys)."""
