@@ -18,10 +18,10 @@ time. Reported: throughput (images/s), p50/p95 latency, and the mean batch size 
 ``outputs_identical``: the same seeded requests through the 2-replica app and through a
 single-process engine (1 thread, as a replica runs) give byte-identical PNGs.
 ``thinker_shared_memory_saved_mb``: proportional set size (PSS) of 2 engine replicas that each hold
-the thinker, minus that of 2 replicas calling a shared thinker stage plus the stage itself. Quick
-runs measure it on the digits model (whose thinker is 0.3 M parameters: the stage's own process
-costs more than it saves); full runs also on a Qwen-Image checkpoint with an ~84 M-parameter
-thinker, and report that one.
+the thinker, minus that of 2 replicas calling a shared thinker stage plus the stage itself, measured
+on the digits model (whose thinker is 0.3 M parameters: the stage's own process costs more than it
+saves) and on a Qwen-Image checkpoint with an ~84 M-parameter thinker (the one reported), in quick
+runs too.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ APPS = {  # name -> build_app args beyond the models
 
 def app_args(models: dict, replicas: int, threads: int, router: str, shared_thinker=False) -> dict:
     return dict(models=models, replicas=replicas, threads=threads, replica_cpus=0.25, router=router,
-                shared_thinker=shared_thinker, engine={"max_batch_size": BATCH, "thinker": "hf"},
+                shared_thinker=shared_thinker, thinker_cpus=0.25, engine={"max_batch_size": BATCH, "thinker": "hf"},
                 max_ongoing_requests=2 * CLIENTS)
 
 
@@ -205,7 +205,8 @@ def big_thinker_checkpoint(out: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="digits only, 1 repeat of 12 s (under 5 minutes)")
+    parser.add_argument("--quick", action="store_true", help="digits only, 1 repeat of 12 s per app (the thinker memory is measured "
+                                                              "as in full runs)")
     parser.add_argument("--repeats", type=int, default=None, help="measured runs per app and model (default 3)")
     parser.add_argument("--seconds", type=float, default=None, help="length of one run (default 30)")
     args = parser.parse_args()
@@ -224,7 +225,9 @@ def main() -> None:
     if "flux" in models:
         paths["flux"] = str(build("flux", "small", Path(tmp.name) / "flux"))
     started = time.perf_counter()
-    ray.init(include_dashboard=False, num_cpus=os.cpu_count(), logging_level="WARNING")
+    # Logical CPUs are bookkeeping: every app's replicas must fit side by side (each reserves 0.25) while
+    # the torch threads set per replica decide what really runs.
+    ray.init(include_dashboard=False, num_cpus=max(4, os.cpu_count() or 1), logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT}, logging_config={"log_level": "WARNING"})
         urls = deploy({**{name: app_args(paths, **opts) for name, opts in APPS.items()},
@@ -247,12 +250,11 @@ def main() -> None:
         identical = identical_outputs(urls["batch"], paths["digits"])
         for name in urls:
             serve.delete(name)
-        if not args.quick:
-            big = {"m": big_thinker_checkpoint(Path(tmp.name) / "big")}
-            big_urls = deploy({"big-local": app_args(big, 2, 1, "batch"),
-                               "big-shared": app_args(big, 2, 1, "batch", shared_thinker=True)})
-            memory["qwenimage-84M-thinker"] = thinker_memory(big_urls["big-local"], big_urls["big-shared"],
-                                                             "84 M-parameter thinker", "m")
+        big = {"m": big_thinker_checkpoint(Path(tmp.name) / "big")}
+        big_urls = deploy({"big-local": app_args(big, 2, 1, "batch"),
+                           "big-shared": app_args(big, 2, 1, "batch", shared_thinker=True)})
+        memory["qwenimage-84M-thinker"] = thinker_memory(big_urls["big-local"], big_urls["big-shared"],
+                                                         "84 M-parameter thinker", "m")
     finally:
         serve.shutdown()
         ray.shutdown()
