@@ -40,6 +40,8 @@ class SamplingParams:
     max_sequence_length: int | None = None
     use_cache: bool = True  # False: this request computes every step even when the engine caches
     deadline_ms: float | None = None  # latency budget from arrival (``edf`` serves earliest first); None: bulk
+    audio_start_in_s: float | None = None  # audio models: where the clip starts (seconds)
+    audio_end_in_s: float | None = None  # audio models: where it ends, so its length is end - start
 
     def __post_init__(self):
         for name in ("height", "width"):
@@ -55,6 +57,8 @@ class SamplingParams:
         if self.output_type not in OUTPUT_TYPES:
             raise InvalidParamError("output_type", self.output_type, f"one of {list(OUTPUT_TYPES)}")
         _check_int("max_sequence_length", self.max_sequence_length, 1, 4096, optional=True)
+        for name in ("audio_start_in_s", "audio_end_in_s"):
+            _check_float(name, getattr(self, name))
         if not isinstance(self.use_cache, bool):
             raise InvalidParamError("use_cache", self.use_cache, "true or false")
         if self.deadline_ms is not None:

@@ -31,14 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnidit", description="Serve and run diffusion transformers.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate images from a prompt, with a progress bar")
+    gen = sub.add_parser("generate", help="generate images (PNG), videos (MP4) or audio from a prompt, with a "
+                                          "progress bar")
     gen.add_argument("prompt", nargs="+",
                      help="one or more prompts (one image each, or --num-outputs); a first argument that is a "
                           "model folder is taken as --model")
     gen.add_argument("-m", "--model", default=None,
                      help="a diffusers-format model folder (default: the embedded digits model)")
-    gen.add_argument("-o", "--output", default="out.png",
-                     help="output PNG; with several images, _0, _1, ... are added before .png (default out.png)")
+    gen.add_argument("-o", "--output", default=None,
+                     help="output file; with several outputs, _0, _1, ... are added before the suffix (default "
+                          "out.png; out.mp4 for a video model; out.wav for an audio model, whose suffix picks the "
+                          "format: .wav, .flac, .mp3, .opus, .pcm)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
     gen.add_argument("--seed", type=int, default=None,
@@ -48,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--true-cfg", type=float, default=None,
                      help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
     gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
-    gen.add_argument("--num-outputs", type=int, default=1, help="images per prompt (default 1)")
+    gen.add_argument("--frames", type=int, default=None,
+                     help="video models: frames per clip (Wan: 4k + 1; default: the model's)")
+    gen.add_argument("--fps", type=int, default=16, help="video models: frame rate of the MP4 (default 16)")
+    gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
+    gen.add_argument("--seconds", type=float, default=None,
+                     help="audio models: clip length in seconds (default: the model's maximum)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -61,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on every route but /health (default: open)")
+                     help="require 'Authorization: Bearer KEY' on every route but /health and the playground page "
+                          "(/, /static/; the page asks for the key) (default: open)")
     srv.add_argument("--model-name", default=None,
                      help="with a positional model folder: the model id clients send and /v1/models lists "
                           "(default: the folder's name)")
@@ -72,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--file-ttl", type=float, default=3600.0,
                      help="seconds a response_format=url image stays downloadable (default 3600)")
     srv.add_argument("--max-files", type=int, default=256, help="url images kept at most (default 256)")
+    srv.add_argument("--video-dir", default=None,
+                     help="folder for finished videos (a private subfolder, removed at exit; default: the "
+                          "system temp dir)")
+    srv.add_argument("--max-videos", type=int, default=64,
+                     help="video jobs kept at most, finished or not; more get 429 + Retry-After (default 64)")
+    srv.add_argument("--max-video-bytes", type=int, default=256 << 20,
+                     help="bytes of stored MP4s at most; more get 429 + Retry-After (default 256 MiB)")
+    srv.add_argument("--video-ttl", type=float, default=3600.0,
+                     help="seconds a finished video job and its file are kept (default 3600)")
+    srv.add_argument("--max-file-bytes", type=int, default=256 << 20,
+                     help="bytes of url images kept at most; the oldest go first, and a request whose PNGs could "
+                          "exceed it is refused with 400 (default 256 MiB)")
+    srv.add_argument("--request-timeout", type=float, default=3600.0,
+                     help="seconds a request may take from arrival to its image; past it the request is aborted "
+                          "and answered 504 (0: no limit; default 3600)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
@@ -83,6 +107,26 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("out_dir")
     trn.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     trn.set_defaults(func=cmd_train_default)
+
+    tvd = sub.add_parser("train-video-default",
+                         help="retrain the embedded video model, moving digits (about 20 minutes on 2 cores)")
+    tvd.add_argument("out_dir")
+    tvd.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tvd.add_argument("--threads", type=int, default=None,
+                     help="torch threads (default: torch's); 1 is much faster on a machine busy with other jobs")
+    tvd.set_defaults(func=cmd_train_video_default)
+    tts = sub.add_parser("train-tts-default",
+                         help="retrain the embedded text-to-speech model and its digit recognizer (espeak-ng data; "
+                              "apt-get installs espeak-ng when missing; see README for times)")
+    tts.add_argument("out_dir")
+    tts.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tts.add_argument("--talker-steps", type=int, default=1400, help="talker training steps (default 1400)")
+    tts.add_argument("--talker-minutes", type=float, default=30.0,
+                     help="talker time budget: it stops at its steps or this, whichever is first (default 30)")
+    tts.add_argument("--dit-steps", type=int, default=1000, help="audio DiT training steps (default 1000)")
+    tts.add_argument("--dit-minutes", type=float, default=10.0, help="audio DiT time budget (default 10)")
+    tts.add_argument("--no-recognizer", action="store_true", help="skip the recognizer")
+    tts.set_defaults(func=cmd_train_tts)
 
     fit = sub.add_parser("fit-teacache", help="fit TeaCache coefficients for a checkpoint")
     fit.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded digits model)")
@@ -106,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.set_defaults(func=cmd_quantize)
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
-    rnd.add_argument("family", help="flux, sd3 or qwenimage")
-    rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
+    rnd.add_argument("family", help="flux, sd3, qwenimage, wan or stable-audio")
+    rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
+                                  "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     rnd.set_defaults(func=cmd_make_random)
@@ -190,12 +235,23 @@ def cmd_generate(args) -> int:
         args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
     engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
+    kind = engine.family.output_kind
+    audio = kind == "audio"
+    out = Path(args.output or {"audio": "out.wav", "video": "out.mp4"}.get(kind, "out.png"))
+    if kind == "video" and out.suffix.lower() != ".mp4":
+        out = out.with_suffix(".mp4")
+    if audio and out.suffix.lower().lstrip(".") not in ("wav", "flac", "mp3", "opus", "ogg", "pcm"):
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
     ids = []
     for i, prompt in enumerate(args.prompt):
         params = SamplingParams(height=height, width=width, num_inference_steps=args.steps,
+                                audio_end_in_s=args.seconds,
                                 seed=None if args.seed is None else args.seed + i,
                                 guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
-                                negative_prompt=args.negative_prompt, num_outputs=args.num_outputs)
+                                negative_prompt=args.negative_prompt, num_outputs=args.num_outputs,
+                                num_frames=args.frames)
         ids.append(engine.add_request(prompt, params))
     total = sum(engine.get_request(r).total_steps for r in ids)
     outputs = {}
@@ -210,11 +266,15 @@ def cmd_generate(args) -> int:
                 elif ev.kind.final:
                     print(f"omnidit: request {ev.request_id} {ev.kind.value}: {ev.error}", file=sys.stderr)
                     return 1
-    images = [img for rid in ids for img in outputs[rid].images]
-    out = Path(args.output)
+    images = [img for rid in ids for img in outputs[rid].outputs]
     for i, img in enumerate(images):
         path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
-        img.save(path)
+        if kind == "video":
+            from dit_core.video import write_mp4
+
+            write_mp4(path, img, fps=args.fps)
+        else:
+            img.save(path)
         print(path)
     print(f"seeds: {[outputs[rid].seed for rid in ids]}", file=sys.stderr)
     return 0
@@ -227,7 +287,10 @@ def cmd_serve(args) -> int:
     models = served_model_paths(args)
     settings = ServeSettings(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
-                             max_files=args.max_files)
+                             max_files=args.max_files, max_file_bytes=args.max_file_bytes,
+                             request_timeout_s=args.request_timeout, video_dir=args.video_dir,
+                             max_videos=args.max_videos, max_video_bytes=args.max_video_bytes,
+                             video_ttl_s=args.video_ttl)
     options = engine_kwargs(args)
     if "policy" not in options:
         options["policy"] = default_policy(models.values())
@@ -279,6 +342,28 @@ def cmd_train_default(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    return 0
+
+
+def cmd_train_video_default(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_video import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(train(args.out_dir, TrainConfig(seed=args.seed, threads=args.threads)))
+    return 0
+
+
+def cmd_train_tts(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_tts import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = TrainConfig(seed=args.seed, talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
+                      dit_steps=args.dit_steps, dit_minutes=args.dit_minutes)
+    print(train(args.out_dir, cfg, recognizer=not args.no_recognizer))
     return 0
 
 

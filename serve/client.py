@@ -26,6 +26,11 @@ class EngineClient(abc.ABC):
     def is_alive(self) -> bool:
         """Whether requests can be served now."""
 
+    @property
+    def died(self) -> str | None:
+        """Why the engine stopped serving, if it did (a failed request is then not the request's fault)."""
+        return None
+
     @abc.abstractmethod
     def num_waiting(self) -> int:
         """Requests submitted and not yet admitted to a batch (the 429 queue limit counts these)."""
@@ -35,6 +40,10 @@ class EngineClient(abc.ABC):
         """Validate and queue a request; returns its id and a stream handle for ``events``.
         Invalid input raises ``InvalidParamError`` here. ``progress=False`` lets a remote engine skip
         the per-step events the caller does not need (the first step and the final event still come)."""
+
+    @abc.abstractmethod
+    def output_size(self, model: str, params) -> tuple[int, int, int]:
+        """(outputs, width, height) a request of ``params`` to ``model`` makes, before it is submitted."""
 
     @abc.abstractmethod
     def events(self, rid: str, stream) -> AsyncIterator[RequestEvent]:
@@ -64,11 +73,19 @@ class LocalEngineClient(EngineClient):
     def is_alive(self) -> bool:
         return self.engine.is_alive
 
+    @property
+    def died(self) -> str | None:
+        return self.engine.died
+
     def num_waiting(self) -> int:
         return self.engine.num_unfinished - len(self.engine.engine.scheduler.running)
 
     async def submit(self, prompt, params, model=None, progress=True):
-        return self.engine.submit(prompt, params, model=model)
+        return await self.engine.submit_async(prompt, params, model=model)
+
+    def output_size(self, model, params):
+        resolved = self.engine.engine.models[model].resolve(params)
+        return resolved.num_outputs, resolved.width, resolved.height
 
     def events(self, rid, stream):
         return self.engine.events(rid, stream)
@@ -81,3 +98,15 @@ class LocalEngineClient(EngineClient):
 
     def shutdown(self, drain_timeout_s=0.0):
         self.engine.shutdown(drain_timeout_s=drain_timeout_s)
+
+
+def local_engine(state, feature: str) -> AsyncEngine:
+    """The in-process ``AsyncEngine`` a route needs, or a 501 naming ``feature`` when the app serves
+    remote engine replicas (``omnidit serve --replicas``), where that route is not available yet."""
+    if state.engine is None:
+        from .errors import APIError
+
+        raise APIError(501, f"{feature} is not available on engine replicas (omnidit serve --replicas) yet; "
+                            "run a single-process server (no --replicas) for it",
+                       "invalid_request_error", None, "not_available_on_replicas")
+    return state.engine

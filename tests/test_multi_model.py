@@ -92,6 +92,7 @@ def test_serving_several_models_lists_them_and_routes_by_kind(tiny_models):
         detail = httpx.get(f"{srv.url}/v1/models/s").json()
         assert detail["kind"] == "image" and detail["details"]["family"] == "sd3"
         assert detail["details"]["size_multiple"] == 4  # the tiny SD3: VAE x2, patch 2
+        assert detail["details"]["cfg_param"] == "guidance_scale" and detail["details"]["max_outputs"] == 10
         assert httpx.get(f"{srv.url}/v1/models/nope").status_code == 404
         client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
         out = client.images.generate(model="s", prompt="a cat", size="32x32",

@@ -29,7 +29,8 @@ from PIL import Image
 
 from dit_core.zoo import default_model
 from serve.app import ServeSettings
-from test_serve import assert_error, free_port, live_server
+from serve.server import free_port
+from serve_helpers import assert_error, live_server
 
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -187,6 +188,10 @@ def test_streaming_errors_models_and_api_key(scaled):
     assert [(m["id"], m["kind"]) for m in models["data"]] == [("digits", "image")]
     detail = httpx.get(f"{url}/v1/models/digits", headers=AUTH).json()
     assert detail["details"]["defaults"]["height"] == 32
+    # routes that still need the in-process engine say so, naming themselves
+    for path, body in (("/v1/videos", {"prompt": "x"}), ("/v1/audio/generate", {"prompt": "x"})):
+        err = assert_error(httpx.post(f"{url}{path}", json=body, headers=AUTH), 501, code="not_available_on_replicas")
+        assert "--replicas" in err["message"]
 
 
 def test_metrics_expose_one_series_per_replica(scaled):

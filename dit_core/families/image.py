@@ -15,7 +15,7 @@ from ar_adapters import choose_thinker, make_thinker, vllm_available
 
 from ..errors import InvalidParamError
 from ..loading import load_component, load_components
-from ..params import SamplingParams
+from ..params import MAX_OUTPUTS, MAX_SIDE, MAX_STEPS, SamplingParams
 from ..request import Request
 from .base import Family, TextCond, split_rows
 
@@ -75,8 +75,11 @@ class DiffusersFamily(Family):
 
     def encode(self, requests: list[Request]) -> None:
         """Set ``cond`` (and ``uncond`` for CFG requests) for all ``requests``: cached prompts come from
-        the prompt cache, the rest go to the encoders in ONE batched call (requests admitted together
-        share the batch key, hence the text length)."""
+        the prompt cache, the rest go to the local encoders one prompt per call. Encoding prompts
+        together would make an embedding depend (in its last bits: GEMM blocking follows the batch size)
+        on the prompts it was encoded with, and the prompt cache would carry that into later requests;
+        text encoding is a small part of a request's cost. A thinker (an AR stage, e.g. vLLM) gets all
+        missing prompts in one call: batching is what it is for."""
         params = requests[0].params
         prompts = [r.prompt for r in requests] + [r.params.negative_prompt or "" for r in requests if r.cfg]
         keys = [self.prompt_key(p, params) for p in prompts]
@@ -84,7 +87,10 @@ class DiffusersFamily(Family):
         found = {k: cache.get(k) for k in dict.fromkeys(keys)} if cache is not None else {}
         missing = [k for k in dict.fromkeys(keys) if found.get(k) is None]
         if missing:
-            fresh = self.encode_prompts([k[-2] for k in missing], params)
+            if self.thinker is not None:  # an AR stage batches by design: one call for all missing prompts
+                fresh = self.encode_prompts([k[-2] for k in missing], params)
+            else:
+                fresh = [self.encode_prompts([k[-2]], params)[0] for k in missing]
             for key, cond in zip(missing, fresh):
                 found[key] = cond
                 if cache is not None:
@@ -141,6 +147,7 @@ class ImageFamily(DiffusersFamily):
     params_used = frozenset({"height", "width", "num_frames", "guidance_scale", "true_cfg_scale",
                              "negative_prompt", "max_sequence_length"})
     processor: VaeImageProcessor  # set by subclasses
+    cfg_param: ClassVar[str] = "true_cfg_scale"  # the SamplingParams field that sets classifier-free guidance
 
     @property
     def size_multiple(self) -> int:
@@ -154,8 +161,13 @@ class ImageFamily(DiffusersFamily):
         return (params.height // self.size_multiple) * (params.width // self.size_multiple)
 
     def describe(self) -> dict:
-        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": 8192,
-                "max_text_tokens": self.max_text_tokens}
+        """Adds the size rule (``size_multiple``, ``max_side``), ``max_text_tokens``, the step and
+        output ranges (``min_steps``..``max_steps``, ``max_outputs``) and ``cfg_param``: the field
+        that sets classifier-free guidance for this family."""
+        min_steps = 2 if self.scheduler.config.get("shift_terminal") else 1
+        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": MAX_SIDE,
+                "max_text_tokens": self.max_text_tokens, "min_steps": min_steps, "max_steps": MAX_STEPS,
+                "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param}
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         self.check_fields(params)

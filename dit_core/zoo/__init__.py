@@ -1,4 +1,5 @@
-"""Models shipped inside the package, by name. ``digits``: the embedded default model.
+"""Models shipped inside the package, by name. ``digits``: the embedded default (image) model;
+``digits_video``: the embedded video model ("moving digits", a Wan 2.1-shaped checkpoint).
 
 Each entry maps a name (usable as ``omnidit serve --model NAME``) to its folder."""
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent
 DEFAULT_MODEL = ROOT / "digits"
-EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL}
+DEFAULT_VIDEO_MODEL = ROOT / "digits_video"
+EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL, "digits_video": DEFAULT_VIDEO_MODEL, "tts": ROOT / "tts"}
 
 
 def embedded_model(name: str) -> Path:
@@ -25,3 +27,16 @@ def embedded_model(name: str) -> Path:
 def default_model() -> Path:
     """The folder of the embedded default model (a diffusers-format Qwen-Image checkpoint)."""
     return embedded_model("digits")
+
+
+def default_video_model() -> Path:
+    """The folder of the embedded video model (a diffusers-format WanPipeline checkpoint)."""
+    return embedded_model("digits_video")
+
+
+TTS_MODEL = ROOT / "tts"
+
+
+def tts_model() -> Path:
+    """The folder of the embedded text-to-speech model (talker + audio DiT + audio VAE)."""
+    return embedded_model("tts")

@@ -36,7 +36,7 @@ class RemoteModel:
     details: dict
 
     def describe(self) -> dict:
-        return self.details
+        return dict(self.details)
 
 
 @dataclass
@@ -113,6 +113,13 @@ class RemoteEngineClient(EngineClient):
         stream = self._live.get(rid)
         if stream is not None:
             stream.gen.cancel()
+
+    def output_size(self, model, params):
+        """From the request and the model's defaults (the replica validates the request itself)."""
+        defaults = self.defaults.get(model) or {}
+        width = params.width if params.width is not None else defaults.get("width", 0)
+        height = params.height if params.height is not None else defaults.get("height", 0)
+        return params.num_outputs or 1, width, height
 
     def make_metrics(self) -> ClusterMetrics:
         return ClusterMetrics(self)

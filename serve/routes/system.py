@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import APIError, error_response
-from ..schemas import ModelCard, ModelDetail, ModelList
+from ..schemas import MAX_N, ModelCard, ModelDetail, ModelList
 
 router = APIRouter()
 
@@ -30,7 +30,10 @@ async def describe_model(model_id: str, request: Request):
         raise APIError(404, f"model {model_id!r} is not served here; this server serves {sorted(state.model_ids)}",
                        "invalid_request_error", "model", "model_not_found")
     family = state.client.models[state.model_ids[model_id]]
-    return ModelDetail(id=model_id, created=state.started, kind=family.output_kind, details=family.describe())
+    details = family.describe()
+    if "max_outputs" in details:  # what one HTTP request may ask for (``n``), not only what the engine allows
+        details["max_outputs"] = min(details["max_outputs"], MAX_N)
+    return ModelDetail(id=model_id, created=state.started, kind=family.output_kind, details=details)
 
 
 @router.get("/health")
