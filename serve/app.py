@@ -1,4 +1,5 @@
-"""The FastAPI app factory: one AsyncEngine, its metrics, a file store, and the routes."""
+"""The FastAPI app factory: an engine (in this process, or remote replicas), its metrics, a file store,
+and the routes."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from fastapi import FastAPI
 from dit_core import AsyncEngine
 
 from . import playground
+from .client import EngineClient, LocalEngineClient
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
 from .live_stats import LiveStats
-from .metrics import Metrics
 from .models import served_models
 from .routes import audio, images, robot, speech, stats, system, videos
 from .video_jobs import VideoJobStore
@@ -48,10 +49,13 @@ class ServeSettings:
     robot_max_frame_bytes: int = 64 << 20
 
 
-def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
-    """Build the app. With ``owns_engine`` the app shuts the engine down when it stops."""
+def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | None = None,
+               owns_engine: bool = True) -> FastAPI:
+    """Build the app over an in-process ``AsyncEngine`` or an ``EngineClient`` (e.g. Ray Serve replicas,
+    see ``serve.ray_app``). With ``owns_engine`` the app shuts the engine down when it stops."""
     settings = settings or ServeSettings()
     robot.check_settings(settings)
+    client = engine if isinstance(engine, EngineClient) else LocalEngineClient(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,19 +63,21 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
         for service in app.state.speech.values():
             service.close()
         if owns_engine:
-            engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+            client.shutdown(drain_timeout_s=settings.drain_timeout_s)
         app.state.videos.close()
 
     app = FastAPI(title="omnidit", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.client = client  # what the routes use
+    app.state.engine = engine if isinstance(engine, AsyncEngine) else None  # the in-process engine, if any
     app.state.settings = settings
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s, settings.max_file_bytes)
-    app.state.metrics = Metrics(engine)
-    app.state.live_stats = LiveStats(engine)
+    app.state.metrics = client.make_metrics()
+    # the playground's engine panel reads the in-process engine (None on Ray Serve replicas: 501)
+    app.state.live_stats = LiveStats(engine) if isinstance(engine, AsyncEngine) else None
     app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,
                                      settings.video_ttl_s)
     app.state.started = int(time.time())
-    app.state.model_ids = served_models(engine.engine, settings)
+    app.state.model_ids = served_models(client, settings)
     app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
     install_handlers(app)
     app.include_router(images.router)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .quiet import quiet_third_party
+from .ray_flags import add_ray_args, ray_requested
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
     add_engine_args(srv)
+    add_ray_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     trn = sub.add_parser("train-default", help="retrain the embedded default model (about 10 minutes on 2 cores)")
@@ -320,6 +322,10 @@ def cmd_serve(args) -> int:
     options = engine_kwargs(args)
     if "policy" not in options:
         options["policy"] = default_policy(models.values())
+    if ray_requested(args):
+        from .ray_flags import serve_on_ray
+
+        return serve_on_ray(args, models, settings, options, args.shutdown_timeout)
     return serve(models, args.host, args.port, settings, args.shutdown_timeout, **options)
 
 

@@ -33,6 +33,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from dit_core import InvalidParamError, OmniditError
 
+from ..client import local_engine
 from ..errors import APIError, count_error, error_response
 from ..models import resolve_model
 from ..openpi_wire import WireError, pack, unpack
@@ -47,7 +48,7 @@ INTERNAL_ERROR = 1011  # what openpi's server closes with after an error text fr
 @router.get("/healthz")
 async def healthz(request: Request):
     """Liveness for robot deployments (openpi's server answers this path)."""
-    if request.app.state.engine.is_alive:
+    if request.app.state.client.is_alive:
         return {"status": "ok"}
     return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
 
@@ -80,6 +81,7 @@ async def robot_socket(ws: WebSocket):
                                  "invalid_request_error", None, "invalid_api_key"))
         return
     try:
+        local_engine(state, "the robot WebSocket")
         session = _open_session(ws)
     except APIError as e:
         count_error(ws.app, e.code or str(e.status))

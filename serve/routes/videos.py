@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
 
+from ..client import local_engine
 from ..errors import APIError
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
@@ -106,7 +107,7 @@ def pick_model(request: Request, name: str | None) -> tuple[str, str]:
     """(the engine's model name, the name clients see) of a video model, or a 400/404 naming ``model``.
     None means the server's model (the first video model when it holds several)."""
     state = request.app.state
-    models = state.engine.engine.models
+    models = local_engine(state, "the Videos API").engine.models
     single = len(models) == 1
     if name is None:
         videos = [n for n, f in models.items() if f.output_kind == "video"]
