@@ -86,6 +86,10 @@ def compile_family(family, name: str = "") -> CompileInfo:
     if reason:
         logger.info("compile: model %s runs eager: %s", name, reason)
         return CompileInfo(eager_reason=reason)
+    # Every compiled module's graphs hang off one code object (Module._call_impl), so the default
+    # limit of 8 cached graphs per code object would send a second model (or Qwen-Image's graph
+    # breaks) back to eager: allow more.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in blocks:
         block.compile(backend="inductor", dynamic=True)
     return CompileInfo(compiled_blocks=len(blocks))
