@@ -85,6 +85,15 @@ def test_request_level_cache_falls_back_to_eager(tiny_models):
     assert all(b._compiled_call_impl is not None for b in transformer_blocks(family))
 
 
+def test_qwen_image_falls_back_to_eager(tiny_models, engines):
+    engine = Engine.from_pretrained(tiny_models["qwenimage"], compile=True)
+    info = engine.compile_info[engine.default_model]
+    assert not info.compiled and "data-dependent" in info.eager_reason and engine.compile_warmup_s == 0
+    assert all(b._compiled_call_impl is None for b in transformer_blocks(engine.family))
+    p = params(num_inference_steps=3, seed=7, **CFG["qwenimage"])
+    assert torch.equal(engine.generate("a lighthouse", p)[0], engines("qwenimage").generate("a lighthouse", p)[0])
+
+
 def test_compile_options_are_validated():
     assert parse_shapes("32x32, 64x48") == [(32, 32), (64, 48)]
     assert parse_shapes([32]) == [(32, 32)] and parse_shapes(None) is None
