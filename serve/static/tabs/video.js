@@ -149,7 +149,7 @@ class VideoTab {
   }
 
   async show(video, job) {
-    job.progress(100, 100, "downloading the MP4");
+    job.progress(100, 100, "100%, downloading the MP4");
     const blob = await (await this.api.fetch(`v1/videos/${video.id}/content`)).blob();
     const [w, h] = video.size.split("x").map(Number);
     const figure = mediaFigure("video", blob, `Video of request #${job.id}: ${video.prompt}`,
@@ -157,6 +157,7 @@ class VideoTab {
     const scale = Math.max(1, Math.floor(SHOWN_PX / Math.max(w, h)));
     figure.querySelector("video").style.width = `${w * scale}px`;
     job.output(figure);
+    job.progress(100, 100, `${video.seconds} s, ${Math.ceil(blob.size / 1024)} kB`);
     job.done(`done: ${video.num_frames} frames at ${video.fps} fps`);
   }
 
