@@ -98,7 +98,8 @@ export class SpeechForm {
         }
       }
     } catch (e) {
-      return e.name === "AbortError" ? job.cancelled() : job.fail(e.message);
+      if (e.name === "AbortError") return job.cancelled();
+      return job.fail(`The speech stream broke off before it was complete (${e.message}).`);
     }
     if (!complete) return job.fail("The server closed the stream before the speech was complete.");
     const seconds = bytes / 2 / rate;
