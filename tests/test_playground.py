@@ -280,6 +280,13 @@ def played(page, selector: str) -> dict:
         " width: m.videoWidth, height: m.videoHeight})")
 
 
+def test_the_page_ships_one_module_per_tab(server):
+    # every static/tabs/KIND.js is a tab the page may load; static/tabs/_PART.js are parts of one
+    assert 'data-tabs="audio,image,video"' in httpx.get(f"{server.url}/", timeout=10).text
+    for part in ("tabs/_speech.js", "tabs/_sound.js", "media.js"):
+        assert httpx.get(f"{server.url}/static/{part}", timeout=10).status_code == 200
+
+
 def test_video_tab_plays_the_generated_mp4(visit, server):
     page = open_tab(visit, "video", "#video-width")
     expect(page.locator("#video-model option")).to_have_text(["vid"])  # video models only
