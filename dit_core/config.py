@@ -12,6 +12,7 @@ from attention import AttentionConfig, UnknownBackendError
 
 from .cache.config import CacheConfig
 from .errors import InvalidParamError
+from .parallel.config import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +41,13 @@ class EngineConfig:
     cache: step cache: ``none``, ``teacache:0.2``, ``fbcache:0.1[,fn=1][,bn=0]`` (per row, inside
         continuous batching) or ``cache-dit:0.1[,fn=1][,bn=0][,warmup=1]`` (request-level: forces
         ``max_batch_size=1``). See ``dit_core.cache``.
+    ulysses, ring, row_parallel: parallel degrees (``dit_core.parallel``): each row's image sequence
+        is split over ulysses x ring ranks (Ulysses all-to-all, ring attention, both: USP), a step's
+        rows over row_parallel groups (CFG-parallel). The engine starts ulysses x ring x row_parallel
+        - 1 worker processes (gloo on CPU, NCCL on CUDA: one GPU each) and stays rank 0.
+    world_size: optional: the process count you expect; must equal the product of the degrees.
+    parallel_threads: torch threads per rank (None: this machine's cores / world size, at least 1).
+    parallel_timeout_s: how long a rank waits on a peer inside a forward before giving up.
     """
 
     dtype: str = "float32"
@@ -54,6 +62,12 @@ class EngineConfig:
     thinker_kv_cache_gb: float = 1.0
     thinker_memory_utilization: float = 0.1
     prompt_cache_bytes: int = 256 << 20
+    ulysses: int = 1
+    ring: int = 1
+    row_parallel: int = 1
+    world_size: int | None = None
+    parallel_threads: int | None = None
+    parallel_timeout_s: float = 600.0
 
     def __post_init__(self):
         if self.thinker is None:
@@ -87,6 +101,7 @@ class EngineConfig:
             raise InvalidParamError("max_batch_size", self.max_batch_size, "an integer >= 1")
         if not isinstance(self.max_tokens_per_step, int) or self.max_tokens_per_step < 1:
             raise InvalidParamError("max_tokens_per_step", self.max_tokens_per_step, "an integer >= 1")
+        self.parallel  # noqa: B018  (validates the parallel degrees, naming the flag)
         from .scheduler import POLICIES
 
         if self.policy not in POLICIES:
@@ -95,3 +110,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.ulysses, self.ring, self.row_parallel, self.world_size, self.parallel_threads,
+                              self.parallel_timeout_s)

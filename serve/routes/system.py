@@ -20,9 +20,13 @@ async def list_models(request: Request):
 
 @router.get("/health")
 async def health(request: Request):
-    if request.app.state.engine.is_alive:
-        return {"status": "ok"}
-    return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
+    engine = request.app.state.engine
+    if not engine.is_alive:
+        return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
+    problem = engine.engine.health()  # e.g. a parallel worker that died
+    if problem is not None:
+        return error_response(503, problem, "server_error", None, "engine_degraded")
+    return {"status": "ok"}
 
 
 @router.get("/metrics")
