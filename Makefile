@@ -33,6 +33,7 @@ bench: install
 	$(BIN)/python -m benchmarks.attention_backends --quick
 	$(BIN)/python -m benchmarks.quality --quick
 	$(BIN)/python -m benchmarks.serve_load --quick
+	$(BIN)/python -m benchmarks.parallel --quick
 
 clean:
 	rm -rf $(VENV) out

@@ -164,7 +164,8 @@ def main() -> None:
                "comm_bytes_model_error": max(r["bytes_model_error"] for r in rows),
                "ulysses2_step_ratio": ratio["ulysses2"], "ring2_step_ratio": ratio["ring2"],
                "row2_step_ratio": ratio["row2"]}
-    print("\nQwen-Image transformer, predicted per step (H100-class: 396 TFLOP/s sustained bf16):")
+    print(f"\nQwen-Image transformer, predicted per step (H100-class: {cm.H100_CLASS_FLOPS / 1e12:.0f} TFLOP/s "
+          "sustained bf16):")
     for p in pred.values():
         print(f"  {p['plan']:8s} {p['size']} {p['link']:22s} world1 {p['world1_step_s']:.3f} s -> {p['step_s']:.3f} s "
               f"(compute {p['compute_s']:.3f}, exposed comm {p['exposed_comm_s']:.3f}): {p['speedup']:.2f}x, "

@@ -168,3 +168,27 @@ def test_mesh_layout_and_balanced_splits():
     assert mesh.row_chunks(5) == [(0, 3), (3, 5)] and mesh.row_chunks(1) == [(0, 1), (1, 1)]
     assert mesh.seq_sizes(35) == [9, 9, 9, 8] and mesh.ring_sizes(35) == [18, 17]
     assert mesh.local_range(35) == (18, 27)
+
+
+@contextlib.contextmanager
+def first_block_cache(engine: Engine, family: str):
+    from dit_core.cache import CacheConfig, make_step_cache
+
+    model = engine.models[family]
+    saved, model.step_cache = model.step_cache, make_step_cache(CacheConfig.parse("fbcache:0.6"), model)
+    try:
+        yield
+    finally:
+        model.step_cache = saved
+
+
+def test_first_block_cache_matches(parallel, reference):
+    """fbcache runs two block ranges per step (the first block for every row, the rest for the rows
+    that compute), each across the ranks."""
+    with first_block_cache(parallel, "sd3"):
+        outs, skipped, _ = run_case(parallel, "sd3", "mixed", True)
+    with first_block_cache(reference.engine, "sd3"):
+        ref_outs, ref_skipped, _ = run_case(reference.engine, "sd3", "mixed", True)
+    assert skipped == ref_skipped and sum(skipped) > 0
+    for got, want in zip(outs, ref_outs):
+        assert (got - want).abs().max().item() <= TOL

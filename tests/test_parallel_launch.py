@@ -60,7 +60,19 @@ def test_cli_names_the_flag(tiny_models, capsys):
     assert "an integer >= 1" in capsys.readouterr().err
 
 
-# ---- a worker that dies; shutdown ----
+# ---- a worker that fails or dies; shutdown ----
+
+
+def test_a_worker_failing_at_start_is_reported_and_nothing_is_left(tiny_models, tmp_path):
+    from dit_core import EngineConfig, ParallelWorkerError
+    from dit_core.families import load_family
+
+    family = load_family(tiny_models["flux"], torch.float32, torch.device("cpu"))
+    family.model_id = str(tmp_path)  # workers load from here: an empty folder
+    before = descendants(os.getpid())
+    with pytest.raises(ParallelWorkerError, match=r"parallel worker rank 1 \(pid \d+\) failed: UnknownModelError"):
+        Engine(family, EngineConfig(ulysses=2))
+    assert descendants(os.getpid()) <= before
 
 
 def test_killed_worker_fails_its_requests_and_health_reports_it(tiny_models):

@@ -101,13 +101,36 @@ class Executor:
         torch.set_num_threads(threads)
         if nccl:
             torch.cuda.set_device(self.device)
-        dist.init_process_group(spec["backend"], init_method=spec["init"], rank=0, world_size=config.world,
-                                timeout=timedelta(seconds=config.timeout_s))
+        self._rendezvous(spec["backend"], spec["init"])
         self.runtime = RankRuntime(models, config, 0, backends)
         self.runtime.init_groups()
         for w in self.workers:
             self._wait(w, "ready")
         logger.info("parallel: %s started (%d threads per rank, workers %s)", config.describe(), threads, self.pids)
+
+    def _rendezvous(self, backend: str, init: str) -> None:
+        """Join the process group, watching the workers meanwhile: one that fails or dies before
+        joining would otherwise keep rank 0 waiting for the whole timeout."""
+        done, failure = threading.Event(), []
+
+        def join():
+            try:
+                dist.init_process_group(backend, init_method=init, rank=0, world_size=self.config.world,
+                                        timeout=timedelta(seconds=self.config.timeout_s))
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                failure.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=join, name="omnidit-parallel-rendezvous", daemon=True).start()
+        while not done.wait(0.2):
+            for w in self.workers:
+                if w.ended() is not None:
+                    if w.conn.poll(0):
+                        self._wait(w)  # its last words: the failure it reported
+                    raise self._lost(w)
+        if failure:
+            raise failure[0]
 
     # ---- talking to workers ----
 

@@ -22,16 +22,12 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from ..errors import OmniditError
+from ..errors import ParallelWorkerError
 
 LAUNCH_FD_ENV = "OMNIDIT_PARALLEL_LAUNCHER_FD"
 WORKER_FDS_ENV = "OMNIDIT_PARALLEL_WORKER_FDS"
 WORKER_FD_ENV = "OMNIDIT_PARALLEL_WORKER_FD"
 MODE_ENV = "OMNIDIT_PARALLEL_START"  # fork (CPU) or exec (CUDA)
-
-
-class ParallelWorkerError(OmniditError, RuntimeError):
-    """A worker rank died or failed; the parallel group is down until the engine restarts."""
 
 
 def describe_status(status: int) -> str:
