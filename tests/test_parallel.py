@@ -192,3 +192,20 @@ def test_first_block_cache_matches(parallel, reference):
     assert skipped == ref_skipped and sum(skipped) > 0
     for got, want in zip(outs, ref_outs):
         assert (got - want).abs().max().item() <= TOL
+
+
+def test_counted_bytes_match_the_communication_model(parallel):
+    """benchmarks/comm_model.py predicts, from the model's shape alone, the bytes every rank sends
+    per step; gloo traffic counted here must equal it (uneven shards included)."""
+    from benchmarks import comm_model as cm
+
+    config = dict(parallel.models["flux"].transformer.config)
+    p = params(height=20, width=28, num_inference_steps=4, seed=1, max_sequence_length=48, **CFG["flux"])
+    before = dict(parallel.parallel.bytes)
+    with cache(parallel, False):
+        parallel.generate("a cat", p, model="flux")
+    counted = {k: (v - before.get(k, 0)) / 4 for k, v in parallel.parallel.bytes.items()}
+    plan = parallel.config.parallel
+    work = cm.flux_workload(config, image=5 * 7, text=48, rows=2)
+    predicted = cm.step_bytes(cm.flux_shape(config), work, cm.Plan(plan.rows, plan.ring, plan.ulysses))
+    assert {k: v for k, v in counted.items() if v} == {k: v for k, v in predicted.items() if v}
