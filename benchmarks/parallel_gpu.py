@@ -11,6 +11,7 @@
    rate measured on this GPU.
 
 Writes benchmarks/results/parallel_gpu.json. Refuses to run with fewer than 2 GPUs.
+``--device cpu`` runs the same script on gloo with world 2 (a check of the script itself).
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def mixed(engine: Engine, family: str) -> list[torch.Tensor]:
     return [img for out in engine.run_to_completion(reqs) for img in out.outputs]
 
 
-def correctness(root: Path, gpus: int) -> list[dict]:
+def correctness(root: Path, gpus: int, device: str) -> list[dict]:
     models = {f: build(f, "tiny", root / f) for f in ("flux", "sd3", "qwenimage")}
-    ref_engine = Engine.from_models(models, device="cuda")
+    ref_engine = Engine.from_models(models, device=device, thinker="hf")
     refs = {f: mixed(ref_engine, f) for f in models}
     ref_engine.close()
     rows = []
@@ -63,7 +64,7 @@ def correctness(root: Path, gpus: int) -> list[dict]:
         use = models if heads_ok else {"sd3": models["sd3"]}  # tiny SD3 has 4
         if plan.get("ulysses", 1) > 4:
             continue
-        engine = Engine.from_models(use, device="cuda", **plan)
+        engine = Engine.from_models(use, device=device, thinker="hf", **plan)
         try:
             for family in use:
                 got = mixed(engine, family)
@@ -75,14 +76,15 @@ def correctness(root: Path, gpus: int) -> list[dict]:
     return rows
 
 
-def timing(model: Path, sides: list[int], steps: int, repeats: int, gpus: int) -> list[dict]:
-    world1 = Engine.from_pretrained(model, device="cuda", dtype="bfloat16")
+def timing(model: Path, sides: list[int], steps: int, repeats: int, gpus: int, device: str) -> list[dict]:
+    dtype, elem = ("bfloat16", 2) if device == "cuda" else ("float32", 4)
+    world1 = Engine.from_pretrained(model, device=device, dtype=dtype)
     config = dict(world1.family.transformer.config)
-    tflops = mm_tflops()
+    tflops = mm_tflops() if device == "cuda" else mm_gflops() / 1e3
     chosen = {k: v for k, v in plans(gpus).items() if k.startswith(("ulysses", "ring", "row2")) and "x" not in k}
     rows = []
     for name, plan in chosen.items():
-        engine = Engine.from_pretrained(model, device="cuda", dtype="bfloat16", **plan)
+        engine = Engine.from_pretrained(model, device=device, dtype=dtype, **plan)
         try:
             for side in sides:
                 p = SamplingParams(height=side, width=side, num_inference_steps=steps, seed=1, true_cfg_scale=2.0,
@@ -97,7 +99,7 @@ def timing(model: Path, sides: list[int], steps: int, repeats: int, gpus: int) -
                     b += ms
                     diff = max(diff, (got.float() - ref.float()).abs().max().item())
                 tokens = (side // 16) ** 2
-                work = cm.flux_workload(config, tokens, 128, rows=2, elem=2)
+                work = cm.flux_workload(config, tokens, 128, rows=2, elem=elem)
                 cplan = cm.Plan(plan.get("row_parallel", 1), plan.get("ring", 1), plan.get("ulysses", 1))
                 predicted = cm.step_bytes(cm.flux_shape(config), work, cplan)
                 counted = {k: v / steps for k, v in sent.items()}
@@ -115,7 +117,8 @@ def timing(model: Path, sides: list[int], steps: int, repeats: int, gpus: int) -
 
 
 def _steps(engine: Engine, p: SamplingParams):
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     before = dict(engine.parallel.bytes) if engine.parallel else {}
     first = engine.stats.steps
     out = engine.generate_outputs("a lighthouse on a cliff at dusk", p)[0]
@@ -143,22 +146,25 @@ def main() -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated image sides (default 1024,2048)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu checks the script on gloo, world 2")
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < 2:
+    if args.device == "cpu":
+        gpus = 2
+    elif gpus < 2:
         print(f"parallel_gpu: needs 2 or more CUDA GPUs, found {gpus}", file=sys.stderr)
         return 2
     sides = [int(s) for s in (args.sizes or ("1024" if args.quick else "1024,2048")).split(",")]
     root = Path(tempfile.mkdtemp())
-    check = correctness(root, gpus)
+    check = correctness(root, gpus, args.device)
     small = build("flux", "small", root / "flux-small")
-    times = timing(small, sides, args.steps, args.repeats or (2 if args.quick else 3), gpus)
+    times = timing(small, sides, args.steps, args.repeats or (2 if args.quick else 3), gpus, args.device)
     summary = {"max_abs_diff": max(r["max_abs_diff"] for r in check),
                "comm_bytes_model_error": max(r["bytes_model_error"] for r in times),
                **{f"{r['plan']}_{r['size']}_speedup": r["speedup"] for r in times}}
-    print(write_json("parallel_gpu", {"summary": summary, "machine": {**machine(), "gpus": gpus,
-                                                                      "cpu_mm_gflops": mm_gflops()},
-                                      "correctness": check, "timing": times}))
+    payload = {"summary": summary, "machine": {**machine(), "gpus": gpus, "cpu_mm_gflops": mm_gflops()},
+               "device": args.device, "correctness": check, "timing": times}
+    print(write_json("parallel_gpu" if args.device == "cuda" else "parallel_gpu_script_check", payload))
     return 0
 
 
