@@ -6,7 +6,7 @@ STAMP := $(VENV)/.omnidit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean chromium
 
 install: $(STAMP)
 
@@ -25,7 +25,12 @@ PORT ?= 8000
 run: install
 	$(BIN)/omnidit serve --host $(HOST) --port $(PORT)
 
-test: install
+# the playground's browser tests drive Debian's chromium (playwright's own browser download cannot work offline)
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	test -x $(CHROMIUM) || (apt-get update && apt-get install -y --no-install-recommends chromium)
+
+test: install chromium
 	$(BIN)/python -m pytest -q tests
 
 bench: install
@@ -33,6 +38,9 @@ bench: install
 	$(BIN)/python -m benchmarks.attention_backends --quick
 	$(BIN)/python -m benchmarks.quality --quick
 	$(BIN)/python -m benchmarks.serve_load --quick
+	$(BIN)/python -m benchmarks.quant --quick
+	$(BIN)/python -m benchmarks.audio --quick
+	$(BIN)/python -m benchmarks.tts_quality --quick
 	$(BIN)/python -m benchmarks.parallel --quick
 
 clean:

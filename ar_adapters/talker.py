@@ -23,6 +23,44 @@ class VLLMTalker:
                        max_model_len=max_length, enforce_eager=True, disable_log_stats=True)
         self.max_length = self.llm.llm_engine.model_config.max_model_len
         self._ids = itertools.count()
+        self._live: set[str] = set()
+
+    kind = "vllm"
+
+    # ---- incremental: requests join and leave between steps (the streaming TTS path) ----
+
+    def add(self, request_id: str, prompt_ids: list[int], max_tokens: int = 256,
+            stop_token_ids: list[int] | None = None) -> None:
+        """Queue a prompt (token ids); greedy, streamed as deltas by ``step``."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompt_ids:
+            raise PromptError("the prompt is empty")
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids or [],
+                                output_kind=RequestOutputKind.DELTA)
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+        self._live.add(request_id)
+
+    def step(self) -> list[TalkerEvent]:
+        """One engine step: the new tokens of every live request added with ``add``."""
+        events = []
+        for out in self.llm.llm_engine.step():
+            if out.request_id in self._live:
+                completion = out.outputs[0]
+                events.append(TalkerEvent(out.request_id, list(completion.token_ids), out.finished,
+                                          completion.finish_reason))
+                if out.finished:
+                    self._live.discard(out.request_id)
+        return events
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._live.discard(request_id)
+            self.llm.llm_engine.abort_request([request_id])
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
 
     def generate(self, prompts: list[str | list[int]], max_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, stop_token_ids: list[int] | None = None, seed: int | None = None

@@ -12,15 +12,19 @@ from dit_core import AsyncEngine, Engine
 from .app import ServeSettings, create_app
 
 
-def serve(model, host: str = "127.0.0.1", port: int = 8000, settings: ServeSettings | None = None,
+def serve(models, host: str = "127.0.0.1", port: int = 8000, settings: ServeSettings | None = None,
           shutdown_timeout_s: float = 30.0, **engine_options) -> int:
-    """Load ``model``, serve it until SIGTERM/SIGINT, and return the exit status (0 on a clean stop).
+    """Load ``models`` ({name: folder}, or one folder), serve them until SIGTERM/SIGINT, and return the
+    exit status (0 on a clean stop).
 
     On SIGTERM the server stops accepting connections, lets in-flight requests finish for up to
     ``shutdown_timeout_s``, cancels (and so aborts) what is left, stops the engine and exits 0.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(Engine.from_pretrained(model, **engine_options))
+    if isinstance(models, dict):
+        engine = AsyncEngine(Engine.from_models(models, **engine_options))
+    else:
+        engine = AsyncEngine(Engine.from_pretrained(models, **engine_options))
     app = create_app(engine, settings or ServeSettings())
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout_s,
                             log_level="info", access_log=False)

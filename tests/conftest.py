@@ -40,3 +40,15 @@ def engines(tiny_models):
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def wan_tiny(tmp_path_factory):
+    """The tiny random Wan 2.1 checkpoint (VAE factors 8 spatial, 4 temporal: 4k + 1 frames)."""
+    return build("wan", "tiny", tmp_path_factory.mktemp("models") / "wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_audio(tmp_path_factory):
+    """The tiny random Stable Audio checkpoint (8 kHz stereo, at most 0.128 s), built once per session."""
+    return build("stable-audio", "tiny", tmp_path_factory.mktemp("models") / "stable-audio")

@@ -92,7 +92,7 @@ def test_empty_or_over_long_prompt_fails_that_request_only(tiny_models, vllm_thi
 def test_auto_falls_back_to_transformers_without_vllm_and_says_so_once(tiny_models, monkeypatch, caplog):
     monkeypatch.setattr(ar_adapters.select, "vllm_available", lambda: False)
     monkeypatch.setattr(ar_adapters.select, "_said_fallback", False)
-    monkeypatch.setattr("dit_core.families.vllm_available", lambda: False)
+    monkeypatch.setattr("dit_core.families.image.vllm_available", lambda: False)
     with caplog.at_level(logging.INFO, logger="ar_adapters.select"):
         for _ in range(2):
             engine = Engine.from_pretrained(tiny_models["qwenimage"], thinker="auto")
@@ -100,6 +100,17 @@ def test_auto_falls_back_to_transformers_without_vllm_and_says_so_once(tiny_mode
     assert sum("vLLM is not installed" in r.message for r in caplog.records) == 1
     with pytest.raises(RuntimeError, match="vLLM is not installed"):
         Engine.from_pretrained(tiny_models["qwenimage"], thinker="vllm")
+
+
+def test_auto_uses_transformers_on_cpu_even_with_vllm_installed_and_says_why(tiny_models, monkeypatch, caplog):
+    monkeypatch.setattr(ar_adapters.select, "vllm_available", lambda: True)
+    monkeypatch.setattr(ar_adapters.select, "_said_fallback", False)
+    with caplog.at_level(logging.INFO, logger="ar_adapters.select"):
+        engine = Engine.from_pretrained(tiny_models["qwenimage"], thinker="auto")
+    assert engine.family.thinker.kind == "hf"
+    lines = [r.message for r in caplog.records if "thinker auto" in r.message]
+    assert len(lines) == 1 and "transformers" in lines[0] and "cpu" in lines[0]
+    assert ar_adapters.select.choose_thinker("auto", "cuda:0") == "vllm"
 
 
 def test_thinker_setting_is_validated(tiny_models):

@@ -16,6 +16,9 @@ from .flux import FluxFamily
 from .image import DiffusersFamily, ImageFamily
 from .qwenimage import QwenImageFamily
 from .sd3 import SD3Family
+from .speech import SpeechFamily
+from .stable_audio import StableAudioFamily
+from .wan import WanFamily
 
 # A checkpoint may declare its own serving defaults (any SamplingParams fields) under this key of
 # model_index.json; diffusers ignores keys that start with "_".
@@ -30,7 +33,7 @@ def register(cls: type[Family]) -> type[Family]:
     return cls
 
 
-for _cls in (FluxFamily, SD3Family, QwenImageFamily):
+for _cls in (FluxFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily):
     register(_cls)
 
 

@@ -26,6 +26,8 @@ class ParallelConfig:
     ring attention; both > 1 is USP). The world is ``rows x ring x ulysses`` processes; rank 0 is
     the engine's own process. ``threads``: torch threads per rank (None: this machine's cores /
     world, at least 1). ``timeout_s``: how long any rank waits on a peer inside a forward.
+    ``quant``: the engine's weight quantization (``EngineConfig.quant``), applied by every worker to
+    its own copy of the denoiser so that all ranks run the same weights.
     """
 
     ulysses: int = 1
@@ -34,6 +36,7 @@ class ParallelConfig:
     world_size: int | None = None
     threads: int | None = None
     timeout_s: float = 600.0
+    quant: str | None = None
 
     def __post_init__(self):
         for field, value in (("ulysses", self.ulysses), ("ring", self.ring), ("row_parallel", self.rows)):

@@ -63,6 +63,10 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         families = {name: load_denoiser(path, dtype, self.device) for name, path in spec["models"].items()}
+        from ..quantize import apply_quant
+
+        for family in families.values():
+            apply_quant(family, config.quant)  # the same weights as rank 0's (EngineConfig.quant)
         from attention import get_backend
 
         backends = {name: {role: get_backend(b) for role, b in roles.items()}

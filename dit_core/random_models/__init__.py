@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 # family name -> module under dit_core.random_models that builds it
-BUILDERS = {"flux": "flux", "sd3": "sd3", "qwenimage": "qwenimage"}
+BUILDERS = {"flux": "flux", "sd3": "sd3", "qwenimage": "qwenimage", "wan": "wan", "stable-audio": "stable_audio"}
 SIZES = ("tiny", "small")
 
 

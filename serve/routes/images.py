@@ -16,6 +16,7 @@ from dit_core import RequestAbortedError, RequestFailedError
 from dit_core.request import EventKind, RequestOutput
 
 from ..errors import APIError
+from ..models import resolve_model
 from ..schemas import ImageData, ImageGenerationRequest, ImagesResponse
 
 router = APIRouter()
@@ -27,9 +28,7 @@ DISCONNECT_POLL_S = 0.2
 async def create_image(body: ImageGenerationRequest, request: Request):
     state = request.app.state
     settings, engine = state.settings, state.engine
-    if body.model is not None and body.model != settings.model_name:
-        raise APIError(404, f"model {body.model!r} is not served here; this server serves "
-                            f"{settings.model_name!r}", "invalid_request_error", "model", "model_not_found")
+    model = resolve_model(state, body.model, "image")
     if len(body.prompt) > settings.max_prompt_chars:
         raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {settings.max_prompt_chars}",
                        "invalid_request_error", "prompt", "prompt_too_long")
@@ -38,7 +37,7 @@ async def create_image(body: ImageGenerationRequest, request: Request):
     if waiting >= settings.max_queue:
         raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
                        None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
-    rid, events = engine.submit(body.prompt, params)
+    rid, events = engine.submit(body.prompt, params, model=model)
     base_url = str(request.base_url)
     if body.stream:
         return StreamingResponse(_sse(state, rid, events, body, base_url), media_type="text/event-stream",
