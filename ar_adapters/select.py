@@ -44,7 +44,7 @@ def choose_thinker(kind: str, device: str = "cpu") -> str:
 
 
 def make_thinker(kind: str, *, model_dir: str, tokenizer_dir: str | None, model_id: str, load_hf_model,
-                 tokenizer, dtype: str = "float32", kv_cache_gb: float = 1.0, memory_utilization: float = 0.1,
+                 tokenizer, dtype: str = "float32", kv_cache_gb: float | None = 1.0, memory_utilization: float = 0.1,
                  max_length: int | None = None, device: str = "cpu") -> Thinker:
     """Build the thinker ``kind`` asks for on ``device`` (see ``choose_thinker``).
     ``load_hf_model()`` loads the transformers model on demand."""

@@ -7,8 +7,8 @@ speech time to first audio and real-time factor, streamed against whole-utteranc
 a 23 M parameter DiT, 2.97 s of 44.1 kHz stereo). 8 requests arrive together, each a different
 prompt, seed and duration, with CFG (guidance 7, the pipeline's default). Side A serves them one
 after another with ``StableAudioPipeline.__call__``; side B with ``Engine`` (all 8 share every
-forward). The sides alternate A B A B with the same warm-up; the throughput ratio is the median
-over repeats. Every engine waveform is compared with the pipeline's (max abs diff).
+forward). The sides run through ``benchmarks.common.interleaved`` (rounds alternate which side
+runs first, the same warm-up for both); the throughput ratio is the median of per-round ratios. Every engine waveform is compared with the pipeline's (max abs diff).
 
 (b) The embedded text-to-speech model: time to first audio and real-time factor, streamed against
 whole-utterance, 1 and 8 concurrent speakers (``benchmarks/tts.py``).
@@ -25,7 +25,7 @@ import warnings
 import numpy as np
 import torch
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import interleaved, machine, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", message="Should have")  # torchsde's rounding notes at the interval ends
@@ -69,28 +69,29 @@ def part_a(args) -> dict:
     max_s = engine.family.max_seconds
     reqs = audio_requests(args.requests, args.steps, max_s)
     warm = audio_requests(1, 2, max_s)
-    run_pipeline(pipe, warm)
-    run_engine(engine, warm)
-    times = {"pipeline": [], "engine": []}
-    max_diff = 0.0
-    for rep in range(args.repeats):
-        for side in ("pipeline", "engine"):  # A B A B
-            seconds, outs = run_pipeline(pipe, reqs) if side == "pipeline" else run_engine(engine, reqs)
-            times[side].append(seconds)
-            if side == "pipeline":
-                ref = outs
-            else:
-                max_diff = max(max_diff, max((a - b).abs().max().item() for a, b in zip(outs, ref)))
-            print(f"repeat {rep} {side}: {seconds:.2f} s for {len(reqs)} requests", flush=True)
+    max_diff, last = 0.0, {}
+
+    def side(name, run):
+        def go(rnd):
+            seconds, outs = run(warm if rnd < 0 else reqs)  # the same warm-up for both sides
+            if rnd >= 0:
+                last[name] = outs
+                print(f"round {rnd} {name}: {seconds:.2f} s for {len(reqs)} requests", flush=True)
+            return seconds
+        return go
+
+    cmp = interleaved({"pipeline": side("pipeline", lambda r: run_pipeline(pipe, r)),
+                       "engine": side("engine", lambda r: run_engine(engine, r))}, args.repeats)
+    max_diff = max((a - b).abs().max().item() for a, b in zip(last["engine"], last["pipeline"]))
+    times = {k: cmp.values(k) for k in ("pipeline", "engine")}
     tput = {k: [len(reqs) / s for s in v] for k, v in times.items()}
-    ratios = [e / p for e, p in zip(tput["engine"], tput["pipeline"])]
     audio_s = sum(p.audio_end_in_s for _, p in reqs)
     result = {
         "model": "stable-audio small (random weights, 23 M DiT)", "requests": len(reqs), "steps": args.steps,
         "guidance_scale": 7.0, "audio_seconds_total": audio_s, "repeats": args.repeats,
         "seconds": times, "throughput_rps": {k: float(np.median(v)) for k, v in tput.items()},
-        "throughput_ratio": float(np.median(ratios)),
-        "throughput_ratio_spread": float((max(ratios) - min(ratios)) / np.median(ratios)),
+        "throughput_ratio": cmp.ratio("pipeline", "engine"),  # pipeline seconds / engine seconds, per round
+        "throughput_ratio_spread": cmp.ratio_spread("pipeline", "engine"), "order": cmp.order,
         "max_abs_diff": max_diff, "outputs_identical": max_diff <= 1e-4,
         "engine_batch_sizes": sorted(set(engine.stats.batch_sizes)),
     }

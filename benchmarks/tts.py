@@ -4,10 +4,11 @@ streamed against whole-utterance, with 1 and 8 concurrent speakers (the embedded
 Both modes run the same talker, chunks and seeds (so the same samples) on one ``AsyncEngine``
 through ``SpeechService``: *streamed* submits each DiT chunk as soon as the talker has its tokens
 and yields audio as chunks finish; *whole* waits for the talker, then submits every chunk, and
-returns the audio at the end. Modes alternate (A B A B) with one warm-up each. Per utterance:
+returns the audio at the end. Modes run through ``benchmarks.common.interleaved`` (rounds alternate
+which mode runs first; one identical warm-up each). Per utterance:
 time to first audio (submit -> first piece) and total time; RTF = total time / audio seconds.
 ``tts_first_audio_ratio`` = streamed time to first audio / whole-utterance latency (1 speaker,
-medians); ``tts_rtf`` = the streamed RTF with 1 speaker (median).
+per round, median over rounds); ``tts_rtf`` = the streamed RTF with 1 speaker (median).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import asyncio
 import time
 
 import numpy as np
+
+from benchmarks.common import interleaved, spread
 
 TEXTS = ["3 1 4 1 5 9 2 6", "hello 2 7 1 8", "yes 0 0 7", "6 0 2 2 1 4 go", "stop 9 9 8", "okay 1 2 3 4 5",
          "no 5 7 7 2", "8 6 7 5 3 0 9"]
@@ -51,18 +54,29 @@ def part_b(args) -> dict:
               "repeats": repeats, "texts": TEXTS}
     try:
         for speakers in (1, 8):
-            asyncio.run(_round(service, speakers, True, 0))  # warm-up, both modes
-            asyncio.run(_round(service, speakers, False, 0))
-            runs = {"streamed": [], "whole": []}
-            for rep in range(repeats):
-                for mode in ("streamed", "whole"):  # A B A B
-                    runs[mode] += asyncio.run(_round(service, speakers, mode == "streamed", 100 * rep))
+            rows = {"streamed": [], "whole": []}
+
+            def side(mode):
+                def go(rnd):  # warm-up (rnd < 0) with seed 0 for both; measured rounds with their own seeds
+                    out = asyncio.run(_round(service, speakers, mode == "streamed", 0 if rnd < 0 else 100 * (rnd + 1)))
+                    if rnd >= 0:
+                        rows[mode] += out
+                    return {"first_audio_s": float(np.median([r["first_audio_s"] for r in out])),
+                            "total_s": float(np.median([r["total_s"] for r in out]))}
+                return go
+
+            cmp = interleaved({"streamed": side("streamed"), "whole": side("whole")}, repeats)
+            runs = rows
             summary = {}
             for mode, rows in runs.items():
                 summary[mode] = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
                 summary[mode]["first_audio_spread"] = float(np.ptp([r["first_audio_s"] for r in rows]) /
                                                             max(1e-9, summary[mode]["first_audio_s"]))
-            summary["first_audio_ratio"] = summary["streamed"]["first_audio_s"] / summary["whole"]["total_s"]
+            # streamed first audio / whole-utterance latency, within each round, median over rounds
+            ratios = [a / b for a, b in zip(cmp.values("streamed", "first_audio_s"), cmp.values("whole", "total_s"))]
+            summary["first_audio_ratio"] = float(np.median(ratios))
+            summary["first_audio_ratio_spread"] = spread(ratios)
+            summary["order"] = cmp.order
             result[f"speakers_{speakers}"] = summary
             print(f"(b) {speakers} speaker(s): streamed first audio {summary['streamed']['first_audio_s']:.3f} s, "
                   f"whole-utterance {summary['whole']['total_s']:.3f} s (ratio {summary['first_audio_ratio']:.3f}); "

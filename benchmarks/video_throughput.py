@@ -5,9 +5,11 @@
 * ``small`` Wan 2.1 checkpoint (random weights, ~20 M parameter transformer): 8 concurrent requests
   (64x64, 9 frames, CFG 5, different seeds, 6 to 13 steps) through one engine (max_batch_size 8)
   against the same 8 requests run one after another through the stock ``WanPipeline``, in the same
-  process, A B A B ordered, after the same warm-up; outputs compared request by request (fp32).
+  process, interleaved and repeated through ``benchmarks.common.interleaved`` (rounds alternate which
+  side runs first, the same warm-up for both, median of per-round ratios and its spread); outputs
+  compared request by request (fp32).
 * TeaCache on the embedded video model (moving digits, its defaults): the quality harness's clips
-  uncached and with ``--cache`` (default teacache:0.2 with Wan's published polynomial), A B A B;
+  uncached and with ``--cache`` (default teacache:0.2 with Wan's published polynomial), interleaved;
   speed-up and the drop in digit / direction adherence.
 
 Writes ``benchmarks/results/video_throughput.json`` (top-level ``summary``).
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from diffusers import DiffusionPipeline
 
-from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.common import RESULTS, interleaved, machine, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import train_classifier
 from dit_core.eval.video_digits import generate, requests, score
@@ -58,37 +59,35 @@ def run_pipeline(pipe, reqs) -> tuple[list[torch.Tensor], float]:
     return outs, time.perf_counter() - t
 
 
-def spread(values: list[float]) -> float:
-    """(max - min) / median: the relative spread of repeated timings."""
-    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
-
-
-def interleave(a, b, repeats: int) -> tuple[list, list]:
-    """A B A B ... ``repeats`` times; returns ([(result, seconds)] of a, of b)."""
-    ra, rb = [], []
-    for _ in range(repeats):
-        ra.append(a())
-        rb.append(b())
-    return ra, rb
-
-
 def engine_vs_pipeline(model: Path, repeats: int) -> dict:
+    """Both sides through ``benchmarks.common.interleaved``: rounds alternate which side runs first,
+    one identical warm-up (2 steps) each; the ratio is the median of per-round ratios."""
     reqs = wan_requests()
     engine = Engine.from_pretrained(model, max_batch_size=8)
     pipe = DiffusionPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
     warm = [(reqs[0][0], SamplingParams(**{**reqs[0][1].to_dict(), "num_inference_steps": 2}))]
-    run_engine(engine, warm)
-    run_pipeline(pipe, warm)
-    ra, rb = interleave(lambda: run_engine(engine, reqs), lambda: run_pipeline(pipe, reqs), repeats)
-    diff = max((x - y).abs().max().item() for x, y in zip(ra[-1][0], rb[-1][0]))
-    te, tp = [s for _, s in ra], [s for _, s in rb]
+    last = {}
+
+    def side(name, run):
+        def go(rnd):
+            outs, seconds = run(warm if rnd < 0 else reqs)
+            if rnd >= 0:
+                last[name] = outs
+            return seconds
+        return go
+
+    cmp = interleaved({"engine": side("engine", lambda r: run_engine(engine, r)),
+                       "pipeline": side("pipeline", lambda r: run_pipeline(pipe, r))}, repeats)
+    diff = max((x - y).abs().max().item() for x, y in zip(last["engine"], last["pipeline"]))
     sizes = list(engine.stats.batch_sizes)
-    return {"engine_s": statistics.median(te), "pipeline_s": statistics.median(tp), "engine_spread": spread(te),
-            "pipeline_spread": spread(tp), "throughput_ratio": statistics.median(tp) / statistics.median(te),
+    return {"engine_s": cmp.median("engine"), "pipeline_s": cmp.median("pipeline"),
+            "engine_spread": cmp.spread("engine"), "pipeline_spread": cmp.spread("pipeline"),
+            "throughput_ratio": cmp.ratio("pipeline", "engine"),
+            "throughput_ratio_spread": cmp.ratio_spread("pipeline", "engine"),
             "max_abs_diff": diff, "outputs_identical": diff <= 1e-4, "requests": len(reqs),
             "steps": [p.num_inference_steps for _, p in reqs], "mean_batch_size": sum(sizes) / len(sizes),
-            "engine_times": te, "pipeline_times": tp}
+            "engine_times": cmp.values("engine"), "pipeline_times": cmp.values("pipeline"), "order": cmp.order}
 
 
 def teacache_on_default(cache: str, per_pair: int, repeats: int, model=None) -> dict:
@@ -97,22 +96,26 @@ def teacache_on_default(cache: str, per_pair: int, repeats: int, model=None) -> 
     model = model or default_video_model()
     plain = Engine.from_pretrained(model, max_batch_size=40)
     cached = Engine.from_pretrained(model, max_batch_size=40, cache=cache)
-    for engine in (plain, cached):
-        generate(engine, reqs[:4])  # warm-up
-    evals = cached.stats.block_evals, cached.stats.block_evals_full
+    videos = {}
 
-    def timed(engine):
-        t = time.perf_counter()
-        videos = generate(engine, reqs)
-        return videos, time.perf_counter() - t
+    def side(name, engine):
+        def go(rnd):
+            t = time.perf_counter()
+            out = generate(engine, reqs[:4] if rnd < 0 else reqs)  # warm-up: the same 4 clips for both
+            seconds = time.perf_counter() - t
+            if rnd >= 0:
+                videos[name] = out
+            return seconds
+        return go
 
-    ra, rb = interleave(lambda: timed(plain), lambda: timed(cached), repeats)
-    sp, sc = score(ra[-1][0], reqs, clf), score(rb[-1][0], reqs, clf)
-    tp, tc = [s for _, s in ra], [s for _, s in rb]
-    saved = (cached.stats.block_evals_full - evals[1]) / max(cached.stats.block_evals - evals[0], 1)
-    return {"cache": cache, "clips": len(reqs), "plain_s": statistics.median(tp), "cached_s": statistics.median(tc),
-            "plain_spread": spread(tp), "cached_spread": spread(tc),
-            "teacache_speedup": statistics.median(tp) / statistics.median(tc), "block_evals_ratio": saved,
+    cmp = interleaved({"plain": side("plain", plain), "cached": side("cached", cached)}, repeats)
+    sp, sc = score(videos["plain"], reqs, clf), score(videos["cached"], reqs, clf)
+    # block evaluations over the cached engine's whole life (warm-up included): full / actually run
+    saved = cached.stats.block_evals_full / max(cached.stats.block_evals, 1)
+    return {"cache": cache, "clips": len(reqs), "plain_s": cmp.median("plain"), "cached_s": cmp.median("cached"),
+            "plain_spread": cmp.spread("plain"), "cached_spread": cmp.spread("cached"),
+            "teacache_speedup": cmp.ratio("plain", "cached"),
+            "teacache_speedup_spread": cmp.ratio_spread("plain", "cached"), "block_evals_ratio": saved,
             "plain_digit_adherence": sp["digit_adherence"], "cached_digit_adherence": sc["digit_adherence"],
             "plain_direction_adherence": sp["direction_adherence"],
             "cached_direction_adherence": sc["direction_adherence"],
@@ -161,7 +164,8 @@ def main(argv=None):
           f"({b['block_evals_ratio']:.2f}x fewer block evaluations); digit adherence {b['plain_digit_adherence']:.3f} "
           f"-> {b['cached_digit_adherence']:.3f}, direction {b['plain_direction_adherence']:.3f} -> "
           f"{b['cached_direction_adherence']:.3f}")
-    summary = {"throughput_ratio": a["throughput_ratio"], "outputs_identical": a["outputs_identical"],
+    summary = {"throughput_ratio": a["throughput_ratio"], "throughput_ratio_spread": a.get("throughput_ratio_spread"),
+               "outputs_identical": a["outputs_identical"],
                "max_abs_diff": a["max_abs_diff"], "teacache_speedup": b["teacache_speedup"],
                "teacache_adherence_drop": b["teacache_adherence_drop"], "teacache_block_evals_ratio":
                b["block_evals_ratio"]}

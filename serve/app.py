@@ -32,6 +32,8 @@ class ServeSettings:
     max_prompt_chars: int = 4000
     file_ttl_s: float = 3600.0
     max_files: int = 256
+    max_file_bytes: int = 256 << 20  # bytes the url file store holds at most (oldest evicted first)
+    request_timeout_s: float = 3600.0  # a request still unfinished after this is aborted (504); 0: no limit
     drain_timeout_s: float = 0.0  # at shutdown, after the HTTP server's own grace period
     retry_after_s: int = 1
     # the video job store (see serve.video_jobs): folder (None: the system temp dir), jobs, bytes, TTL
@@ -57,7 +59,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app = FastAPI(title="omnidit", lifespan=lifespan)
     app.state.engine = engine
     app.state.settings = settings
-    app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
+    app.state.files = FileStore(settings.max_files, settings.file_ttl_s, settings.max_file_bytes)
     app.state.metrics = Metrics(engine)
     app.state.live_stats = LiveStats(engine)
     app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,

@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bytes of stored MP4s at most; more get 429 + Retry-After (default 256 MiB)")
     srv.add_argument("--video-ttl", type=float, default=3600.0,
                      help="seconds a finished video job and its file are kept (default 3600)")
+    srv.add_argument("--max-file-bytes", type=int, default=256 << 20,
+                     help="bytes of url images kept at most; the oldest go first, and a request whose PNGs could "
+                          "exceed it is refused with 400 (default 256 MiB)")
+    srv.add_argument("--request-timeout", type=float, default=3600.0,
+                     help="seconds a request may take from arrival to its image; past it the request is aborted "
+                          "and answered 504 (0: no limit; default 3600)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
@@ -143,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
     rnd.add_argument("family", help="flux, sd3, qwenimage, wan or stable-audio")
-    rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
+    rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
+                                  "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     rnd.set_defaults(func=cmd_make_random)
@@ -308,8 +315,10 @@ def cmd_serve(args) -> int:
     models = served_model_paths(args)
     settings = ServeSettings(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
-                             max_files=args.max_files, video_dir=args.video_dir, max_videos=args.max_videos,
-                             max_video_bytes=args.max_video_bytes, video_ttl_s=args.video_ttl)
+                             max_files=args.max_files, max_file_bytes=args.max_file_bytes,
+                             request_timeout_s=args.request_timeout, video_dir=args.video_dir,
+                             max_videos=args.max_videos, max_video_bytes=args.max_video_bytes,
+                             video_ttl_s=args.video_ttl)
     options = engine_kwargs(args)
     if "policy" not in options:
         options["policy"] = default_policy(models.values())

@@ -85,7 +85,7 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
         params = SamplingParams(negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
                                 guidance_scale=body.guidance_scale, seed=body.seed,
                                 audio_end_in_s=body.seconds)
-        rid, events = state.engine.submit(body.prompt, params, model=name)
+        rid, events = await state.engine.submit_async(body.prompt, params, model=name)
     except InvalidParamError as e:
         if e.field in ("audio_end_in_s", "audio_start_in_s"):
             raise APIError(400, f"seconds={body.seconds} is invalid: expected {e.allowed}", "invalid_request_error",

@@ -181,7 +181,7 @@ async def create_video(request: Request):
         raise APIError(429, str(e), "rate_limit_error", None, "video_store_full",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
     try:
-        job.request_id, events = state.engine.submit(body.prompt, p, request_id=job.id, model=name)
+        job.request_id, events = await state.engine.submit_async(body.prompt, p, request_id=job.id, model=name)
     except BaseException:
         state.videos.delete(job.id)
         raise
@@ -196,7 +196,7 @@ async def create_video_sync(request: Request):
     body = await read_body(request)
     name, _, params, fps = plan(request, body)
     req = submit(request, body, name, params)
-    rid, events = state.engine.submit(body.prompt, req.params, model=name)
+    rid, events = await state.engine.submit_async(body.prompt, req.params, model=name)
     event = await _until_final(state.engine, rid, events, request)
     mp4 = await asyncio.to_thread(_mp4(fps), event.output)
     p = req.params
