@@ -5,9 +5,10 @@
 * The small FLUX checkpoint (random weights) at each size, one CFG request (2 rows, text 128
   tokens, final latents out): world 1 with 2 torch threads against world 2 with 1 thread per rank,
   for Ulysses-2, Ring-2 and row-parallel-2. Runs alternate world 1 / world 2 (A B A B, same
-  warm-up); a step's time is the engine's step time of the steps between the first (prompt
-  encoding) and the last. Per plan: median and relative spread of the step time, their ratio, the
-  max abs difference of the final latents, and the communication bytes counted per step against
+  warm-up, ``benchmarks.common.interleaved``); a step's time is the median engine step time of the
+  steps between the first (prompt encoding) and the last, and the ratio is the median over rounds
+  of world 2 / world 1 within the round. Per plan: median and relative spread of the step time,
+  their ratio, the max abs difference of the final latents, and the communication bytes counted per step against
   ``benchmarks/comm_model.py``'s prediction. This CPU has two cores: world 2 splits the same two
   cores and adds gloo traffic through loopback, so no speedup is expected here.
 * The model's predictions for Qwen-Image's transformer (60 blocks, hidden 3072, 24 heads) with
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import comm_model as cm
-from benchmarks.common import machine, mm_gflops, write_json
+from benchmarks.common import interleaved, machine, mm_gflops, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.random_models import build
 
@@ -57,27 +58,31 @@ def run_once(engine: Engine, side: int, steps: int, threads: int) -> tuple[list[
     return step_ms, out.outputs[0], sent
 
 
-def spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / statistics.median(values) if values else 0.0
-
-
 def measure(model: Path, name: str, plan: dict, world1: Engine, sides: list[int], steps: int,
             repeats: int) -> list[dict]:
+    """World 1 (2 threads) against this plan's world 2 (1 thread per rank), through the shared
+    interleaved measurement: the same warm-up, alternating order, median of per-round ratios."""
     engine = Engine.from_pretrained(model, parallel_threads=1, **plan)
     config = engine.family.transformer.config
     rows = []
     try:
         for side in sides:
-            for engine_, threads in ((world1, 2), (engine, 1)):  # warm-up, both sides alike
-                run_once(engine_, side, steps, threads)
-            a_ms, b_ms, diff, counted = [], [], 0.0, None
-            for _ in range(repeats):  # A B A B
-                ms, ref, _ = run_once(world1, side, steps, 2)
-                a_ms += ms
-                ms, got, sent = run_once(engine, side, steps, 1)
-                b_ms += ms
-                diff = max(diff, (got - ref).abs().max().item())
-                counted = {k: v / steps for k, v in sent.items()}  # every forward has the same shapes
+            outs: dict[str, dict[int, torch.Tensor]] = {"world1": {}, "world2": {}}
+            sent_per_round: dict[int, dict] = {}
+
+            def side_fn(label: str, engine_: Engine, threads: int):
+                def run(round_: int) -> dict:
+                    ms, out, sent = run_once(engine_, side, steps, threads)
+                    outs[label][round_] = out
+                    if label == "world2":
+                        sent_per_round[round_] = sent
+                    return {"step_ms": statistics.median(ms)}
+                return run
+
+            comp = interleaved({"world1": side_fn("world1", world1, 2), "world2": side_fn("world2", engine, 1)},
+                               repeats, warmup=1)
+            diff = max((outs["world2"][r] - outs["world1"][r]).abs().max().item() for r in range(repeats))
+            counted = {k: v / steps for k, v in sent_per_round[repeats - 1].items()}  # same shapes every forward
             tokens = (side // 16) ** 2
             work = cm.flux_workload(dict(config), tokens, TEXT, rows=2)
             predicted = cm.step_bytes(cm.flux_shape(dict(config)), work,
@@ -85,17 +90,19 @@ def measure(model: Path, name: str, plan: dict, world1: Engine, sides: list[int]
             total_counted, total_predicted = sum(counted.values()), sum(predicted.values())
             rows.append({
                 "plan": name, "size": f"{side}x{side}", "image_tokens": tokens, "text_tokens": TEXT, "rows": 2,
-                "world1_step_ms": statistics.median(a_ms), "world1_spread": spread(a_ms),
-                "world2_step_ms": statistics.median(b_ms), "world2_spread": spread(b_ms),
-                "step_ratio": statistics.median(b_ms) / statistics.median(a_ms), "max_abs_diff": diff,
+                "world1_step_ms": comp.median("world1", "step_ms"), "world1_spread": comp.spread("world1", "step_ms"),
+                "world2_step_ms": comp.median("world2", "step_ms"), "world2_spread": comp.spread("world2", "step_ms"),
+                "step_ratio": comp.ratio("world2", "world1", "step_ms"),
+                "step_ratio_spread": comp.ratio_spread("world2", "world1", "step_ms"),
+                "order": comp.order, "samples": {s: comp.stats(s) for s in comp.sides}, "max_abs_diff": diff,
                 "bytes_counted_per_step": counted, "bytes_predicted_per_step": predicted,
                 "bytes_model_error": abs(total_predicted - total_counted) / total_counted,
             })
             r = rows[-1]
             print(f"{name:9s} {side}x{side}: world1 {r['world1_step_ms']:8.1f} ms (±{r['world1_spread']:.0%})  "
-                  f"world2 {r['world2_step_ms']:8.1f} ms (±{r['world2_spread']:.0%})  ratio {r['step_ratio']:.2f}  "
-                  f"diff {diff:.1e}  bytes/step {total_counted / 1e6:.2f} MB counted, "
-                  f"{total_predicted / 1e6:.2f} MB predicted", flush=True)
+                  f"world2 {r['world2_step_ms']:8.1f} ms (±{r['world2_spread']:.0%})  ratio {r['step_ratio']:.2f} "
+                  f"(±{r['step_ratio_spread']:.0%})  diff {diff:.1e}  bytes/step {total_counted / 1e6:.2f} MB "
+                  f"counted, {total_predicted / 1e6:.2f} MB predicted", flush=True)
     finally:
         engine.close()
     return rows
@@ -141,7 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="512x512 only, 2 repeats, 3 steps (< 5 minutes)")
     parser.add_argument("--sizes", default=None, help="comma-separated image sides (default 512,1024)")
-    parser.add_argument("--repeats", type=int, default=None, help="A/B pairs per plan and size (default 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per plan and size (default 3; --quick 2)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps per request (default 4)")
     parser.add_argument("--model", default=None, help="a FLUX folder (default: build the small random one)")
     args = parser.parse_args()
