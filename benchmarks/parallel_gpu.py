@@ -144,8 +144,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="correctness and 1024x1024 only, 2 repeats")
     parser.add_argument("--sizes", default=None, help="comma-separated image sides (default 1024,2048)")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=6, help="denoising steps per timed request (default 6)")
+    parser.add_argument("--repeats", type=int, default=None, help="A/B rounds per plan and size (default 3; --quick 2)")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu checks the script on gloo, world 2")
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -121,7 +121,7 @@ def test_serve_with_parallel_flags_then_sigterm_leaves_no_process(tiny_models):
     import httpx
     import openai
 
-    from test_serve import free_port
+    from serve.server import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", str(tiny_models["flux"]),
