@@ -47,6 +47,7 @@ bench: install
 	$(BIN)/python -m benchmarks.quant --quick
 	$(BIN)/python -m benchmarks.audio --quick
 	$(BIN)/python -m benchmarks.tts_quality --quick
+	$(BIN)/python -m benchmarks.parallel --quick
 
 clean:
 	rm -rf $(VENV) out

@@ -26,6 +26,9 @@ class Backend:
     name: str
     dense: Callable  # (q, k, v, mask=None, scale=None) -> out
     varlen: Callable | None = None  # (q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> out
+    # (q, k, v, mask=None, scale=None) -> (out [B, Lq, H, D], log-sum-exp of the scores [B, H, Lq] in
+    # float32): what ring attention needs to merge partial results exactly (see ``attention.lse``)
+    lse: Callable | None = None
     requires: tuple[str, ...] = ()  # importable modules it needs
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,7 +46,8 @@ class Backend:
 
     @property
     def capabilities(self) -> dict:
-        return {"mask": self.mask, "varlen": self.varlen is not None, "causal": self.causal, "gqa": self.gqa}
+        return {"mask": self.mask, "varlen": self.varlen is not None, "causal": self.causal, "gqa": self.gqa,
+                "lse": self.lse is not None}
 
     def available(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                   head_dim: int | None = None) -> tuple[bool, str]:

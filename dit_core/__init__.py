@@ -7,6 +7,7 @@ from .errors import (
     EngineDeadError,
     InvalidParamError,
     OmniditError,
+    ParallelWorkerError,
     RequestAbortedError,
     RequestFailedError,
     UnknownModelError,
@@ -16,8 +17,8 @@ from .request import EventKind, RequestEvent, RequestOutput, RequestStatus
 
 __all__ = [
     "AsyncEngine", "BackendUnavailableError", "Engine", "EngineConfig", "EngineDeadError", "EventKind",
-    "InvalidParamError", "OmniditError", "RequestAbortedError", "RequestEvent", "RequestFailedError",
-    "RequestOutput", "RequestStatus", "SamplingParams", "UnknownModelError",
+    "InvalidParamError", "OmniditError", "ParallelWorkerError", "RequestAbortedError", "RequestEvent",
+    "RequestFailedError", "RequestOutput", "RequestStatus", "SamplingParams", "UnknownModelError",
 ]
 
 

@@ -98,6 +98,11 @@ class Engine:
             config.max_batch_size = 1
         self.scheduler = StepScheduler(config, max_batch)
         self.runners = {name: Runner(family) for name, family in self.models.items()}
+        self.parallel = None  # the parallel executor (dit_core.parallel) when a degree is > 1
+        if config.parallel.enabled:
+            from .parallel import launch
+
+            self.parallel = launch(self.models, config.parallel, config.device, config.dtype, self.attention_by_model)
         self.stats = EngineStats()
         self.step_times = StepTimes()
         self._seq = itertools.count()
@@ -184,6 +189,10 @@ class Engine:
             raise InvalidParamError("params", params, "a SamplingParams")
         params = family.resolve(params)
         text, inputs = family.validate_input(prompt, params)
+        if self.parallel is not None:
+            from .parallel import check_request
+
+            check_request(name, family, params, self.config.parallel, self.parallel.health())
         if params.seed is None:
             params = params.with_defaults(seed=random.SystemRandom().randrange(2**63))
         cfg = family.uses_cfg(params)
@@ -251,8 +260,14 @@ class Engine:
         self._live.clear()
         return events
 
+    def health(self) -> str | None:
+        """None while the engine can serve; else why not (a parallel worker that died)."""
+        return self.parallel.health() if self.parallel is not None else None
+
     def close(self) -> None:
-        """Release what the models started (a vLLM thinker's engine process)."""
+        """Release what the models started (a vLLM thinker's engine process, parallel workers)."""
+        if self.parallel is not None:
+            self.parallel.close()
         for family in self.models.values():
             family.close()
 

@@ -39,3 +39,7 @@ class RequestAbortedError(OmniditError, RuntimeError):
 
 class EngineDeadError(OmniditError, RuntimeError):
     """The engine loop is not running (shut down, or it died)."""
+
+
+class ParallelWorkerError(OmniditError, RuntimeError):
+    """A parallel worker rank died or failed; its group is down until the engine restarts."""

@@ -236,6 +236,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-per-role", default=None,
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (worker processes: gloo on CPU, NCCL on CUDA with one GPU each)")
+    g.add_argument("--ulysses", type=int, metavar="N", default=1,
+                   help="Ulysses sequence-parallel degree: each image's tokens split over N ranks that trade "
+                        "attention heads by all-to-all (the model's heads must divide by N) (default 1)")
+    g.add_argument("--ring", type=int, metavar="N", default=1,
+                   help="ring-attention degree: each image's tokens split over N ranks passing K/V around a "
+                        "ring; with --ulysses both form a 2-D mesh (USP) (default 1)")
+    g.add_argument("--row-parallel", type=int, metavar="N", default=1,
+                   help="row (CFG) parallel groups: the rows of each step's batch (cond/uncond rows, requests) "
+                        "split over N groups, balanced by rows (default 1)")
+    g.add_argument("--world-size", type=int, metavar="N", default=None,
+                   help="processes you expect; must equal ulysses x ring x row-parallel (default: that product)")
+    g.add_argument("--parallel-threads", type=int, metavar="N", default=None,
+                   help="torch threads per rank (default: cores / world size, at least 1)")
+    g.add_argument("--parallel-timeout", type=float, metavar="S", default=600.0,
+                   help="seconds a rank waits on a peer inside a forward before failing it (default 600)")
 
 
 def engine_kwargs(args) -> dict:
@@ -245,8 +265,9 @@ def engine_kwargs(args) -> dict:
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
                 thinker_memory_utilization=args.thinker_memory_utilization,
                 prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant,
-                compile=args.compile, compile_warmup=args.compile_warmup,
-                **({"policy": args.policy} if args.policy else {}))
+                compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,
+                row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
+                parallel_timeout_s=args.parallel_timeout, **({"policy": args.policy} if args.policy else {}))
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:
@@ -270,14 +291,23 @@ def resolve_model(model: str | None) -> str:
 
 
 def cmd_generate(args) -> int:
-    from tqdm import tqdm
-
-    from dit_core import Engine, EventKind, SamplingParams
+    from dit_core import Engine
 
     if args.model is None and len(args.prompt) > 1 and (Path(args.prompt[0]) / "model_index.json").is_file():
         args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
     engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
+    try:
+        return _generate(engine, args, height, width)
+    finally:
+        engine.close()  # parallel workers, a vLLM thinker
+
+
+def _generate(engine, args, height: int | None, width: int | None) -> int:
+    from tqdm import tqdm
+
+    from dit_core import EventKind, SamplingParams
+
     kind = engine.family.output_kind
     audio = kind == "audio"
     out = Path(args.output or {"audio": "out.wav", "video": "out.mp4"}.get(kind, "out.png"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..lse import math_lse
 from ..registry import Backend, register_backend
 
 
@@ -22,5 +23,5 @@ def dense(q, k, v, mask=None, scale=None, causal=False):
     return (scores.softmax(dim=-1) @ vf).transpose(1, 2).to(q.dtype)
 
 
-register_backend(Backend(name="math", dense=dense, mask=True, causal=True, gqa=True,
+register_backend(Backend(name="math", dense=dense, lse=math_lse, mask=True, causal=True, gqa=True,
                          note="reference: float32 softmax(QK^T)V, materialises the score matrix"))

@@ -53,5 +53,32 @@ def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, causal=False):
     return torch.cat(outs)[torch.argsort(torch.cat(order))]
 
 
-register_backend(Backend(name="sdpa", dense=dense, varlen=varlen, pack_above=0.25, mask=True, causal=True,
-                         gqa=True, note="torch SDPA; key-padding mask, or per-length groups when padding > 25%"))
+def lse(q, k, v, mask=None, scale=None):
+    """Output and log-sum-exp from torch's fused kernels: the CPU flash kernel, or the CUDA
+    memory-efficient one (float32, bfloat16, float16). Keys and values share the queries' heads."""
+    if k.shape[2] != q.shape[2]:
+        groups = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    bias = None
+    if mask is not None:  # the fused kernels take an additive float mask
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    if q.device.type == "cpu":
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = kernel(qt, kt, vt, 0.0, False, attn_mask=bias, scale=scale)
+    else:
+        if bias is not None:
+            # the kernel wants a full [B, H, Lq, Lk] bias whose rows start 16-element aligned
+            b, h, lq, lk = qt.shape[0], qt.shape[1], qt.shape[2], kt.shape[2]
+            padded = bias.new_zeros(b, h, lq, (lk + 15) // 16 * 16)
+            padded[..., :lk] = bias.expand(b, h, lq, lk)
+            bias = padded[..., :lk]
+        kernel = torch.ops.aten._scaled_dot_product_efficient_attention
+        out, lse = kernel(qt, kt, vt, bias, True, 0.0, False, scale=scale)[:2]
+        lse = lse[..., :qt.shape[2]]
+    return out.transpose(1, 2), lse.float()
+
+
+register_backend(Backend(name="sdpa", dense=dense, varlen=varlen, lse=lse, pack_above=0.25, mask=True,
+                         causal=True, gqa=True,
+                         note="torch SDPA; key-padding mask, or per-length groups when padding > 25%"))

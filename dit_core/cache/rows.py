@@ -36,10 +36,7 @@ def rel_l1(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
 
 
 def run_blocks(family: Family, x: BlockInputs, start: int, stop: int):
-    img, txt = x.img, x.txt
-    for i in range(start, stop):
-        img, txt = family.run_block(i, x.with_streams(img, txt))
-    return img, txt
+    return family.run_blocks(x, start, stop)
 
 
 def gather_state(requests: list[Request], key: str, name: str, fallback: torch.Tensor) -> torch.Tensor:

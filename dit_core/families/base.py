@@ -78,6 +78,7 @@ class Family(abc.ABC):
         self.device = device
         self.step_cache = None  # set by the engine: a dit_core.cache step cache, or None
         self.prompt_cache = None  # set by the engine: an ar_adapters.PromptCache, or None
+        self.parallel = None  # set by the engine: runs the denoiser across processes (dit_core.parallel)
         self.thinker = None  # set at load for families with an AR thinker
         self.owns_thinker = False
         self.model_id = "unknown"  # the checkpoint's path; names its encodings in the prompt cache
@@ -188,6 +189,16 @@ class Family(abc.ABC):
     def run_block(self, index: int, x: BlockInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Block ``index`` on ``x``; returns the new (image, text) streams."""
         raise NotImplementedError(f"{self.name} models do not expose a block loop")
+
+    def run_blocks(self, x: BlockInputs, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Blocks [start, stop) on ``x``; returns the new (image, text) streams. The step caches call
+        this; under parallelism the blocks run across processes."""
+        if self.parallel is not None:
+            return self.parallel.run_blocks(x, start, stop)
+        img, txt = x.img, x.txt
+        for i in range(start, stop):
+            img, txt = self.run_block(i, x.with_streams(img, txt))
+        return img, txt
 
     def cache_signal(self, x: BlockInputs) -> torch.Tensor:
         """The first block's timestep-modulated image input (TeaCache's change signal)."""

@@ -114,12 +114,15 @@ class DiffusersFamily(Family):
     @torch.no_grad()
     def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """ONE transformer forward for all rows of ``requests``; per request (cond, uncond or None).
-        With a step cache, the cache runs the blocks (and may skip them for some rows)."""
+        With a step cache, the cache runs the blocks (and may skip them for some rows); under
+        parallelism the forward (or the cache's blocks) runs across processes."""
         inputs = self.transformer_inputs(requests)
-        if self.step_cache is None:
-            out = self.transformer(**inputs, return_dict=False)[0]
-        else:
+        if self.step_cache is not None:
             out = self.step_cache.forward(self, inputs, requests)
+        elif self.parallel is not None:
+            out = self.parallel.forward(inputs)
+        else:
+            out = self.transformer(**inputs, return_dict=False)[0]
         return split_rows(out, requests)
 
     def transformer_inputs(self, requests: list[Request]) -> dict:

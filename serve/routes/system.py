@@ -38,9 +38,13 @@ async def describe_model(model_id: str, request: Request):
 
 @router.get("/health")
 async def health(request: Request):
-    if request.app.state.client.is_alive:
-        return {"status": "ok"}
-    return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
+    if not request.app.state.client.is_alive:
+        return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
+    engine = request.app.state.engine  # None on Ray Serve replicas (the client's is_alive covers them)
+    problem = engine.engine.health() if engine is not None else None  # e.g. a parallel worker that died
+    if problem is not None:
+        return error_response(503, problem, "server_error", None, "engine_degraded")
+    return {"status": "ok"}
 
 
 @router.get("/metrics")

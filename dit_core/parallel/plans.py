@@ -1,0 +1,101 @@
+"""Parallel plans: per family, as plain data, what the generic code in ``sharding.py`` splits.
+
+A plan says:
+
+* ``heads``: where the model keeps its attention head count (Ulysses splits heads; checked at start).
+* ``attention``: per attention role, where the text tokens sit in the sequence the processor
+  hands to ``attention.attend`` (``front``: [text, image]; ``back``: [image, text]; ``None``: image
+  only). Roles listed here run sequence-parallel; a role not listed must not see a split sequence.
+* ``rows``: the transformer's keyword arguments that carry one entry per batch row (split across
+  row groups); every other argument is replicated.
+* ``forward``: module path inside the transformer -> how its inputs (``Shard`` by keyword) or its
+  output (``Shard`` / ``Gather``) are split across the sequence ranks during a plain forward.
+* ``blocks``: for the block loop the step caches drive (``Family.run_blocks``), how the
+  ``BlockInputs`` are split: ``img`` along the sequence, entries of ``shared`` by spec; ``txt`` and
+  the per-row tensors are split by rows only.
+* ``image_tokens``: the family method giving a request's image-token count (requests with fewer
+  tokens than sequence ranks are refused).
+* ``unsupported``: (attribute path, message): configurations the plan does not cover.
+
+Text tokens are REPLICATED on every sequence rank in all three image families: only image tokens
+are split. Each rank projects the full prompt (text is short next to the image: 77-512 tokens
+against 1,024-16,384), attends with all text keys locally, and -- because every rank holds every
+text query -- gets the text stream's output whole without communication (Ring), or after one
+all-gather of its head slice (Ulysses). Sharding text too would need the text length divisible by
+the degree and, for Qwen-Image, a padding mask split across ranks; replication keeps attention
+exact for any prompt length at the cost of redundant text projections (T/(T+N) of block compute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split the image tokens along ``dim`` over the sequence ranks. ``text``: the tensor is a joint
+    sequence with the text ``front`` or ``back`` of the image (only the image part is split);
+    ``item``: apply to that item of a tuple output (None: to every item of a tuple)."""
+
+    dim: int
+    text: str | None = None
+    item: int | None = None
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Collect the image tokens along ``dim`` on the row group's leader (other ranks get zeros of
+    the full shape: they report nothing, and the model's remaining layers only reshape)."""
+
+    dim: int
+
+
+_FLUX_ROWS = ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states")
+
+PLANS: dict[str, dict] = {
+    # FLUX.1: [text, image] in the double-stream blocks and in the single-stream blocks' joint sequence.
+    "flux": {
+        "heads": "transformer.config.num_attention_heads",
+        "attention": {"joint": {"text": "front"}},
+        "rows": _FLUX_ROWS,
+        "forward": {
+            "": {"inputs": {"hidden_states": Shard(1), "img_ids": Shard(0)}},
+            "proj_out": {"output": Gather(1)},
+        },
+        "blocks": {"img": Shard(1), "shared": {"image_rotary_emb": Shard(0, text="front")}},
+        "image_tokens": "latent_tokens",
+        "unsupported": (),
+    },
+    # SD3 / SD3.5: [image, text] in the joint blocks; SD3.5's extra image-only attention is ``self``.
+    "sd3": {
+        "heads": "transformer.config.num_attention_heads",
+        "attention": {"joint": {"text": "back"}, "self": {"text": None}},
+        "rows": ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections"),
+        "forward": {
+            "pos_embed": {"output": Shard(1)},  # patches become tokens here
+            "proj_out": {"output": Gather(1)},  # unpatchify needs the whole grid
+        },
+        "blocks": {"img": Shard(1), "shared": {}},
+        "image_tokens": "latent_tokens",
+        "unsupported": (),
+    },
+    # Qwen-Image: [text, image]; text padded per batch with a mask on text keys only.
+    "qwenimage": {
+        "heads": "transformer.config.num_attention_heads",
+        "attention": {"joint": {"text": "front"}},
+        "rows": ("hidden_states", "timestep", "guidance", "encoder_hidden_states",
+                 "encoder_hidden_states_mask", "img_shapes"),
+        "forward": {
+            "": {"inputs": {"hidden_states": Shard(1)}},
+            "pos_embed": {"output": Shard(0, item=0)},  # (image freqs, text freqs)
+            "proj_out": {"output": Gather(1)},
+        },
+        "blocks": {"img": Shard(1), "shared": {"image_rotary_emb": Shard(0, item=0)}},
+        "image_tokens": "latent_tokens",
+        "unsupported": (("transformer.zero_cond_t", "zero_cond_t Qwen-Image checkpoints modulate per image token"),),
+    },
+}
+
+
+def plan_for(family) -> dict | None:
+    return PLANS.get(family.name)

@@ -1,0 +1,211 @@
+"""dit_core/parallel: Ulysses, Ring, USP and row (CFG) parallelism inside the continuously batched
+engine, on gloo with world sizes 2 and 4, against the same engine at world size 1.
+
+One worker pool per plan, shared by every test of that plan (pools take seconds to start here).
+Invalid plans, dead workers and the CLI are in test_parallel_launch.py.
+"""
+
+import contextlib
+import json
+import shutil
+
+import pytest
+import torch
+
+from dit_core import Engine, InvalidParamError
+from helpers import CFG, assert_finished, params, run_staggered
+from procs import alive
+
+FAMILIES = ("flux", "sd3", "qwenimage")
+PLANS = {
+    "ulysses2": dict(ulysses=2),
+    "ring2": dict(ring=2),
+    "usp2x2": dict(ulysses=2, ring=2),
+    "rows2": dict(row_parallel=2),
+    "rows2xulysses2": dict(row_parallel=2, ulysses=2),
+}
+TEACACHE = "teacache:0.5"
+TOL = 1e-5
+# image sizes whose token counts do not divide by 2 or 4: uneven sequence shards
+ODD_SIZE = {"flux": (20, 28), "sd3": (20, 28), "qwenimage": (24, 40)}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    """The tiny checkpoints; SD3 gets a TeaCache polynomial (none is published for SD3, and any
+    polynomial serves an equivalence test) so that TeaCache runs on every family."""
+    root = tmp_path_factory.mktemp("parallel")
+    sd3 = shutil.copytree(tiny_models["sd3"], root / "sd3")
+    index = json.loads((sd3 / "model_index.json").read_text())
+    index["_omnidit_teacache"] = {"coefficients": [4.98e02, -2.84e02, 5.59e01, -3.82e00, 2.64e-01]}
+    (sd3 / "model_index.json").write_text(json.dumps(index))
+    return {"flux": tiny_models["flux"], "sd3": sd3, "qwenimage": tiny_models["qwenimage"]}
+
+
+@contextlib.contextmanager
+def cache(engine: Engine, on: bool):
+    """Run with the engine's step caches (TeaCache) on or off, as dit_core.cache.fit swaps them."""
+    saved = {name: family.step_cache for name, family in engine.models.items()}
+    if not on:
+        for family in engine.models.values():
+            family.step_cache = None
+    try:
+        yield
+    finally:
+        for name, family in engine.models.items():
+            family.step_cache = saved[name]
+
+
+def single(family):
+    h, w = ODD_SIZE[family]
+    return [("a cat", params(height=h, width=w, num_inference_steps=4, seed=7, **CFG[family]))]
+
+
+def mixed(family):
+    """Different CFG settings, step counts, seeds and output counts, arriving at different steps."""
+    return [("a cat", params(num_inference_steps=5, seed=1, **CFG[family])),
+            ("a dog in a field", params(num_inference_steps=4, seed=2)),
+            ("x", params(num_inference_steps=6, seed=3, num_outputs=2, **CFG[family])),
+            ("a red car", params(num_inference_steps=4, seed=4))]
+
+
+CASES = {"single": (single, [0]), "mixed": (mixed, [0, 0, 1, 2])}
+
+
+def run_case(engine, family, case, cache_on):
+    make, arrivals = CASES[case]
+    specs = make(family)
+    with cache(engine, cache_on):
+        finals, sizes = run_staggered(_Bound(engine, family), specs, arrivals)
+    outs = [assert_finished(finals[i]) for i in range(len(specs))]
+    skipped = [finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))]
+    return outs, skipped, sizes
+
+
+class _Bound:
+    """An engine whose add_request targets one of its models (run_staggered adds by prompt and params)."""
+
+    def __init__(self, engine, model):
+        self.engine, self.model = engine, model
+        self.stats = engine.stats
+
+    def add_request(self, prompt, p):
+        return self.engine.add_request(prompt, p, model=self.model)
+
+    def step(self):
+        return self.engine.step()
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """World size 1: the same models, the same step cache; outputs computed once per case."""
+    engine = Engine.from_models(models, cache=TEACACHE)
+    results = {}
+
+    def get(family, case, cache_on):
+        key = (family, case, cache_on)
+        if key not in results:
+            results[key] = run_case(engine, family, case, cache_on)
+        return results[key]
+
+    get.engine = engine
+    yield get
+    engine.close()
+
+
+@pytest.fixture(scope="module", params=list(PLANS))
+def parallel(request, models):
+    engine = Engine.from_models(models, cache=TEACACHE, **PLANS[request.param])
+    pids = engine.parallel.pids
+    assert len(pids) == engine.config.parallel.world  # the workers and their launcher
+    yield engine
+    engine.close()
+    assert not [p for p in pids if alive(p)], "workers left behind"
+
+
+@pytest.mark.parametrize("cache_on", [False, True], ids=["plain", "teacache"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_world_size_one(parallel, reference, family, case, cache_on):
+    before = dict(parallel.parallel.bytes)
+    outs, skipped, sizes = run_case(parallel, family, case, cache_on)
+    ref_outs, ref_skipped, ref_sizes = reference(family, case, cache_on)
+    assert sizes == ref_sizes  # the same continuous batches (mixed: up to 4 requests per forward)
+    for i, (got, want) in enumerate(zip(outs, ref_outs)):
+        assert (got - want).abs().max().item() <= TOL, f"request {i}"
+    assert skipped == ref_skipped  # step-cache decisions made once, on rank 0, applied everywhere
+    if cache_on and case == "mixed":
+        assert sum(skipped) > 0  # the cache really skipped rows
+    sent = {k: v - before.get(k, 0) for k, v in parallel.parallel.bytes.items()}
+    config = parallel.config.parallel
+    assert sent.get("plan", 0) > 0 and sent.get("gather", 0) > 0
+    assert (sent.get("ulysses", 0) > 0) == (config.ulysses > 1)
+    assert (sent.get("ring", 0) > 0) == (config.ring > 1)
+
+
+def test_images_smaller_than_the_sequence_degree(parallel, reference):
+    """Sequence plans refuse an image with fewer tokens than ranks to split it over, naming the
+    constraint; row-only plans split rows, so the same one-token image runs (and matches)."""
+    tiny = params(height=4, width=4, num_inference_steps=2, seed=3)  # one image token
+    if parallel.config.parallel.seq > 1:
+        with pytest.raises(InvalidParamError, match="image tokens") as e:
+            parallel.add_request("a cat", tiny, model="flux")
+        assert e.value.field == "height/width"
+    else:
+        got = torch.stack(parallel.generate("a cat", tiny, model="flux"))
+        want = torch.stack(reference.engine.generate("a cat", tiny, model="flux"))
+        assert (got - want).abs().max().item() <= TOL
+
+
+def test_mesh_layout_and_balanced_splits():
+    from dit_core.parallel.config import ParallelConfig
+    from dit_core.parallel.mesh import Mesh
+
+    config = ParallelConfig(ulysses=2, ring=2, rows=2)
+    mesh = Mesh(config, rank=6)  # row group 1, ring index 1, ulysses index 0
+    assert (mesh.row, mesh.ring_index, mesh.uly_index) == (1, 1, 0)
+    assert mesh.uly_ranks() == [6, 7] and mesh.ring_ranks() == [4, 6] and mesh.seq_ranks() == [4, 5, 6, 7]
+    assert mesh.row_chunks(5) == [(0, 3), (3, 5)] and mesh.row_chunks(1) == [(0, 1), (1, 1)]
+    assert mesh.seq_sizes(35) == [9, 9, 9, 8] and mesh.ring_sizes(35) == [18, 17]
+    assert mesh.local_range(35) == (18, 27)
+
+
+@contextlib.contextmanager
+def first_block_cache(engine: Engine, family: str):
+    from dit_core.cache import CacheConfig, make_step_cache
+
+    model = engine.models[family]
+    saved, model.step_cache = model.step_cache, make_step_cache(CacheConfig.parse("fbcache:0.6"), model)
+    try:
+        yield
+    finally:
+        model.step_cache = saved
+
+
+def test_first_block_cache_matches(parallel, reference):
+    """fbcache runs two block ranges per step (the first block for every row, the rest for the rows
+    that compute), each across the ranks."""
+    with first_block_cache(parallel, "sd3"):
+        outs, skipped, _ = run_case(parallel, "sd3", "mixed", True)
+    with first_block_cache(reference.engine, "sd3"):
+        ref_outs, ref_skipped, _ = run_case(reference.engine, "sd3", "mixed", True)
+    assert skipped == ref_skipped and sum(skipped) > 0
+    for got, want in zip(outs, ref_outs):
+        assert (got - want).abs().max().item() <= TOL
+
+
+def test_counted_bytes_match_the_communication_model(parallel):
+    """benchmarks/comm_model.py predicts, from the model's shape alone, the bytes every rank sends
+    per step; gloo traffic counted here must equal it (uneven shards included)."""
+    from benchmarks import comm_model as cm
+
+    config = dict(parallel.models["flux"].transformer.config)
+    p = params(height=20, width=28, num_inference_steps=4, seed=1, max_sequence_length=48, **CFG["flux"])
+    before = dict(parallel.parallel.bytes)
+    with cache(parallel, False):
+        parallel.generate("a cat", p, model="flux")
+    counted = {k: (v - before.get(k, 0)) / 4 for k, v in parallel.parallel.bytes.items()}
+    plan = parallel.config.parallel
+    work = cm.flux_workload(config, image=5 * 7, text=48, rows=2)
+    predicted = cm.step_bytes(cm.flux_shape(config), work, cm.Plan(plan.rows, plan.ring, plan.ulysses))
+    assert {k: v for k, v in counted.items() if v} == {k: v for k, v in predicted.items() if v}
