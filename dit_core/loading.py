@@ -31,8 +31,10 @@ def read_model_index(path: str | Path) -> dict:
 
 
 def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: torch.device,
-                    skip: set[str] = frozenset()) -> dict:
-    """Load every component ``model_index.json`` lists (but ``skip``), models in ``dtype`` on ``device``."""
+                    skip: set[str] = frozenset(), loader=None) -> dict:
+    """Load every component ``model_index.json`` lists (but ``skip``), models in ``dtype`` on ``device``.
+    ``loader(name, cls, library, folder, dtype, device, default)``, when given, loads each one
+    instead (``default(cls, library, folder, dtype, device)`` is the usual way; offload uses it)."""
     components = {}
     for name, spec in index.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None or name in skip:
@@ -43,7 +45,9 @@ def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: t
         cls = getattr(importlib.import_module(library), class_name, None)
         if cls is None:
             raise UnknownModelError(f"component {name!r}: {library} has no class {class_name!r}")
-        components[name] = _load_one(cls, library, Path(path) / name, dtype, device)
+        folder = Path(path) / name
+        components[name] = (loader(name, cls, library, folder, dtype, device, _load_one) if loader
+                            else _load_one(cls, library, folder, dtype, device))
     return components
 
 

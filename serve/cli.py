@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
     rnd.add_argument("family", help="flux, sd3 or qwenimage")
-    rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
+    rnd.add_argument("size", help="tiny (tests), small (benchmarks) or medium (FLUX only; ~415 M "
+                                   "parameter transformer, the offload benchmark)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     rnd.set_defaults(func=cmd_make_random)
@@ -114,6 +115,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM thinker gpu_memory_utilization; CPU memory share on CPU (default 0.1)")
     p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
                    help="prompt-embedding cache size in bytes; 0 disables (default 256 MiB)")
+    p.add_argument("--offload", default="none",
+                   help="where weights rest: none; components (text encoders / VAE in host memory, on the "
+                        "device for their calls); blocks:N (transformer blocks in host memory, N loaded ahead of "
+                        "the computing one); disk:N (blocks read per use from the checkpoint's safetensors "
+                        "files: only N + 1 in memory); blocks:all / disk:all; or components with one of them, "
+                        "e.g. components,disk:1 (default none)")
+    p.add_argument("--max-resident-gb", type=float, default=None,
+                   help="budget in GiB for the weights held on the device: picks N for blocks / disk given "
+                        "without one; alone, streams blocks from the disk on CPU (host memory on CUDA). "
+                        "Activations are not counted (default: no budget)")
     p.add_argument("--attention-per-role", default=None,
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
@@ -125,7 +136,8 @@ def engine_kwargs(args) -> dict:
                 attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
                 thinker_memory_utilization=args.thinker_memory_utilization,
-                prompt_cache_bytes=args.prompt_cache_bytes)
+                prompt_cache_bytes=args.prompt_cache_bytes, offload=args.offload,
+                max_resident_gb=args.max_resident_gb)
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:

@@ -36,9 +36,10 @@ def family_class(path: str | Path) -> type[Family]:
 
 
 def load_family(path: str | Path, dtype: torch.dtype, device: torch.device, thinker="auto",
-                thinker_options: dict | None = None) -> Family:
+                thinker_options: dict | None = None, loader=None) -> Family:
     """Load the family module that matches the folder's ``_class_name``, components included.
-    For families with an AR thinker, ``thinker`` chooses it (see ``EngineConfig``)."""
+    For families with an AR thinker, ``thinker`` chooses it (see ``EngineConfig``); ``loader``
+    overrides how components load (see ``load_components``)."""
     cls = family_class(path)
     index = read_model_index(path)
     defaults = index.get(DEFAULTS_KEY) or {}
@@ -49,7 +50,7 @@ def load_family(path: str | Path, dtype: torch.dtype, device: torch.device, thin
     SamplingParams(**defaults)  # validated like a request's values
     lm = cls.thinker_component  # families without an AR thinker ignore the thinker setting
     uses_vllm = lm is not None and (not isinstance(thinker, str) or thinker in ("auto", "vllm") and vllm_available())
-    components = load_components(path, index, dtype, device, skip={lm} if uses_vllm else set())
+    components = load_components(path, index, dtype, device, skip={lm} if uses_vllm else set(), loader=loader)
     family = cls(components, dtype, device, {k: v for k, v in index.items() if k.startswith("_omnidit")})
     family.model_id = str(Path(path).resolve())
     if lm is not None:

@@ -2,8 +2,9 @@
 
 ``build("flux", "tiny", out_dir)`` writes a folder that both
 ``diffusers.DiffusionPipeline.from_pretrained`` and ``Engine.from_pretrained``
-load. Sizes: ``tiny`` (tests, under 2 MB on disk) and ``small`` (benchmarks, a
-transformer of 20-60 M parameters). Weights come from a fixed seed, so the same
+load. Sizes: ``tiny`` (tests, under 2 MB on disk), ``small`` (benchmarks, a
+transformer of 20-60 M parameters) and, for FLUX only, ``medium`` (a ~415 M parameter
+transformer, for the offload benchmark). Weights come from a fixed seed, so the same
 call always writes the same checkpoint.
 """
 
@@ -16,16 +17,16 @@ import torch
 
 # family name -> module under dit_core.random_models that builds it
 BUILDERS = {"flux": "flux", "sd3": "sd3", "qwenimage": "qwenimage"}
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "medium")
 
 
 def build(family: str, size: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Build a random ``family`` checkpoint of ``size`` into ``out_dir``; returns the path."""
     if family not in BUILDERS:
         raise ValueError(f"family={family!r} is not supported; choose one of {sorted(BUILDERS)}")
-    if size not in SIZES:
-        raise ValueError(f"size={size!r} is not supported; choose one of {list(SIZES)}")
     module = importlib.import_module(f"{__name__}.{BUILDERS[family]}")
+    if size not in module.SIZES:
+        raise ValueError(f"size={size!r} is not supported for {family}; choose one of {list(module.SIZES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng():
