@@ -196,7 +196,7 @@ def summarize(rows: dict, diffs: dict, sizes: list[int]) -> dict:
     return summary
 
 
-def plot(rows: dict, sizes: list[int], path: Path) -> Path:
+def plot(rows: dict, sizes: list[int], path: Path, title: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,10 +210,11 @@ def plot(rows: dict, sizes: list[int], path: Path) -> Path:
                 ax.scatter(x, y, marker=marker, color="tab:orange" if config.startswith("diffusers") else
                            "tab:blue" if config.startswith("disk") else "tab:gray")
                 ax.annotate(f"{config} b{batch}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_xlabel("time per image (s, log)")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("time per image (s)")
         ax.set_ylabel("peak RSS of the process (GiB)")
-        ax.set_title(f"FLUX medium (415 M), {size}x{size}; o batch 1, s batch 8")
+        ax.set_title(f"{title}, {size}x{size}; o batch 1, s batch 8", fontsize=10)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -259,7 +260,7 @@ def main(argv=None):
     summary = summarize(rows, diffs, args.sizes)
     name = "offload_quick" if args.quick else "offload"
     RESULTS.mkdir(exist_ok=True)
-    png = plot(rows, args.sizes, RESULTS / f"{name}.png")
+    png = plot(rows, args.sizes, RESULTS / f"{name}.png", f"{Path(args.model).name}, {args.steps} steps")
     shutil.rmtree(tmp, ignore_errors=True)  # the built checkpoint (1.7 GB) and the compared images
     payload = {"benchmark": "offload", "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                "repeats": repeats, "summary": summary, "max_abs_diff_vs_none": diffs, "rows": rows,

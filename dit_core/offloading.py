@@ -85,9 +85,9 @@ def offload_loader(config):
             try:
                 index_folder(folder)
             except WeightFileError as e:
-                if policy.tier == "disk":
+                if policy.tier == "disk" or not any(Path(folder).glob("*.bin")):
                     raise UnknownModelError(f"offload={policy}: {e}") from None
-                return default(cls, library, folder, dtype, device)  # host tier: load it whole, move blocks
+                return default(cls, library, folder, dtype, device)  # .bin weights: load whole, move blocks
             return _wrap_errors(policy, load_without_blocks, cls, folder, dtype, device)
         if policy.components and name != STREAMED and issubclass(cls, nn.Module):
             return default(cls, library, folder, dtype, torch.device("cpu"))

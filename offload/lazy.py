@@ -46,9 +46,14 @@ def load_without_blocks(cls, folder: str | Path, dtype: torch.dtype, device: tor
     folder = Path(folder)
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers computed as usual
         model = cls.from_config(cls.load_config(folder))
-    # meta parameters just change dtype; computed buffers convert as from_pretrained's do (nn.Module.to:
-    # diffusers' own .to warns about fp32-kept modules, which from_pretrained would not keep either here)
+    # meta parameters just change dtype; computed buffers convert as from_pretrained's do. (nn.Module.to:
+    # diffusers' ModelMixin.to warns about fp32-kept modules, which are handled just below.)
     nn.Module.to(model, dtype)
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or []
+    if dtype in (torch.float16, torch.bfloat16) and keep:  # as from_pretrained: these modules stay fp32
+        for name, module in model.named_modules():
+            if any(k in name.split(".") for k in keep):
+                nn.Module.to(module, torch.float32)
     index = index_folder(folder)
     prefixes = block_prefixes(model)
     persistent = dict(model.state_dict(keep_vars=True))

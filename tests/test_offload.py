@@ -78,14 +78,19 @@ def test_every_policy_computes_what_none_computes(family, policy, tiny_models, r
         assert ref_evals < engine.stats.block_evals_full  # the cache did skip work
 
 
-def test_disk_tier_peak_memory_is_bounded(tmp_path):
+@pytest.fixture(scope="module")
+def small_flux(tmp_path_factory):
+    from dit_core.random_models import build
+
+    return build("flux", "small", tmp_path_factory.mktemp("small") / "flux-small")
+
+
+def test_disk_tier_peak_memory_is_bounded(small_flux):
     """``disk:1`` on the small FLUX checkpoint: each side in its own process (peak RSS from
     VmHWM). Of the transformer, the disk tier keeps its non-block weights (embedders, head)
     and two blocks' slots; the rest must not be in memory at any time. Identical runs differ by
     up to ~3 MiB (allocator), hence the 4 MiB allowance."""
-    from dit_core.random_models import build
-
-    model = build("flux", "small", tmp_path / "flux-small")
+    model = small_flux
     none, disk = (_peak_in_subprocess(model, policy) for policy in ("none", "disk:1"))
     assert disk["stats"]["loads"] >= 2 * disk["blocks"]  # every block was read from disk, every step
     need = disk["transformer_bytes"] - disk["nonblock_bytes"] - 2 * disk["max_block_bytes"] - (4 << 20)
@@ -215,10 +220,10 @@ def test_bad_offload_settings_name_the_field(field, value, match, tiny_models):
     assert e.value.field == field
 
 
-def test_memory_budget_picks_the_blocks_held(tiny_models, tmp_path):
+def test_memory_budget_picks_the_blocks_held(small_flux):
     from offload import find_blocks
 
-    model = tiny_models["sd3"]
+    model = small_flux
     probe = Engine.from_pretrained(model)
     tr = probe.family.transformer
     blocks = [m for _, m in find_blocks(tr)]
@@ -236,8 +241,8 @@ def test_memory_budget_picks_the_blocks_held(tiny_models, tmp_path):
     with pytest.raises(InvalidParamError, match="at least") as e:
         Engine.from_pretrained(model, max_resident_gb=(fixed + block) / 2**30)
     assert e.value.field == "max_resident_gb"
-    p = params(num_inference_steps=3, seed=2)
-    assert torch.equal(tight.generate("a cat", p)[0], probe.generate("a cat", p)[0])
+    p = params(height=64, width=64, num_inference_steps=2, seed=2, max_sequence_length=16)
+    assert (tight.generate("a cat", p)[0] - probe.generate("a cat", p)[0]).abs().max().item() <= 1e-6
 
 
 def test_cli_passes_offload_settings():
