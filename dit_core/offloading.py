@@ -23,6 +23,7 @@ from offload import (
     ComponentOffloader,
     DiskSource,
     HostSource,
+    MappedSource,
     OffloadConfigError,
     OffloadPolicy,
     WeightFileError,
@@ -51,7 +52,8 @@ class Offload:
         out = {"policy": str(self.policy)}
         if self.blocks is not None:
             out.update(self.blocks.stats.as_dict(), ahead=self.blocks.nslots - 1, keep_all=self.blocks.keep_all,
-                       tier=self.blocks.source.tier, slot_bytes=self.blocks.slot_bytes)
+                       tier=self.blocks.source.tier, source=type(self.blocks.source).__name__,
+                       slot_bytes=self.blocks.slot_bytes)
         if self.components is not None:
             out["components"] = {k: vars(v) for k, v in self.components.stats.items()}
         return out
@@ -144,8 +146,13 @@ def _streamer(policy: OffloadPolicy, family, others: dict, config, device: torch
     if policy.tier == "disk" or lazy:  # checked now: a missing or truncated file fails the start
         disk = DiskSource.for_blocks(index_folder(folder), prefixes,
                                      [{k: p.shape for k, p in b.named_parameters()} for b in blocks])
-    source = disk if policy.tier == "disk" else HostSource(
-        [_host_tensors(k, b, disk, device) for k, b in enumerate(blocks)])
+    if policy.tier == "disk":
+        source = disk
+        if device.type == "cpu" and all(e.dtype == p.dtype for b, entries in zip(blocks, disk.blocks)
+                                        for (name, p) in b.named_parameters() for e in [entries[name]]):
+            source = MappedSource(disk.blocks)  # zero-copy on CPU (see offload.mapped)
+    else:
+        source = HostSource([_host_tensors(k, b, disk, device) for k, b in enumerate(blocks)])
     for block in blocks:  # what the source does not share goes now (a disk tier keeps none of it)
         for module in block.modules():
             for name, p in module._parameters.items():

@@ -1,8 +1,10 @@
 """Where streamed blocks' weights rest between uses: host memory or safetensors files.
 
-A source serves block ``k`` either as ready host tensors (``host_tensors``; zero-copy when
-the device is the CPU) or by filling tensors the streamer hands it (``read_into``). Tensor
-names are relative to the block (``attn.to_q.weight``).
+A source serves block ``k`` either as ready host tensors (``host_tensors``; used as they are
+on CPU when ``zero_copy``) or by filling tensors the streamer hands it (``read_into``); a
+source with ``release(k)`` is told when block k's weights are no longer in use. Tensor
+names are relative to the block (``attn.to_q.weight``). ``mapped.MappedSource`` is the
+zero-copy disk tier.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class HostSource:
     the device run asynchronously)."""
 
     tier = "host"
+    zero_copy = True  # on CPU the streamer uses these tensors as they are
 
     def __init__(self, blocks: list[dict[str, torch.Tensor]]):
         self.blocks = blocks
@@ -35,6 +38,7 @@ class DiskSource:
     """Block weights read from the checkpoint's safetensors files each time a block loads."""
 
     tier = "disk"
+    zero_copy = False
 
     def __init__(self, blocks: list[dict[str, TensorEntry]]):
         self.blocks = blocks

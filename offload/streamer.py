@@ -91,7 +91,7 @@ class BlockStreamer:
         # The slots are allocated now, before any compute, so the pool sits apart from the
         # activations' heap (pages are touched only when a block is first read into them).
         self._slots: list[torch.Tensor | None] = [self._new_slot(self.device) for _ in range(self.nslots)]
-        if source.host_tensors(0) is not None and self.device.type == "cpu":
+        if getattr(source, "zero_copy", False) and self.device.type == "cpu":
             self._slots = [None] * self.nslots  # zero-copy: blocks are the source's own tensors
         self._free = list(range(self.nslots - 1, -1, -1))
         self._pending: dict[int, tuple[int, Future]] = {}
@@ -139,7 +139,7 @@ class BlockStreamer:
     def _views(self, k: int, slot: int, staging: bool = False) -> dict[str, torch.Tensor]:
         pool = self._staging if staging else self._slots
         if pool[slot] is None:  # pinned staging buffers are allocated on first use
-            pool[slot] = self._new_slot(torch.device("cpu"), pin=True)
+            pool[slot] = self._new_slot(torch.device("cpu") if staging else self.device, pin=staging)
         buf = pool[slot]
         return {p.key: buf[p.offset:p.offset + p.nbytes].view(p.meta.dtype).view(p.meta.shape)
                 for p in self.params[k]}
@@ -152,6 +152,12 @@ class BlockStreamer:
 
     def _before_block(self, k: int, module, args) -> None:
         self._advance(k)
+        if hasattr(self.source, "check"):  # a mapped file must still be whole before its pages are read
+            try:
+                self.source.check(k)
+            except BaseException:
+                self._release(k)
+                raise
         self._compute_start = time.perf_counter()
 
     def _after_block(self, k: int, module, args, output) -> None:
@@ -178,9 +184,14 @@ class BlockStreamer:
         slot, future = self._pending.pop(k)
         start = time.perf_counter()
         try:
-            tensors, ready = self._account(k, future)
+            try:
+                tensors, ready = self._account(k, future)
+            except Exception:  # a prefetch may have failed on a file since fixed: once more, now
+                tensors, ready = self._account(k, self._pool.submit(self._load, k, slot))
         except BaseException:
-            self._free.append(slot)  # the block stays unloaded; the next forward tries again
+            self._free.append(slot)  # the block stays unloaded, and no prefetch keeps a stale
+            for j in list(self._pending):  # failure: the next forward starts afresh
+                self._drop(j)
             raise
         end = time.perf_counter()
         self.stats.wait_s += end - start
@@ -204,6 +215,8 @@ class BlockStreamer:
         slot = self._loaded.pop(k)
         for p in self.params[k]:
             p.module._parameters[p.name] = p.meta
+        if hasattr(self.source, "release"):
+            self.source.release(k)
         if self._cuda:  # the slot may be overwritten only once the kernels reading it are done
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
@@ -220,6 +233,8 @@ class BlockStreamer:
                 self._account(j, future)
             except Exception:  # noqa: BLE001 - a prefetch nobody needs any more; its error is moot
                 pass
+            if hasattr(self.source, "release"):
+                self.source.release(j)
         self._free.append(slot)
 
     # ---- the loader thread ----
@@ -228,12 +243,12 @@ class BlockStreamer:
         start = time.perf_counter()
         if self._cuda:
             tensors, ready, nbytes = self._load_cuda(k, slot)
-        else:
+        elif getattr(self.source, "zero_copy", False):
             tensors, ready = self.source.host_tensors(k), None
-            nbytes = 0
-            if tensors is None:
-                tensors = self._views(k, slot)
-                nbytes = self.source.read_into(k, tensors)
+            nbytes = 0 if self.source.tier == "host" else self.block_bytes(k)
+        else:
+            tensors, ready = self._views(k, slot), None
+            nbytes = self.source.read_into(k, tensors)
         return tensors, ready, nbytes, start, time.perf_counter()
 
     def _load_cuda(self, k: int, slot: int):
