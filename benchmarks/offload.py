@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.common import RESULTS, machine, mm_gflops, write_json
 
 FULL = ["none", "components", "blocks:1", "blocks:2", "blocks:all", "disk:1", "disk:2", "diffusers-group",
         "diffusers-disk"]
@@ -114,7 +114,8 @@ def worker(args) -> None:
             torch.save(torch.stack(images), out_dir / f"{args.worker.replace(':', '_')}_{size}_{batch}.pt")
     handle = offload_of(engine.family)
     print(json.dumps({"config": args.worker, "peak_rss": peak.total(), "imported_rss": imported_rss,
-                      "load_s": load_s, "phases": phases, "offload": handle.stats() if handle else None}))
+                      "load_s": load_s, "phases": phases, "offload": handle.stats() if handle else None,
+                      "loadavg_1min": os.getloadavg()[0]}))
 
 
 def run_config(config: str, args, out_dir: Path) -> dict:
@@ -140,6 +141,8 @@ def aggregate(runs: dict[str, list[dict]], sizes: list[int]) -> dict:
     for config, results in runs.items():
         peaks = [r["peak_rss"] for r in results]
         row = {"peak_rss_gb": statistics.median(peaks) / 2**30, "peak_rss_spread": spread(peaks),
+               "imported_rss_gb": statistics.median(r["imported_rss"] for r in results) / 2**30,
+               "loadavg_1min": [r["loadavg_1min"] for r in results],
                "load_s": statistics.median(r["load_s"] for r in results), "offload": results[-1]["offload"]}
         for phase in results[0]["phases"]:
             times = [r["phases"][phase]["time_per_image"] for r in results]
@@ -181,6 +184,9 @@ def summarize(rows: dict, diffs: dict, sizes: list[int]) -> dict:
         "rss_ratio_vs_diffusers": disk["peak_rss_gb"] / theirs["peak_rss_gb"],
         "time_ratio_vs_diffusers": disk[big + "8"]["time_per_image"] / theirs[big + "8"]["time_per_image"],
         "max_abs_diff_vs_none": max(diffs[c] for c in ours),
+        # the same ratio above what the imports alone hold (torch, diffusers, transformers: ~0.55 GiB)
+        "disk_rss_ratio_above_imports": (disk["peak_rss_gb"] - disk["imported_rss_gb"])
+        / (none["peak_rss_gb"] - none["imported_rss_gb"]),
         "disk_overhead_per_image_s": {"b1": over_b1, "b8": over_b8, "size": min(sizes)},
         "time_ratios_at": f"{max(sizes)}x{max(sizes)}",
         "overhead_ratio_at": f"{min(sizes)}x{min(sizes)}",
@@ -241,6 +247,7 @@ def main(argv=None):
     for needed in ("none", "disk:1", "diffusers-disk"):
         if needed not in configs:
             configs.append(needed)  # the summary compares against these
+    gflops_before = mm_gflops()  # the machine is shared: how fast it is now, before and after
     tmp = Path(tempfile.mkdtemp(prefix="omnidit-offload-"))
     if args.model is None:
         from dit_core.random_models import build
@@ -255,6 +262,7 @@ def main(argv=None):
             runs[config].append(result)
             times = "  ".join(f"{k} {v['time_per_image']:.2f} s/img" for k, v in result["phases"].items())
             print(f"[{r + 1}/{repeats}] {config:16s} peak {result['peak_rss'] / 2**30:.2f} GiB  {times}", flush=True)
+    gflops_after = mm_gflops()
     rows = aggregate(runs, args.sizes)
     diffs = compare_outputs(tmp, configs, args.sizes)
     summary = summarize(rows, diffs, args.sizes)
@@ -263,7 +271,7 @@ def main(argv=None):
     png = plot(rows, args.sizes, RESULTS / f"{name}.png", f"{Path(args.model).name}, {args.steps} steps")
     shutil.rmtree(tmp, ignore_errors=True)  # the built checkpoint (1.7 GB) and the compared images
     payload = {"benchmark": "offload", "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-               "repeats": repeats, "summary": summary, "max_abs_diff_vs_none": diffs, "rows": rows,
+               "repeats": repeats, "mm_gflops_before_after": [gflops_before, gflops_after], "summary": summary, "max_abs_diff_vs_none": diffs, "rows": rows,
                "plot": png.name}
     path = write_json(name, payload)
     print(json.dumps(summary, indent=2))

@@ -43,6 +43,8 @@ class _Mapping:
             st = os.fstat(fd)
             self.inode, self.size = (st.st_dev, st.st_ino), st.st_size
             self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            # no fault-around or readahead into the mapping: pages come in only as blocks are populated
+            self.map.madvise(mmap.MADV_RANDOM)
         finally:
             os.close(fd)
 
