@@ -25,7 +25,10 @@ class EngineConfig:
         ``num_outputs``, doubled when it uses CFG).
     max_tokens_per_step: rows x (image + text tokens) per forward. A request that
         alone exceeds it is rejected when added.
-    policy: waiting-queue order; see ``dit_core.scheduler.POLICIES``.
+    policy: which batch key each step serves and the admission order: ``fifo`` (oldest first) or
+        ``edf`` (earliest ``deadline_ms`` first, bulk work after); see ``dit_core.policies``.
+    edf_bulk_every: under ``edf``, at least one step in this many goes to the oldest request
+        without a deadline while any is live (no starvation of bulk work).
     attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
@@ -49,6 +52,9 @@ class EngineConfig:
     max_resident_gb: a budget (GiB) for the weights held on the device; picks N for ``blocks`` /
         ``disk`` given without one, and alone streams blocks from the disk on CPU (from host
         memory on CUDA). Activations are not counted.
+    quant: weight quantization of the transformer (or the components named with ``,components=``):
+        ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
+        ``dit_core.quantize``.
     """
 
     dtype: str = "float32"
@@ -56,6 +62,7 @@ class EngineConfig:
     max_batch_size: int = 8
     max_tokens_per_step: int = 65536
     policy: str = "fifo"
+    edf_bulk_every: int = 10
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None
     cache: str | CacheConfig = "none"
@@ -65,6 +72,7 @@ class EngineConfig:
     prompt_cache_bytes: int = 256 << 20
     offload: str | OffloadPolicy = "none"
     max_resident_gb: float | None = None
+    quant: str | None = None
 
     def __post_init__(self):
         if self.thinker is None:
@@ -103,10 +111,21 @@ class EngineConfig:
             raise InvalidParamError("max_batch_size", self.max_batch_size, "an integer >= 1")
         if not isinstance(self.max_tokens_per_step, int) or self.max_tokens_per_step < 1:
             raise InvalidParamError("max_tokens_per_step", self.max_tokens_per_step, "an integer >= 1")
-        from .scheduler import POLICIES
+        from .policies import POLICIES
 
         if self.policy not in POLICIES:
             raise InvalidParamError("policy", self.policy, f"one of {sorted(POLICIES)}")
+        if isinstance(self.edf_bulk_every, bool) or not isinstance(self.edf_bulk_every, int) \
+                or self.edf_bulk_every < 1:
+            raise InvalidParamError("edf_bulk_every", self.edf_bulk_every, "an integer >= 1")
+        from .quantize import validate_quant
+
+        self.quant = validate_quant(self.quant, self.device)
+        if self.quant is not None and (self.offload.streams_blocks or self.max_resident_gb is not None):
+            # quantized Linear layers are built from loaded weights; streamed blocks have none at load
+            raise InvalidParamError("offload", str(self.offload),
+                                    "'none' or 'components' when quant is set (block streaming of quantized "
+                                    "weights is not supported yet)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

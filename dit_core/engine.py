@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import random
@@ -18,13 +19,17 @@ from .cache import make_step_cache
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
 from .families import Family, load_family
+from .loading import component_loader
 from .offloading import apply_offload, offload_loader, release_offload
 from .params import SamplingParams
+from .quantize import apply_quant
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
 from .runner import Runner
 from .scheduler import StepScheduler
+from .step_times import StepTimes
 
 logger = logging.getLogger(__name__)
+DEFAULT_MODEL = "default"  # the name of a model handed to Engine() alone
 
 
 class EngineStats:
@@ -35,12 +40,15 @@ class EngineStats:
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=history)
         self.batch_rows: collections.deque[int] = collections.deque(maxlen=history)
         self.step_ms: collections.deque[float] = collections.deque(maxlen=history)
+        self.models: collections.deque[str | None] = collections.deque(maxlen=history)  # which model ran
         self.rows_skipped: collections.deque[int] = collections.deque(maxlen=history)  # by the step cache
         self.block_evals = 0  # rows x transformer blocks actually run
         self.block_evals_full = 0  # ... and what they would have been without a step cache
 
-    def record(self, requests: int, rows: int, step_ms: float, cache: dict | None = None) -> None:
+    def record(self, requests: int, rows: int, step_ms: float, cache: dict | None = None,
+               model: str | None = None) -> None:
         self.steps += 1
+        self.models.append(model)
         self.batch_sizes.append(requests)
         self.batch_rows.append(rows)
         self.step_ms.append(step_ms)
@@ -53,71 +61,140 @@ class EngineStats:
 class Engine:
     """Step-level continuously batched diffusion engine.
 
-    Each ``step()`` runs one batched transformer forward over every scheduled
-    request, each at its own timestep with its own sampler and seed; requests
-    join and leave at step boundaries. Not thread-safe: drive it from one thread
-    (``AsyncEngine`` does so from its loop thread).
+    Each ``step()`` runs one batched forward over every scheduled request, each at its own
+    timestep with its own sampler and seed; requests join and leave at step boundaries. One
+    engine may hold several models under names: they share the step loop and the scheduler,
+    their requests interleave at step boundaries but never share a forward. Not thread-safe:
+    drive it from one thread (``AsyncEngine`` does so from its loop thread).
     """
 
-    def __init__(self, family: Family, config: EngineConfig):
-        self.family = family
-        self.config = config
-        self.attention = resolve_attention(config.attention, config.device, config.torch_dtype, family.head_dims())
-        family.set_attention(self.attention)
-        family.step_cache = make_step_cache(config.cache, family)
-        family.prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
-        if family.step_cache is not None and family.step_cache.request_level and config.max_batch_size != 1:
-            logger.info("cache %s decides per forward: running one request per forward", config.cache)
+    def __init__(self, models: Family | dict[str, Family], config: EngineConfig):
+        if isinstance(models, Family):
+            models = {DEFAULT_MODEL: models}
+        if not models:
+            raise InvalidParamError("models", models, "at least one model")
+        self.config = config = dataclasses.replace(config)  # ours to adjust; the caller's stays as given
+        self.models: dict[str, Family] = dict(models)
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
+        max_batch = {}
+        self.attention_by_model = {}  # model -> its role -> backend map
+        for name, family in self.models.items():
+            backends = resolve_attention(config.attention, config.device, config.torch_dtype, family.head_dims())
+            self.attention_by_model[name] = backends
+            family.set_attention(backends)
+            family.prompt_cache = self.prompt_cache
+            family.step_cache = None
+            if config.cache.kind != "none":
+                if family.supports_step_cache:
+                    family.step_cache = make_step_cache(config.cache, family)
+                else:
+                    logger.info("model %s (%s) has no block loop: step cache %s not applied", name, family.name,
+                                config.cache)
+            if family.step_cache is not None and family.step_cache.request_level:
+                logger.info("cache %s decides per forward: model %s runs one request per forward", config.cache, name)
+                max_batch[name] = 1
+        if len(max_batch) == len(self.models):
             config.max_batch_size = 1
-        self.scheduler = StepScheduler(config)
-        self.runner = Runner(family)
+        self.scheduler = StepScheduler(config, max_batch)
+        self.runners = {name: Runner(family) for name, family in self.models.items()}
         self.stats = EngineStats()
+        self.step_times = StepTimes()
         self._seq = itertools.count()
         self._pending: list[RequestEvent] = []
         self._live: dict[str, Request] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **config) -> "Engine":
-        """Load a diffusers-format folder. ``config`` fields: see ``EngineConfig``."""
+    def from_pretrained(cls, path: str | Path, name: str | None = None, **config) -> "Engine":
+        """Load one model folder; ``name`` is its name in the engine (default: the folder's name).
+        ``config`` fields: see ``EngineConfig``."""
+        return cls.from_models({name or Path(path).resolve().name: path}, **config)
+
+    @classmethod
+    def from_models(cls, paths: dict[str, str | Path], **config) -> "Engine":
+        """Load several model folders under names (``{"digits": path_a, "reach": path_b}``) into
+        one engine: one step loop, one scheduler."""
+        if not isinstance(paths, dict) or not paths:
+            raise InvalidParamError("models", paths, "a non-empty {name: model folder} mapping")
         cfg = EngineConfig(**config)
         options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
-        family = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options,
-                             loader=offload_loader(cfg))
-        apply_offload(family, cfg)  # after loading, before the engine sees the family
-        return cls(family, cfg)
+        models = {}
+        try:
+            for name, path in paths.items():
+                if not isinstance(name, str) or not name.strip():
+                    raise InvalidParamError("models", name, "a non-empty model name")
+                with component_loader(offload_loader(cfg)):  # offload: leave streamed blocks unread
+                    models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker,
+                                               options)
+                apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
+                apply_offload(models[name], cfg)  # after loading, before the engine sees the family
+        except BaseException:
+            for family in models.values():
+                release_offload(family)
+                family.close()
+            raise
+        return cls(models, cfg)
+
+    @property
+    def family(self) -> Family:
+        """The default model's family (the first one loaded)."""
+        return self.models[self.default_model]
+
+    @property
+    def attention(self) -> dict:
+        """The default model's role -> attention backend map."""
+        return self.attention_by_model[self.default_model]
+
+    @property
+    def default_model(self) -> str:
+        return next(iter(self.models))
+
+    def model_name(self, model: str | None) -> str:
+        """Which model a request names; None means the only one."""
+        if model is None:
+            if len(self.models) == 1:
+                return self.default_model
+            raise InvalidParamError("model", model, f"one of {sorted(self.models)} (this engine holds several)")
+        if model not in self.models:
+            raise InvalidParamError("model", model, f"one of {sorted(self.models)}")
+        return model
 
     # ---- requests ----
 
-    def make_request(self, prompt: str, params: SamplingParams | None = None,
-                     request_id: str | None = None) -> Request:
-        """Validate and build a request without queueing it (pure; any thread may call it)."""
-        if not isinstance(prompt, str):
-            raise InvalidParamError("prompt", prompt, "a string")
+    def make_request(self, prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None, model: str | None = None) -> Request:
+        """Validate and build a request without queueing it (pure; any thread may call it).
+        ``prompt`` is the conditioning input: a prompt string, or what the model takes instead
+        (an observation dict for a robot policy)."""
+        name = self.model_name(model)
+        family = self.models[name]
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise InvalidParamError("params", params, "a SamplingParams")
-        params = self.family.resolve(params)
-        self.family.validate_prompt(prompt, params)
+        params = family.resolve(params)
+        text, inputs = family.validate_input(prompt, params)
         if params.seed is None:
             params = params.with_defaults(seed=random.SystemRandom().randrange(2**63))
-        cfg = self.family.uses_cfg(params)
+        cfg = family.uses_cfg(params)
         rows = params.num_outputs * (2 if cfg else 1)
-        tokens = rows * self.family.row_tokens(prompt, params)
+        tokens = rows * family.row_tokens(text, params, inputs)
         if tokens > self.config.max_tokens_per_step:
             raise InvalidParamError(
                 "height/width/num_outputs", f"{params.height}x{params.width} x {rows} rows = {tokens} tokens",
                 f"at most max_tokens_per_step={self.config.max_tokens_per_step} tokens per request",
             )
-        return Request(
-            id=request_id or uuid.uuid4().hex, prompt=prompt, params=params, seq=next(self._seq),
-            key=self.family.batch_key(params), rows=rows, tokens=tokens, cfg=cfg,
+        req = Request(
+            id=request_id or uuid.uuid4().hex, prompt=text, params=params, seq=next(self._seq),
+            key=(name,) + family.batch_key(params), rows=rows, tokens=tokens, cfg=cfg, model=name,
+            kind=family.output_kind, inputs=inputs,
         )
+        req.metrics.deadline_ms = params.deadline_ms
+        return req
 
-    def add_request(self, prompt: str | Request, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, model: str | None = None) -> str:
         """Queue a request (or a ``Request`` from ``make_request``); it joins at the next step."""
-        req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
+        req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id, model)
         if req.id in self._live:
             raise InvalidParamError("request_id", req.id, "an id not used by a live request")
         self._live[req.id] = req
@@ -143,9 +220,10 @@ class Engine:
         batch, aborted = self.scheduler.schedule()
         events += aborted
         if batch is not None:
-            out = self.runner.run(batch)
+            out = self.runners[batch.model].run(batch)
             events += self.scheduler.postprocess(batch, out)
-            self.stats.record(len(batch.requests), batch.rows, out.step_ms, out.cache)
+            self.stats.record(len(batch.requests), batch.rows, out.step_ms, out.cache, batch.model)
+            self.step_times.observe(batch.key, len(batch.requests), out.step_ms)
         for ev in events:
             if ev.kind.final:
                 self._live.pop(ev.request_id, None)
@@ -163,25 +241,32 @@ class Engine:
         return events
 
     def close(self) -> None:
-        """Release what the engine started (a vLLM thinker's engine process, an offload loader thread)."""
-        release_offload(self.family)
-        if self.family.thinker is not None and self.family.owns_thinker:
-            self.family.thinker.close()
+        """Release what the models started (a vLLM thinker's engine process, an offload loader thread)."""
+        for family in self.models.values():
+            release_offload(family)
+            family.close()
 
     # ---- convenience ----
 
-    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list:
-        """Run ``prompts`` to completion and return their images, in prompt order
-        (``num_outputs`` each). With a seed, prompt i uses ``seed + i``."""
-        return [img for out in self.generate_outputs(prompts, params) for img in out.images]
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None,
+                 model: str | None = None) -> list:
+        """Run ``prompts`` to completion and return their outputs (images for an image model), in
+        prompt order (``num_outputs`` each). With a seed, prompt i uses ``seed + i``."""
+        return [img for out in self.generate_outputs(prompts, params, model) for img in out.outputs]
 
-    def generate_outputs(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str):
+    def generate_outputs(self, prompts: str | list[str], params: SamplingParams | None = None,
+                         model: str | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParamError("prompts", prompts, "a prompt string or a non-empty list of strings")
         params = params or SamplingParams()
-        requests = [self.make_request(p, _seeded(params, i)) for i, p in enumerate(prompts)]
+        requests = [self.make_request(p, _seeded(params, i), model=model) for i, p in enumerate(prompts)]
+        return self.run_to_completion(requests)
+
+    def run_to_completion(self, requests: list[Request]) -> list[RequestOutput]:
+        """Queue ``requests`` (from ``make_request``), step until all end; their outputs in order.
+        Raises RequestFailedError / RequestAbortedError for the first that did not finish."""
         for req in requests:
             self.add_request(req)
         finals: dict[str, RequestEvent] = {}

@@ -107,7 +107,14 @@ def apply_offload(family, config) -> Offload | None:
     device = torch.device(config.device)
     if device.type not in ("cpu", "cuda"):
         raise InvalidParamError("offload", str(policy), f"'none' on a {device.type} device (offload supports cpu and cuda)")
-    others = {k: m for k, m in family.components.items() if isinstance(m, nn.Module) and k != STREAMED}
+    components = getattr(family, "components", None)
+    if not isinstance(components, dict) or (policy.streams_blocks and not isinstance(components.get(STREAMED), nn.Module)):
+        raise InvalidParamError("offload", str(policy), f"'none' for {getattr(family, 'name', type(family).__name__)} "
+                                "models (offload needs a diffusers folder with a transformer)")
+    if policy.streams_blocks and _quantized(components[STREAMED]):
+        raise InvalidParamError("offload", str(policy), "'none' or 'components' for a quantized transformer "
+                                "(block streaming of quantized weights is not supported yet)")
+    others = {k: m for k, m in components.items() if isinstance(m, nn.Module) and k != STREAMED}
     handle = Offload(policy)
     if policy.streams_blocks:
         handle.blocks = _wrap_errors(policy, _streamer, policy, family, others, config, device)
@@ -116,6 +123,13 @@ def apply_offload(family, config) -> Offload | None:
     _ATTACHED[family] = handle
     logger.info("offload %s: %s", policy, {k: v for k, v in handle.stats().items() if k != "components"})
     return handle
+
+
+def _quantized(model: nn.Module) -> bool:
+    """Whether ``model`` holds quant/'s layers (a GGUF folder loads them whatever ``quant`` says)."""
+    from quant import QuantLinear
+
+    return any(isinstance(m, QuantLinear) for m in model.modules())
 
 
 def offload_of(family) -> Offload | None:

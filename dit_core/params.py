@@ -39,6 +39,9 @@ class SamplingParams:
     output_type: str = "pil"
     max_sequence_length: int | None = None
     use_cache: bool = True  # False: this request computes every step even when the engine caches
+    deadline_ms: float | None = None  # latency budget from arrival (``edf`` serves earliest first); None: bulk
+    audio_start_in_s: float | None = None  # audio models: where the clip starts (seconds)
+    audio_end_in_s: float | None = None  # audio models: where it ends, so its length is end - start
 
     def __post_init__(self):
         for name in ("height", "width"):
@@ -54,8 +57,14 @@ class SamplingParams:
         if self.output_type not in OUTPUT_TYPES:
             raise InvalidParamError("output_type", self.output_type, f"one of {list(OUTPUT_TYPES)}")
         _check_int("max_sequence_length", self.max_sequence_length, 1, 4096, optional=True)
+        for name in ("audio_start_in_s", "audio_end_in_s"):
+            _check_float(name, getattr(self, name))
         if not isinstance(self.use_cache, bool):
             raise InvalidParamError("use_cache", self.use_cache, "true or false")
+        if self.deadline_ms is not None:
+            d = self.deadline_ms
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 3.6e6:
+                raise InvalidParamError("deadline_ms", d, "a number of milliseconds in (0, 3600000], or None")
 
     def with_defaults(self, **defaults) -> "SamplingParams":
         """A copy whose ``None`` fields take the given defaults."""

@@ -42,6 +42,7 @@ class RequestMetrics:
     step_ms: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
     cache_skipped_rows: int = 0  # forward rows of this request that reused a cached residual
+    deadline_ms: float | None = None  # the request's latency budget, if any
 
     @property
     def queue_ms(self) -> float | None:
@@ -55,8 +56,17 @@ class RequestMetrics:
             return None
         return (self.finished - self.arrival) * 1e3
 
+    @property
+    def deadline_met(self) -> bool | None:
+        """Whether it finished within its budget (None: no deadline, or not finished)."""
+        if self.deadline_ms is None or self.e2e_ms is None:
+            return None
+        return self.e2e_ms <= self.deadline_ms
+
     def summary(self) -> dict:
         return {
+            "deadline_ms": self.deadline_ms,
+            "deadline_met": self.deadline_met,
             "queue_ms": self.queue_ms,
             "e2e_ms": self.e2e_ms,
             "step_ms": list(self.step_ms),
@@ -67,16 +77,23 @@ class RequestMetrics:
 
 @dataclass(eq=False)
 class Request:
-    """One generation request. Families keep per-request tensors in ``state``."""
+    """One generation request. Families keep per-request tensors in ``state``.
+
+    ``prompt`` is the text the request is conditioned on (a robot policy's instruction);
+    ``inputs`` holds any other conditioning input, as the family validated it (an
+    observation dict for a policy), else None."""
 
     id: str
     prompt: str
     params: SamplingParams  # resolved: family defaults filled in
     seq: int  # arrival order, for FIFO
-    key: tuple  # what must match to share a forward
+    key: tuple  # what must match to share a forward; starts with the model's name
     rows: int  # forward rows: num_outputs, doubled with CFG
     tokens: int  # rows x tokens per row, counted against max_tokens_per_step
     cfg: bool
+    model: str = "default"  # the engine's name for the model serving it
+    kind: str = "image"  # the model's output kind: image | video | audio | actions
+    inputs: Any = None
     status: RequestStatus = RequestStatus.WAITING
     step_index: int = 0
     latents: Any = None
@@ -98,14 +115,30 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """The result of a finished request: ``images`` has ``num_outputs`` entries."""
+    """The result of a finished request: ``outputs`` has ``num_outputs`` entries of the model's
+    output ``kind`` (PIL images / arrays / tensors for images, frames for video, waveforms for
+    audio, an ``[H, D]`` action chunk for a policy)."""
 
     request_id: str
     prompt: str
-    images: list
+    outputs: list
     seed: int
     params: SamplingParams
     metrics: dict
+    kind: str = "image"
+    model: str = "default"
+
+    @property
+    def images(self) -> list:
+        """The outputs (named for the image families, whose outputs are images)."""
+        return self.outputs
+
+    @property
+    def actions(self):
+        """A policy's action chunk ``[H, D]`` (the first output)."""
+        if self.kind != "actions":
+            raise AttributeError(f"a {self.kind} output has no actions")
+        return self.outputs[0]
 
 
 @dataclass

@@ -257,3 +257,10 @@ def test_cli_passes_offload_settings():
     args = build_parser().parse_args(["generate", "x", "--offload", "components,disk:2", "--max-resident-gb", "1.5"])
     kwargs = engine_kwargs(args)
     assert (kwargs["offload"], kwargs["max_resident_gb"]) == ("components,disk:2", 1.5)
+
+
+def test_block_streaming_with_quant_is_refused_by_name(tiny_models):
+    """Quantized layers are built from loaded weights; streamed blocks have none at load."""
+    with pytest.raises(InvalidParamError, match="quant") as e:
+        Engine.from_pretrained(tiny_models["flux"], offload="disk:1", quant="int8-weight")
+    assert e.value.field == "offload"

@@ -7,15 +7,15 @@ no mask, so text length is part of the batch key.
 from __future__ import annotations
 
 import torch
-from diffusers.image_processor import VaeImageProcessor
 
 from ..params import SamplingParams
 from ..request import Request
-from .base import BlockInputs, Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, unpack_2x2
+from .base import BlockInputs, TextCond, gather_rows
+from .packed import PackedFlowFamily
 from .processors.flux import FluxProcessor
 
 
-class FluxFamily(Family):
+class FluxFamily(PackedFlowFamily):
     name = "flux"
     pipeline_class = "FluxPipeline"
     attention_processor = FluxProcessor
@@ -24,24 +24,8 @@ class FluxFamily(Family):
     # TeaCache paper, FLUX.1: rescaling polynomial, highest power first
     teacache_coefficients = [4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01]
 
-    def __init__(self, components, dtype, device, checkpoint_defaults=None):
-        super().__init__(components, dtype, device, checkpoint_defaults)
-        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.processor = VaeImageProcessor(vae_scale_factor=self.vae_scale * 2)
-        self.latent_channels = self.transformer.config.in_channels // 4
-
-    @property
-    def size_multiple(self) -> int:
-        return self.vae_scale * 2
-
-    def default_size(self) -> int:
-        return 128 * self.vae_scale
-
-    def uses_cfg(self, params: SamplingParams) -> bool:
-        return params.true_cfg_scale > 1 and params.negative_prompt is not None
-
-    def latent_tokens(self, params: SamplingParams) -> int:
-        return (params.height // self.size_multiple) * (params.width // self.size_multiple)
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     def batch_key(self, params: SamplingParams) -> tuple:
         return super().batch_key(params) + (params.max_sequence_length,)
@@ -58,28 +42,15 @@ class FluxFamily(Family):
         embeds = t5(ids.to(self.device), output_hidden_states=False)[0].to(t5.dtype)
         return [TextCond(embeds[i], pooled[i]) for i in range(len(prompts))]
 
-    def prepare(self, req: Request) -> None:
-        p = req.params
-        h, w = 2 * (p.height // self.size_multiple), 2 * (p.width // self.size_multiple)
-        noise = self.noise(req, (p.num_outputs, self.latent_channels, h, w))
-        req.latents = pack_2x2(noise)
-        req.state["img_ids"] = image_ids(h // 2, w // 2).to(self.device, self.dtype)
-        sampler = self.new_sampler()
-        sigmas = None if sampler.config.get("use_flow_sigmas") else linear_sigmas(p.num_inference_steps)
-        mu = flow_shift_mu(req.latents.shape[1], sampler.config)
-        if sigmas is None:
-            sampler.set_timesteps(p.num_inference_steps, device=self.device, mu=mu)
-        else:
-            sampler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
-        sampler.set_begin_index(0)
-        req.sampler = sampler
+    def sigmas(self, sampler, steps: int):
+        return None if sampler.config.get("use_flow_sigmas") else super().sigmas(sampler, steps)
+
+    def prepare_positions(self, req: Request, h: int, w: int) -> None:
+        req.state["img_ids"] = image_ids(h, w).to(self.device, self.dtype)
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
         latents, timesteps, conds, owners = gather_rows(requests)
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.tensor([r.params.guidance_scale for r in owners], device=self.device,
-                                    dtype=torch.float32)
+        guidance = self.guidance(owners)
         embeds = torch.stack([c.embeds for c in conds])
         text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.components["text_encoder"].dtype)
         return dict(hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=guidance,
@@ -116,12 +87,8 @@ class FluxFamily(Family):
     def cache_signal(self, x: BlockInputs) -> torch.Tensor:
         return self.transformer.transformer_blocks[0].norm1(x.img, emb=x.rows["temb"])[0]
 
-    def head(self, x: BlockInputs) -> torch.Tensor:
-        return self.transformer.proj_out(self.transformer.norm_out(x.img, x.rows["temb"]))
-
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        h, w = 2 * (params.height // self.size_multiple), 2 * (params.width // self.size_multiple)
-        latents = unpack_2x2(latents, h, w) / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        latents = self.unpack(latents, params) / self.vae.config.scaling_factor + self.vae.config.shift_factor
         return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
 
 

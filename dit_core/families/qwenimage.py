@@ -10,7 +10,6 @@ part of the batch key.
 from __future__ import annotations
 
 import torch
-from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from ar_adapters import PromptError
@@ -18,8 +17,9 @@ from ar_adapters import PromptError
 from ..errors import InvalidParamError
 from ..params import SamplingParams
 from ..request import Request
-from .base import BlockInputs, Family, TextCond, flow_shift_mu, gather_rows, linear_sigmas, pack_2x2, pad_stack, \
-    unpack_2x2
+from .base import BlockInputs, TextCond, gather_rows
+from .latents import pad_stack
+from .packed import PackedFlowFamily
 from .processors.qwenimage import QwenImageProcessor
 
 TEMPLATE = (
@@ -31,7 +31,7 @@ TEMPLATE_PREFIX_TOKENS = 34
 TOKENIZER_MAX_LENGTH = 1024
 
 
-class QwenImageFamily(Family):
+class QwenImageFamily(PackedFlowFamily):
     name = "qwenimage"
     pipeline_class = "QwenImagePipeline"
     attention_processor = QwenImageProcessor
@@ -43,31 +43,18 @@ class QwenImageFamily(Family):
     # ComfyUI-TeaCache's Qwen-Image polynomial (also vLLM-Omni's default), highest power first
     teacache_coefficients = [-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02]
 
-    def __init__(self, components, dtype, device, checkpoint_defaults=None):
-        super().__init__(components, dtype, device, checkpoint_defaults)
-        self.vae_scale = 2 ** len(self.vae.config.temperal_downsample)
-        self.processor = VaeImageProcessor(vae_scale_factor=self.vae_scale * 2)
-        self.latent_channels = self.transformer.config.in_channels // 4
+    def __init__(self, components, dtype, device, checkpoint=None):
+        super().__init__(components, dtype, device, checkpoint)
         self.tokenizer = components["tokenizer"]
 
-    @property
-    def size_multiple(self) -> int:
-        return self.vae_scale * 2
-
-    def default_size(self) -> int:
-        return 128 * self.vae_scale
+    def vae_scale_factor(self) -> int:
+        return 2 ** len(self.vae.config.temperal_downsample)
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         params = super().resolve(params)
         if self.transformer.config.guidance_embeds and params.guidance_scale is None:
             params = params.with_defaults(guidance_scale=1.0)
         return params
-
-    def uses_cfg(self, params: SamplingParams) -> bool:
-        return params.true_cfg_scale > 1 and params.negative_prompt is not None
-
-    def latent_tokens(self, params: SamplingParams) -> int:
-        return (params.height // self.size_multiple) * (params.width // self.size_multiple)
 
     def _texts(self, prompt: str, params: SamplingParams) -> list[str]:
         return [TEMPLATE.format(t) for t in [prompt] + ([params.negative_prompt] if self.uses_cfg(params) else [])]
@@ -80,7 +67,7 @@ class QwenImageFamily(Family):
             field = "prompt" if not e.index else "negative_prompt"
             raise InvalidParamError(field, prompt if field == "prompt" else params.negative_prompt, str(e)) from None
 
-    def row_tokens(self, prompt: str, params: SamplingParams) -> int:
+    def row_tokens(self, prompt: str, params: SamplingParams, inputs=None) -> int:
         longest = max(self.thinker.count_tokens(self._texts(prompt, params)))
         text = min(max(longest - TEMPLATE_PREFIX_TOKENS, 0), params.max_sequence_length)
         return self.latent_tokens(params) + text
@@ -92,25 +79,13 @@ class QwenImageFamily(Family):
         return [TextCond(e.hidden[TEMPLATE_PREFIX_TOKENS:][: params.max_sequence_length].to(self.device, self.dtype))
                 for e in encoded]
 
-    def prepare(self, req: Request) -> None:
-        p = req.params
-        h, w = 2 * (p.height // self.size_multiple), 2 * (p.width // self.size_multiple)
-        noise = self.noise(req, (p.num_outputs, 1, self.latent_channels, h, w))
-        req.latents = pack_2x2(noise[:, 0])
-        req.state["img_shape"] = (1, h // 2, w // 2)
-        sampler = self.new_sampler()
-        mu = flow_shift_mu(req.latents.shape[1], sampler.config)
-        sampler.set_timesteps(sigmas=linear_sigmas(p.num_inference_steps), device=self.device, mu=mu)
-        sampler.set_begin_index(0)
-        req.sampler = sampler
+    def prepare_positions(self, req: Request, h: int, w: int) -> None:
+        req.state["img_shape"] = (1, h, w)
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
         latents, timesteps, conds, owners = gather_rows(requests)
         embeds, mask = pad_stack([c.embeds for c in conds])
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.tensor([r.params.guidance_scale for r in owners], device=self.device,
-                                    dtype=torch.float32)
+        guidance = self.guidance(owners)
         return dict(hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=guidance,
                     encoder_hidden_states_mask=mask, encoder_hidden_states=embeds,
                     img_shapes=[[requests[0].state["img_shape"]]] * latents.shape[0])
@@ -148,9 +123,6 @@ class QwenImageFamily(Family):
         modulation = block.img_mod(x.rows["temb"]).chunk(2, dim=-1)[0]
         return block._modulate(block.img_norm1(x.img), modulation)[0]
 
-    def head(self, x: BlockInputs) -> torch.Tensor:
-        return self.transformer.proj_out(self.transformer.norm_out(x.img, x.rows["temb"]))
-
     def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
         if uncond is None:
             return cond
@@ -159,8 +131,7 @@ class QwenImageFamily(Family):
         return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        h, w = 2 * (params.height // self.size_multiple), 2 * (params.width // self.size_multiple)
-        latents = unpack_2x2(latents, h, w)[:, :, None].to(self.vae.dtype)
+        latents = self.unpack(latents, params)[:, :, None].to(self.vae.dtype)
         z = self.vae.config.z_dim
         mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)

@@ -12,19 +12,22 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..params import SamplingParams
 from ..request import Request
-from .base import BlockInputs, Family, TextCond, flow_shift_mu, gather_rows
+from .base import BlockInputs, TextCond, gather_rows
+from .image import ImageFamily
+from .latents import flow_shift_mu
 from .processors.sd3 import SD3Processor
 
 
-class SD3Family(Family):
+class SD3Family(ImageFamily):
     name = "sd3"
     pipeline_class = "StableDiffusion3Pipeline"
     attention_processor = SD3Processor
     defaults = dict(num_inference_steps=28, guidance_scale=7.0, true_cfg_scale=1.0, max_sequence_length=256)
     max_text_tokens = 512
+    cfg_param = "guidance_scale"
 
-    def __init__(self, components, dtype, device, checkpoint_defaults=None):
-        super().__init__(components, dtype, device, checkpoint_defaults)
+    def __init__(self, components, dtype, device, checkpoint=None):
+        super().__init__(components, dtype, device, checkpoint)
         self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.patch = self.transformer.config.patch_size
         self.processor = VaeImageProcessor(vae_scale_factor=self.vae_scale)
@@ -40,10 +43,7 @@ class SD3Family(Family):
     def uses_cfg(self, params: SamplingParams) -> bool:
         return params.guidance_scale > 1
 
-    def latent_tokens(self, params: SamplingParams) -> int:
-        return (params.height // self.size_multiple) * (params.width // self.size_multiple)
-
-    def row_tokens(self, prompt: str, params: SamplingParams) -> int:
+    def row_tokens(self, prompt: str, params: SamplingParams, inputs=None) -> int:
         return self.latent_tokens(params) + self.clip_length + params.max_sequence_length
 
     def batch_key(self, params: SamplingParams) -> tuple:

@@ -2,10 +2,12 @@
 
 ``build("flux", "tiny", out_dir)`` writes a folder that both
 ``diffusers.DiffusionPipeline.from_pretrained`` and ``Engine.from_pretrained``
-load. Sizes: ``tiny`` (tests, under 2 MB on disk), ``small`` (benchmarks, a
-transformer of 20-60 M parameters) and, for FLUX only, ``medium`` (a ~415 M parameter
-transformer, for the offload benchmark). Weights come from a fixed seed, so the same
-call always writes the same checkpoint.
+load. Sizes: ``tiny`` (tests, under 2 MB on disk) and ``small`` (benchmarks, a
+transformer of 20-60 M parameters), plus variants some families add (``sd3``
+``tiny-3.5``: SD3.5's dual attention and qk-norm; ``qwenimage`` ``tiny-vl``: the real
+Qwen2.5-VL text encoder class) and, for FLUX, ``medium`` (a ~415 M
+parameter transformer, for the offload benchmark). Weights come from a fixed seed, so the same call
+always writes the same checkpoint.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from pathlib import Path
 import torch
 
 # family name -> module under dit_core.random_models that builds it
-BUILDERS = {"flux": "flux", "sd3": "sd3", "qwenimage": "qwenimage"}
-SIZES = ("tiny", "small", "medium")
+BUILDERS = {"flux": "flux", "sd3": "sd3", "qwenimage": "qwenimage", "wan": "wan", "stable-audio": "stable_audio"}
+SIZES = ("tiny", "small")  # every family has these; a family module's SIZES may add variants
 
 
 def build(family: str, size: str, out_dir: str | Path, seed: int = 0) -> Path:

@@ -37,7 +37,7 @@ from diffusers import (
 from ar_adapters import HFThinker
 
 from ..families import DEFAULTS_KEY
-from ..families.base import pack_2x2, pad_stack
+from ..families.latents import pack_2x2, pad_stack
 from ..families.qwenimage import QwenImageFamily
 from ..params import SamplingParams
 from ..random_models.qwenimage import SCHEDULER, thinker
@@ -169,7 +169,7 @@ def train(out_dir: str | Path, cfg: TrainConfig | None = None) -> Path:
     components["vae"].register_to_config(latents_mean=latents[2].tolist(), latents_std=latents[3].tolist())
     logger.info("vae trained in %.0f s", time.perf_counter() - t0)
     family = QwenImageFamily(components, torch.float32, torch.device("cpu"))
-    family.set_thinker(HFThinker(components["text_encoder"], components["tokenizer"], "train",
+    family.thinker = (HFThinker(components["text_encoder"], components["tokenizer"], "train",
                                  QwenImageFamily.thinker_max_length))
     components["transformer"] = train_dit(family, latents, labels, cfg, gen)
     logger.info("trained in %.0f s", time.perf_counter() - t0)

@@ -1,0 +1,225 @@
+"""Text-to-image families loaded from a diffusers folder: transformer + VAE + scheduler + text
+encoders (or an AR thinker). What FLUX, SD3 and Qwen-Image share lives here."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.utils.torch_utils import randn_tensor
+
+from ar_adapters import choose_thinker, make_thinker, vllm_available
+
+from ..errors import InvalidParamError
+from ..loading import load_component, load_components
+from ..params import MAX_OUTPUTS, MAX_SIDE, MAX_STEPS, SamplingParams
+from ..request import Request
+from .base import Family, TextCond, split_rows
+
+
+class DiffusersFamily(Family):
+    """A family whose denoiser is a diffusers transformer driven by a diffusers scheduler,
+    conditioned on encoded text (cached per prompt), decoded by a VAE."""
+
+    attention_processor: ClassVar[type]  # our processor class, routing attention through ``attention.attend``
+    teacache_coefficients: ClassVar[list[float] | None] = None  # published TeaCache rescaling polynomial
+    thinker_max_length: ClassVar[int | None] = None
+    defaults: ClassVar[dict]  # SamplingParams defaults of the diffusers pipeline
+    max_text_tokens: ClassVar[int]
+    supports_step_cache = True
+
+    def __init__(self, components: dict[str, Any], dtype: torch.dtype, device: torch.device,
+                 checkpoint: dict | None = None):
+        super().__init__(dtype, device, checkpoint)
+        checkpoint = checkpoint or {}
+        # TeaCache coefficients fitted for this checkpoint (``_omnidit_teacache``) beat published ones.
+        fitted = (checkpoint.get("_omnidit_teacache") or {}).get("coefficients")
+        self.teacache_coefficients = fitted or type(self).teacache_coefficients
+        self.components = components
+        self.transformer = components["transformer"]
+        self.vae = components["vae"]
+        self.scheduler = components["scheduler"]
+
+    @classmethod
+    def load(cls, path, index, dtype, device, thinker="auto", thinker_options=None) -> "DiffusersFamily":
+        lm = cls.thinker_component  # families without an AR thinker ignore the thinker setting
+        # a thinker passed in (shared) or one that runs on vLLM does not need the LM loaded here
+        uses_vllm = lm is not None and (not isinstance(thinker, str) or choose_thinker(thinker, str(device)) == "vllm"
+                                        and vllm_available())
+        components = load_components(path, index, dtype, device, skip={lm} if uses_vllm else set())
+        family = cls(components, dtype, device, {k: v for k, v in index.items() if k.startswith("_omnidit")})
+        family.model_id = str(Path(path).resolve())
+        if lm is not None:
+            family.owns_thinker = isinstance(thinker, str)  # a thinker passed in is shared: not ours to close
+            family.thinker = thinker if not isinstance(thinker, str) else make_thinker(
+                thinker, model_dir=str(Path(path) / lm), tokenizer_dir=str(Path(path) / "tokenizer"),
+                model_id=f"{family.model_id}/{lm}", tokenizer=components["tokenizer"],
+                load_hf_model=lambda: components.get(lm) or load_component(path, index, lm, dtype, device),
+                dtype=str(dtype).replace("torch.", ""), max_length=family.thinker_max_length,
+                device=str(device), **(thinker_options or {}))
+        return family
+
+    def head_dims(self) -> set[int]:
+        return {self.transformer.config.attention_head_dim}
+
+    def set_attention(self, backends: dict) -> None:
+        self.transformer.set_attn_processor(self.attention_processor(backends))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "defaults": {**self.defaults, **self.checkpoint_defaults}}
+
+    # ---- text conditioning, once per request, batched, through the prompt cache ----
+
+    def encode(self, requests: list[Request]) -> None:
+        """Set ``cond`` (and ``uncond`` for CFG requests) for all ``requests``: cached prompts come from
+        the prompt cache, the rest go to the local encoders one prompt per call. Encoding prompts
+        together would make an embedding depend (in its last bits: GEMM blocking follows the batch size)
+        on the prompts it was encoded with, and the prompt cache would carry that into later requests;
+        text encoding is a small part of a request's cost. A thinker (an AR stage, e.g. vLLM) gets all
+        missing prompts in one call: batching is what it is for."""
+        params = requests[0].params
+        prompts = [r.prompt for r in requests] + [r.params.negative_prompt or "" for r in requests if r.cfg]
+        keys = [self.prompt_key(p, params) for p in prompts]
+        cache = self.prompt_cache
+        found = {k: cache.get(k) for k in dict.fromkeys(keys)} if cache is not None else {}
+        missing = [k for k in dict.fromkeys(keys) if found.get(k) is None]
+        if missing:
+            if self.thinker is not None:  # an AR stage batches by design: one call for all missing prompts
+                fresh = self.encode_prompts([k[-2] for k in missing], params)
+            else:
+                fresh = [self.encode_prompts([k[-2]], params)[0] for k in missing]
+            for key, cond in zip(missing, fresh):
+                found[key] = cond
+                if cache is not None:
+                    cache.put(key, cond)
+        conds = [found[k] for k in keys]
+        uncond = iter(conds[len(requests):])
+        for req, cond in zip(requests, conds):
+            req.cond = cond
+            req.uncond = next(uncond) if req.cfg else None
+
+    def prompt_key(self, prompt: str, params: SamplingParams) -> tuple:
+        """What an encoding depends on: the encoders, the template, the prompt and the text length."""
+        encoder = self.thinker.model_id if self.thinker is not None else self.model_id
+        return (self.name, encoder, getattr(self, "template", None), prompt, params.max_sequence_length)
+
+    def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
+        raise NotImplementedError
+
+    # ---- every step ----
+
+    @torch.no_grad()
+    def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """ONE transformer forward for all rows of ``requests``; per request (cond, uncond or None).
+        With a step cache, the cache runs the blocks (and may skip them for some rows)."""
+        inputs = self.transformer_inputs(requests)
+        if self.step_cache is None:
+            out = self.transformer(**inputs, return_dict=False)[0]
+        else:
+            out = self.step_cache.forward(self, inputs, requests)
+        return split_rows(out, requests)
+
+    def transformer_inputs(self, requests: list[Request]) -> dict:
+        """The transformer's keyword arguments for every row of ``requests`` (see ``gather_rows``)."""
+        raise NotImplementedError
+
+    def advance(self, req: Request, prediction: torch.Tensor) -> None:
+        req.latents = req.sampler.step(prediction, req.timestep, req.latents, return_dict=False)[0]
+        req.step_index += 1
+
+    # ---- helpers ----
+
+    def noise(self, req: Request, shape: tuple) -> torch.Tensor:
+        gen = torch.Generator("cpu").manual_seed(req.params.seed)
+        return randn_tensor(shape, generator=gen, device=self.device, dtype=self.dtype)
+
+    def new_sampler(self):
+        return copy.deepcopy(self.scheduler)
+
+
+class ImageFamily(DiffusersFamily):
+    """Text-to-image: height/width in multiples of ``size_multiple``, VAE decode to pictures."""
+
+    output_kind = "image"
+    params_used = frozenset({"height", "width", "num_frames", "guidance_scale", "true_cfg_scale",
+                             "negative_prompt", "max_sequence_length"})
+    processor: VaeImageProcessor  # set by subclasses
+    cfg_param: ClassVar[str] = "true_cfg_scale"  # the SamplingParams field that sets classifier-free guidance
+
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this."""
+        raise NotImplementedError
+
+    def default_size(self) -> int:
+        raise NotImplementedError
+
+    def latent_tokens(self, params: SamplingParams) -> int:
+        return (params.height // self.size_multiple) * (params.width // self.size_multiple)
+
+    def describe(self) -> dict:
+        """Adds the size rule (``size_multiple``, ``max_side``), ``max_text_tokens``, the step and
+        output ranges (``min_steps``..``max_steps``, ``max_outputs``) and ``cfg_param``: the field
+        that sets classifier-free guidance for this family."""
+        min_steps = 2 if self.scheduler.config.get("shift_terminal") else 1
+        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": MAX_SIDE,
+                "max_text_tokens": self.max_text_tokens, "min_steps": min_steps, "max_steps": MAX_STEPS,
+                "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param}
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        self.check_fields(params)
+        side = self.default_size()
+        params = params.with_defaults(**{"height": side, "width": side, **self.defaults,
+                                         **self.checkpoint_defaults})
+        m = self.size_multiple
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value % m:
+                raise InvalidParamError(name, value, f"a multiple of {m} for this {self.name} model")
+        if params.num_frames not in (None, 1):
+            raise InvalidParamError("num_frames", params.num_frames, f"1 (a {self.name} model makes images)")
+        if self.scheduler.config.get("shift_terminal") and params.num_inference_steps < 2:
+            # the terminal-shift stretch divides by (1 - last sigma), which is 0 with one step
+            raise InvalidParamError("num_inference_steps", params.num_inference_steps,
+                                    "at least 2 for this checkpoint (its scheduler sets shift_terminal)")
+        if params.max_sequence_length > self.max_text_tokens:
+            raise InvalidParamError("max_sequence_length", params.max_sequence_length,
+                                    f"an integer in [1, {self.max_text_tokens}]")
+        return params
+
+    def row_tokens(self, prompt: str, params: SamplingParams, inputs: Any = None) -> int:
+        """Tokens one forward row of this request costs (image + text), for the step budget."""
+        return self.latent_tokens(params) + params.max_sequence_length
+
+    def batch_key(self, params: SamplingParams) -> tuple:
+        return (self.name, params.height, params.width, params.num_frames or 1, str(self.dtype))
+
+    def decode(self, requests: list[Request]) -> list[list]:
+        """Decode ``requests`` (one latent shape) in one VAE call; per request its list of outputs.
+        ``output_type="latent"`` returns the final latents as the pipeline does."""
+        pixel = [r for r in requests if r.params.output_type != "latent"]
+        decoded = {}
+        if pixel:
+            with torch.no_grad():
+                images = self.decode_latents(torch.cat([r.latents for r in pixel]), pixel[0].params)
+            for req, outputs in zip(pixel, self.postprocess(images, pixel)):
+                decoded[req.id] = outputs
+        return [decoded[r.id] if r.id in decoded else list(r.latents) for r in requests]
+
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Final latents of one shape -> images in [-1, 1], [N, 3, H, W]."""
+        raise NotImplementedError
+
+    def postprocess(self, images: torch.Tensor, requests: list[Request]) -> list[list]:
+        """Split a decoded batch back into requests, each in its own output type."""
+        out, start = [], 0
+        for req in requests:
+            n = req.params.num_outputs
+            chunk = images[start:start + n]
+            start += n
+            result = self.processor.postprocess(chunk, output_type=req.params.output_type)
+            out.append(list(result))
+        return out
