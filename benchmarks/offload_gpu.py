@@ -78,11 +78,11 @@ def run(config: str, model: Path, args) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a FLUX folder (default: build the medium random one)")
-    ap.add_argument("--size", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--configs", nargs="*", default=CONFIGS)
+    ap.add_argument("--size", type=int, default=512, help="image side in pixels (default 512)")
+    ap.add_argument("--steps", type=int, default=4, help="denoising steps per image (default 4)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of each configuration (default 2)")
+    ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
+    ap.add_argument("--configs", nargs="*", default=CONFIGS, help=f"a subset of {CONFIGS}")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("offload_gpu: no CUDA device here (torch.cuda.is_available() is False)")
