@@ -48,6 +48,7 @@ bench: install
 	$(BIN)/python -m benchmarks.audio --quick
 	$(BIN)/python -m benchmarks.tts_quality --quick
 	$(BIN)/python -m benchmarks.parallel --quick
+	$(BIN)/python -m benchmarks.offload --quick
 
 clean:
 	rm -rf $(VENV) out

@@ -9,6 +9,7 @@ import torch
 
 from ar_adapters import THINKERS
 from attention import AttentionConfig, UnknownBackendError
+from offload import OffloadConfigError, OffloadPolicy, check_budget
 
 from .cache.config import CacheConfig
 from .errors import InvalidParamError
@@ -44,6 +45,14 @@ class EngineConfig:
     cache: step cache: ``none``, ``teacache:0.2``, ``fbcache:0.1[,fn=1][,bn=0]`` (per row, inside
         continuous batching) or ``cache-dit:0.1[,fn=1][,bn=0][,warmup=1]`` (request-level: forces
         ``max_batch_size=1``). See ``dit_core.cache``.
+    offload: where weights rest: ``none``, ``components`` (encoders / VAE in host memory, on the
+        device for their calls), ``blocks:N`` (transformer blocks in host memory, N loaded ahead
+        of the computing one), ``disk:N`` (read per block from the checkpoint's safetensors
+        files), ``blocks:all`` / ``disk:all``, or ``components`` with one of them
+        (``components,disk:1``). See ``offload.policy``.
+    max_resident_gb: a budget (GiB) for the weights held on the device; picks N for ``blocks`` /
+        ``disk`` given without one, and alone streams blocks from the disk on CPU (from host
+        memory on CUDA). Activations are not counted.
     quant: weight quantization of the transformer (or the components named with ``,components=``):
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.
@@ -75,6 +84,8 @@ class EngineConfig:
     thinker_kv_cache_gb: float = 1.0
     thinker_memory_utilization: float = 0.1
     prompt_cache_bytes: int = 256 << 20
+    offload: str | OffloadPolicy = "none"
+    max_resident_gb: float | None = None
     quant: str | None = None
     compile: bool = False
     compile_warmup: str | list | None = None
@@ -95,6 +106,11 @@ class EngineConfig:
         if not 0 < self.thinker_memory_utilization <= 1:
             raise InvalidParamError("thinker_memory_utilization", self.thinker_memory_utilization, "in (0, 1]")
         self.cache = CacheConfig.parse(self.cache)
+        try:
+            self.offload = OffloadPolicy.parse(self.offload)
+            self.max_resident_gb = check_budget(self.max_resident_gb)
+        except OffloadConfigError as e:
+            raise InvalidParamError(e.field, e.value, e.allowed) from None
         try:
             self.attention = AttentionConfig.parse(self.attention, self.attention_per_role)
         except UnknownBackendError as e:
@@ -138,6 +154,20 @@ class EngineConfig:
         from .quantize import validate_quant
 
         self.quant = validate_quant(self.quant, self.device)
+        if self.quant is not None and (self.offload.streams_blocks or self.max_resident_gb is not None):
+            # quantized Linear layers are built from loaded weights; streamed blocks have none at load
+            raise InvalidParamError("offload", str(self.offload),
+                                    "'none' or 'components' when quant is set (block streaming of quantized "
+                                    "weights is not supported yet)")
+        streams = self.offload.streams_blocks or self.max_resident_gb is not None
+        if streams and self.ulysses * self.ring * self.row_parallel > 1:
+            # worker ranks load their own transformer; streaming blocks on rank 0 alone would not bound them
+            raise InvalidParamError("offload", str(self.offload), "'none' or 'components' with ulysses/ring/"
+                                                                  "row_parallel > 1 (not combined yet)")
+        if streams and self.compile:
+            # compiled blocks capture their weights; streamed blocks swap them out between calls
+            raise InvalidParamError("offload", str(self.offload), "'none' or 'components' with compile=True "
+                                                                  "(not combined yet)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,6 +20,8 @@ from .cache import make_step_cache
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
 from .families import Family, load_family
+from .loading import component_loader
+from .offloading import apply_offload, offload_loader, release_offload
 from .params import SamplingParams
 from .quantize import apply_quant
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
@@ -132,7 +134,11 @@ class Engine:
         if not isinstance(paths, dict) or not paths:
             raise InvalidParamError("models", paths, "a non-empty {name: model folder} mapping")
         cfg = EngineConfig(**config)
-        if cfg.dtype == "auto":  # measured once per machine and model (dit_core.dtype_auto)
+        if cfg.dtype == "auto" and (cfg.offload.streams_blocks or cfg.max_resident_gb is not None):
+            # measuring would load every block at once, which the memory budget exists to avoid
+            logger.info("dtype auto -> float32: block offload is on, so the model is not loaded whole to measure")
+            cfg.dtype = "float32"
+        elif cfg.dtype == "auto":  # measured once per machine and model (dit_core.dtype_auto)
             from .dtype_auto import resolve
 
             cfg.dtype = resolve(paths, config)
@@ -142,10 +148,14 @@ class Engine:
             for name, path in paths.items():
                 if not isinstance(name, str) or not name.strip():
                     raise InvalidParamError("models", name, "a non-empty model name")
-                models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options)
+                with component_loader(offload_loader(cfg)):  # offload: leave streamed blocks unread
+                    models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker,
+                                               options)
                 apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
+                apply_offload(models[name], cfg)  # after loading, before the engine sees the family
         except BaseException:
             for family in models.values():
+                release_offload(family)
                 family.close()
             raise
         return cls(models, cfg)
@@ -265,10 +275,12 @@ class Engine:
         return self.parallel.health() if self.parallel is not None else None
 
     def close(self) -> None:
-        """Release what the models started (a vLLM thinker's engine process, parallel workers)."""
+        """Release what the models started (a vLLM thinker's engine process, parallel workers, an offload
+        loader thread)."""
         if self.parallel is not None:
             self.parallel.close()
         for family in self.models.values():
+            release_offload(family)
             family.close()
 
     # ---- convenience ----

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import importlib
 import json
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 
 from .errors import UnknownModelError
+
+# a loader set around a family's load (``component_loader``): families call load_components
+# themselves, so the engine passes offload's loader this way rather than through every Family.load
+_LOADER: ContextVar = ContextVar("omnidit_component_loader", default=None)
 
 # Component classes are only ever taken from these libraries.
 LIBRARIES = ("diffusers", "transformers")
@@ -42,8 +48,12 @@ def _read_json(path: Path) -> dict:
 
 
 def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: torch.device,
-                    skip: set[str] = frozenset()) -> dict:
-    """Load every component ``model_index.json`` lists (but ``skip``), models in ``dtype`` on ``device``."""
+                    skip: set[str] = frozenset(), loader=None) -> dict:
+    """Load every component ``model_index.json`` lists (but ``skip``), models in ``dtype`` on ``device``.
+    ``loader(name, cls, library, folder, dtype, device, default)``, when given (or set around the
+    call with ``component_loader``), loads each one instead (``default(cls, library, folder, dtype,
+    device)`` is the usual way; offload uses it)."""
+    loader = loader or _LOADER.get()
     components = {}
     stored_quantized = index.get("_omnidit_quant") or {}  # components kept as GGUF files (dit_core.quantize)
     for name, spec in index.items():
@@ -58,9 +68,21 @@ def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: t
 
             components[name] = load_quantized_component(Path(path), name, stored_quantized[name], cls, dtype, device)
             continue
-        components[name] = _load_one(cls, "transformers" if library == "transformers" else "diffusers",
-                                     Path(path) / name, dtype, device)
+        library = "transformers" if library == "transformers" else "diffusers"
+        folder = Path(path) / name
+        components[name] = (loader(name, cls, library, folder, dtype, device, _load_one) if loader
+                            else _load_one(cls, library, folder, dtype, device))
     return components
+
+
+@contextmanager
+def component_loader(loader):
+    """Within the block, ``load_components`` loads through ``loader`` (None: the usual way)."""
+    token = _LOADER.set(loader)
+    try:
+        yield
+    finally:
+        _LOADER.reset(token)
 
 
 def _library_module(name: str, library: str):

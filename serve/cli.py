@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
     rnd.add_argument("family", help="flux, sd3, qwenimage, wan, stable-audio or pi0 (a robot policy)")
     rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
-                                  "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder)")
+                                  "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder), flux medium (~415 M "
+                                  "parameter transformer, the offload benchmark)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     rnd.set_defaults(func=cmd_make_random)
@@ -225,6 +226,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM thinker gpu_memory_utilization; CPU memory share on CPU (default 0.1)")
     p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
                    help="prompt-embedding cache size in bytes; 0 disables (default 256 MiB)")
+    p.add_argument("--offload", default="none",
+                   help="where weights rest: none; components (text encoders / VAE in host memory, on the "
+                        "device for their calls); blocks:N (transformer blocks in host memory, N loaded ahead of "
+                        "the computing one); disk:N (blocks read per use from the checkpoint's safetensors "
+                        "files: only N + 1 in memory); blocks:all / disk:all; or components with one of them, "
+                        "e.g. components,disk:1 (default none)")
+    p.add_argument("--max-resident-gb", type=float, default=None,
+                   help="budget in GiB for the weights held on the device: picks N for blocks / disk given "
+                        "without one; alone, streams blocks from the disk on CPU (host memory on CUDA). "
+                        "Activations are not counted (default: no budget)")
     p.add_argument("--policy", default=None, choices=["fifo", "edf"],
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
                         "at least 1 step in 10 to bulk); default: edf when a robot policy model is loaded, else fifo")
@@ -264,7 +275,8 @@ def engine_kwargs(args) -> dict:
                 attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
                 thinker_memory_utilization=args.thinker_memory_utilization,
-                prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant,
+                prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant, offload=args.offload,
+                max_resident_gb=args.max_resident_gb,
                 compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,
                 row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
                 parallel_timeout_s=args.parallel_timeout, **({"policy": args.policy} if args.policy else {}))

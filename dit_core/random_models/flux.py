@@ -13,6 +13,10 @@ SIZES = {
     # ~29 M parameter transformer; vae factor 8 and 16 latent channels as in FLUX.1
     "small": dict(heads=6, head_dim=64, double=3, single=6, rope=(16, 24, 24), text=128,
                   vae=(16, 32, 64, 64), latent=16),
+    # ~415 M parameter transformer (1.7 GB in fp32; blocks of 38 M and 16 M parameters), for the
+    # offload benchmark: big enough that its weights dominate the process's memory
+    "medium": dict(heads=8, head_dim=128, double=6, single=12, rope=(16, 56, 56), text=128,
+                   vae=(16, 32, 64, 64), latent=16),
 }
 
 

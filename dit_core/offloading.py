@@ -1,0 +1,214 @@
+"""The engine's side of ``offload/``: load a family under an offload policy, then apply it.
+
+Two calls, both in ``Engine.from_pretrained``: ``offload_loader(config)`` tells the
+component loader to leave streamed transformer blocks unread (so the model is never whole
+in memory) and to load offloaded components into host memory; ``apply_offload(family,
+config)`` then attaches the block streamer and the component hooks. Families and the step
+caches do not learn where weights live: the hooks make a block's weights resident before
+it runs, whoever runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from offload import (
+    BlockStreamer,
+    ComponentOffloader,
+    DiskSource,
+    HostSource,
+    MappedSource,
+    OffloadConfigError,
+    OffloadPolicy,
+    WeightFileError,
+    blocks_for_budget,
+    find_blocks,
+    index_folder,
+    load_without_blocks,
+    read_into,
+)
+
+from .errors import InvalidParamError, UnknownModelError
+
+logger = logging.getLogger(__name__)
+STREAMED = "transformer"  # the component whose blocks stream
+
+
+@dataclass
+class Offload:
+    """What ``apply_offload`` attached to a family: its policy, block streamer and component hooks."""
+
+    policy: OffloadPolicy
+    blocks: BlockStreamer | None = None
+    components: ComponentOffloader | None = None
+
+    def stats(self) -> dict:
+        out = {"policy": str(self.policy)}
+        if self.blocks is not None:
+            out.update(self.blocks.stats.as_dict(), ahead=self.blocks.nslots - 1, keep_all=self.blocks.keep_all,
+                       tier=self.blocks.source.tier, source=type(self.blocks.source).__name__,
+                       slot_bytes=self.blocks.slot_bytes)
+        if self.components is not None:
+            out["components"] = {k: vars(v) for k, v in self.components.stats.items()}
+        return out
+
+    def close(self) -> None:
+        for part in (self.blocks, self.components):
+            if part is not None:
+                part.close()
+
+
+_ATTACHED: "weakref.WeakKeyDictionary[object, Offload]" = weakref.WeakKeyDictionary()
+
+
+def effective_policy(config) -> OffloadPolicy:
+    """The configured policy; a memory budget alone streams blocks from the tier that saves
+    memory on the configured device (the disk on CPU, host memory on CUDA)."""
+    policy = config.offload
+    if config.max_resident_gb is not None:
+        policy = policy.with_budget(torch.device(config.device).type)
+    return policy
+
+
+def offload_loader(config):
+    """A ``load_components`` loader for ``config``'s policy (None when nothing is offloaded)."""
+    policy = effective_policy(config)
+    if not policy.streams_blocks and not policy.components:
+        return None
+
+    def load(name, cls, library, folder, dtype, device, default):
+        if name == STREAMED and policy.streams_blocks and library == "diffusers":
+            try:
+                index_folder(folder)
+            except WeightFileError as e:
+                if policy.tier == "disk" or not any(Path(folder).glob("*.bin")):
+                    raise UnknownModelError(f"offload={policy}: {e}") from None
+                return default(cls, library, folder, dtype, device)  # .bin weights: load whole, move blocks
+            return _wrap_errors(policy, load_without_blocks, cls, folder, dtype, device)
+        if policy.components and name != STREAMED and issubclass(cls, nn.Module):
+            return default(cls, library, folder, dtype, torch.device("cpu"))
+        return default(cls, library, folder, dtype, device)
+
+    return load
+
+
+def apply_offload(family, config) -> Offload | None:
+    """Attach ``config``'s offload policy to a loaded ``family`` (any loader: blocks still holding
+    weights are moved to the host tier, or dropped for the disk tier)."""
+    policy = effective_policy(config)
+    if not policy.streams_blocks and not policy.components:
+        return None
+    device = torch.device(config.device)
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidParamError("offload", str(policy), f"'none' on a {device.type} device (offload supports cpu and cuda)")
+    components = getattr(family, "components", None)
+    if not isinstance(components, dict) or (policy.streams_blocks and not isinstance(components.get(STREAMED), nn.Module)):
+        raise InvalidParamError("offload", str(policy), f"'none' for {getattr(family, 'name', type(family).__name__)} "
+                                "models (offload needs a diffusers folder with a transformer)")
+    if policy.streams_blocks and _quantized(components[STREAMED]):
+        raise InvalidParamError("offload", str(policy), "'none' or 'components' for a quantized transformer "
+                                "(block streaming of quantized weights is not supported yet)")
+    others = {k: m for k, m in components.items() if isinstance(m, nn.Module) and k != STREAMED}
+    handle = Offload(policy)
+    if policy.streams_blocks:
+        handle.blocks = _wrap_errors(policy, _streamer, policy, family, others, config, device)
+    if policy.components:
+        handle.components = ComponentOffloader(others, device)
+    _ATTACHED[family] = handle
+    logger.info("offload %s: %s", policy, {k: v for k, v in handle.stats().items() if k != "components"})
+    return handle
+
+
+def _quantized(model: nn.Module) -> bool:
+    """Whether ``model`` holds quant/'s layers (a GGUF folder loads them whatever ``quant`` says)."""
+    from quant import QuantLinear
+
+    return any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def offload_of(family) -> Offload | None:
+    """The offload attached to ``family`` (None if none)."""
+    return _ATTACHED.get(family)
+
+
+def release_offload(family) -> None:
+    handle = _ATTACHED.pop(family, None)
+    if handle is not None:
+        handle.close()
+
+
+def _streamer(policy: OffloadPolicy, family, others: dict, config, device: torch.device) -> BlockStreamer:
+    model = family.transformer
+    named = find_blocks(model)
+    if not named:
+        raise InvalidParamError("offload", str(policy), f"a policy without blocks: {type(model).__name__} has none")
+    prefixes = [name + "." for name, _ in named]
+    blocks = [m for _, m in named]
+    ahead, keep_all = policy.ahead or 1, policy.keep_all
+    if config.max_resident_gb is not None and policy.ahead is None and not keep_all:
+        fixed = _fixed_bytes(model, blocks, others, policy.components and device.type == "cuda")
+        ahead, keep_all = blocks_for_budget(config.max_resident_gb, fixed, [_nbytes(b.parameters()) for b in blocks])
+    folder = Path(family.model_id) / STREAMED
+    lazy = any(p.is_meta for b in blocks for p in b.parameters())
+    disk = None
+    if policy.tier == "disk" or lazy:  # checked now: a missing or truncated file fails the start
+        disk = DiskSource.for_blocks(index_folder(folder), prefixes,
+                                     [{k: p.shape for k, p in b.named_parameters()} for b in blocks])
+    if policy.tier == "disk":
+        source = disk
+        if device.type == "cpu" and all(e.dtype == p.dtype for b, entries in zip(blocks, disk.blocks)
+                                        for (name, p) in b.named_parameters() for e in [entries[name]]):
+            source = MappedSource(disk.blocks)  # zero-copy on CPU (see offload.mapped)
+    else:
+        source = HostSource([_host_tensors(k, b, disk, device) for k, b in enumerate(blocks)])
+    for block in blocks:  # what the source does not share goes now (a disk tier keeps none of it)
+        for module in block.modules():
+            for name, p in module._parameters.items():
+                if p is not None and not p.is_meta:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+    return BlockStreamer(blocks, source, device, ahead, keep_all)
+
+
+def _host_tensors(k: int, block: nn.Module, disk: DiskSource | None, device: torch.device) -> dict:
+    """Block ``k``'s weights in host memory (pinned for CUDA): its own if loaded, else read from disk."""
+    out = {}
+    for name, p in block.named_parameters():
+        if p.is_meta:
+            t = torch.empty(p.shape, dtype=p.dtype, pin_memory=device.type == "cuda")
+            read_into([(disk.blocks[k][name], t)])
+        else:
+            t = p.data if p.device.type == "cpu" else p.data.to("cpu")
+            if device.type == "cuda":
+                t = t.pin_memory()
+        out[name] = t
+    return out
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _fixed_bytes(model: nn.Module, blocks: list[nn.Module], others: dict, components_on_host: bool) -> int:
+    """Weights on the device besides the streamed blocks: the transformer's others, and the
+    components (only the largest, during its call, when they rest in host memory apart)."""
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    fixed = _nbytes(p for p in model.parameters() if id(p) not in in_blocks) + _nbytes(model.buffers())
+    sizes = [_nbytes(m.parameters()) + _nbytes(m.buffers()) for m in others.values()]
+    return fixed + (max(sizes, default=0) if components_on_host else sum(sizes))
+
+
+def _wrap_errors(policy, fn, *args):
+    """Offload errors at engine start, as the engine's own: a bad setting names its field, a
+    bad weight file makes the model unusable."""
+    try:
+        return fn(*args)
+    except OffloadConfigError as e:
+        raise InvalidParamError(e.field, e.value, e.allowed) from None
+    except WeightFileError as e:
+        raise UnknownModelError(f"offload={policy}: {e}") from None

@@ -1,0 +1,266 @@
+"""offload/: every policy computes what ``none`` computes; the disk tier bounds memory; prefetch
+overlaps compute; a missing or truncated weight file fails the start or the request, by name."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dit_core import Engine, InvalidParamError, RequestFailedError, UnknownModelError
+from dit_core.offloading import offload_of
+from helpers import CFG, assert_finished, params, run_staggered
+
+# every policy on every family (components with the host tier, and the disk tier, on each); the
+# variants of N and components with the disk tier on one
+CASES = [(f, p) for f in ("flux", "sd3", "qwenimage") for p in ("components,blocks:1", "disk:1")] + \
+    [("flux", "blocks:all"), ("flux", "components,disk:2")]
+# a step cache that really skips rows on the tiny checkpoints (sd3 has no TeaCache coefficients)
+CACHE_ON = {"flux": "teacache:0.6", "qwenimage": "teacache:0.6", "sd3": "fbcache:0.6"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mixed(family):
+    cfg = CFG[family]
+    return [("a cat", params(num_inference_steps=4, seed=1, **cfg)),
+            ("a dog in a field", params(num_inference_steps=2, seed=2)),
+            ("x", params(num_inference_steps=3, seed=3, num_outputs=2, **cfg))]
+
+
+def run_all(engine, family):
+    """One request alone, then a continuously batched mixed set (staggered arrivals, CFG and not)."""
+    single, _ = run_staggered(engine, [("a lighthouse", params(num_inference_steps=2, seed=7))], arrivals=[0])
+    batched, sizes = run_staggered(engine, mixed(family), arrivals=[0, 1, 1])
+    assert max(sizes) == 3
+    return [assert_finished(single[0])] + [assert_finished(batched[i]) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    cache = {}
+
+    def get(family, step_cache):
+        if (family, step_cache) not in cache:
+            engine = Engine.from_pretrained(tiny_models[family], cache=step_cache)
+            cache[family, step_cache] = run_all(engine, family), engine.stats.block_evals
+        return cache[family, step_cache]
+
+    return get
+
+
+@pytest.mark.parametrize("family,policy", CASES)
+def test_every_policy_computes_what_none_computes(family, policy, tiny_models, references):
+    """Same values, not always the same bits: ``none`` computes with weights mapped from the
+    safetensors file (pointers 8-byte aligned), a streamed block with weights in 64-byte
+    aligned slots, and the CPU GEMM kernels round differently by alignment (measured: the same
+    model with its weights cloned to aligned memory matches streaming bit for bit)."""
+    for step_cache in ("none", CACHE_ON[family]):
+        ref, ref_evals = references(family, step_cache)
+        engine = Engine.from_pretrained(tiny_models[family], offload=policy, cache=step_cache)
+        got = run_all(engine, family)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            diff = (a - b).abs().max().item()
+            assert diff <= 1e-6, f"{family} {policy} cache={step_cache} request {i}: {diff}"
+        assert engine.stats.block_evals == ref_evals  # the same rows skipped the same blocks
+        handle = offload_of(engine.family)
+        stats = handle.stats()
+        if "components" in policy:
+            assert all(s["calls"] > 0 for s in stats["components"].values())  # the hooks ran
+        if handle.blocks is not None and not handle.blocks.keep_all:
+            assert stats["loads"] >= engine.stats.steps  # blocks really streamed, step after step
+            assert len(handle.blocks.resident_blocks()) <= handle.blocks.nslots
+        engine.close()
+    if step_cache != "none":
+        assert ref_evals < engine.stats.block_evals_full  # the cache did skip work
+
+
+@pytest.fixture(scope="module")
+def small_flux(tmp_path_factory):
+    from dit_core.random_models import build
+
+    return build("flux", "small", tmp_path_factory.mktemp("small") / "flux-small")
+
+
+def test_disk_tier_peak_memory_is_bounded(small_flux):
+    """``disk:1`` on the small FLUX checkpoint: each side in its own process (peak RSS from
+    VmHWM). Of the transformer, the disk tier keeps its non-block weights (embedders, head)
+    and two blocks' slots; the rest must not be in memory at any time. Identical runs differ by
+    up to ~3 MiB (allocator), hence the 4 MiB allowance."""
+    model = small_flux
+    none, disk = (_peak_in_subprocess(model, policy) for policy in ("none", "disk:1"))
+    assert disk["stats"]["loads"] >= 2 * disk["blocks"]  # every block was read from disk, every step
+    need = disk["transformer_bytes"] - disk["nonblock_bytes"] - 2 * disk["max_block_bytes"] - (4 << 20)
+    saved = none["peak"] - disk["peak"]
+    assert saved >= need, f"saved {saved / 2**20:.1f} MiB, needed {need / 2**20:.1f} MiB ({none}, {disk})"
+
+
+PEAK_SCRIPT = """
+import json, sys
+from dit_core import Engine, SamplingParams
+from dit_core.offloading import offload_of
+from offload import find_blocks
+engine = Engine.from_pretrained(sys.argv[1], offload=sys.argv[2])
+engine.generate(["a cat", "a dog"], SamplingParams(height=64, width=64, num_inference_steps=2, seed=0,
+                                                   max_sequence_length=16, output_type="pt"))
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+tr = engine.family.transformer
+blocks = [m for _, m in find_blocks(tr)]
+size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+ids = {id(p) for b in blocks for p in b.parameters()}
+handle = offload_of(engine.family)
+print(json.dumps({"peak": peak, "blocks": len(blocks), "transformer_bytes": size(tr.parameters()),
+                  "nonblock_bytes": size(p for p in tr.parameters() if id(p) not in ids),
+                  "max_block_bytes": max(size(b.parameters()) for b in blocks),
+                  "slot_bytes": handle.blocks.slot_bytes if handle else 0,
+                  "stats": handle.stats() if handle else {}}))
+"""
+
+
+def _peak_in_subprocess(model, policy):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(model), policy], env=env, capture_output=True,
+                         text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class SlowSource:
+    """Wraps a block source: each load sleeps ``delay`` seconds (a slow disk)."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay, self.tier = inner, delay, inner.tier
+
+    def host_tensors(self, k):
+        return None
+
+    def read_into(self, k, outs):
+        time.sleep(self.delay)
+        return self.inner.read_into(k, outs)
+
+
+def test_prefetch_overlaps_compute(tiny_models):
+    """With loads and block computes of 40 ms each (sleeps), block k+1 loads while block k computes:
+    the loader's and the blocks' own timestamps overlap, and the forward waits far less than it loads."""
+    engine = Engine.from_pretrained(tiny_models["flux"], offload="disk:1")
+    streamer = offload_of(engine.family).blocks
+    streamer.source = SlowSource(streamer.source, 0.04)
+    for block in streamer.blocks:  # slow compute: a hook after each block (runs inside its forward)
+        block.register_forward_hook(lambda *_: time.sleep(0.04), prepend=True)
+    streamer.stats.trace = []
+    engine.generate("a cat", params(num_inference_steps=4, seed=1))
+    trace = streamer.stats.trace
+    loads = [(b, s, e) for kind, b, s, e in trace if kind == "load"]
+    computes = [(b, s, e) for kind, b, s, e in trace if kind == "compute"]
+    n = len(streamer.blocks)
+    assert len(computes) == 4 * n and len(loads) >= len(computes)
+    # every load after the first ran while another block was computing
+    overlapped = sum(any(s < ce and cs < e and cb != b for cb, cs, ce in computes) for b, s, e in loads[1:])
+    assert overlapped >= len(computes) - 1
+    load_s = sum(e - s for _, s, e in loads[:len(computes)])
+    assert streamer.stats.wait_s < 0.5 * load_s
+    for step in range(4):  # each step's blocks, from the first one's start to the last one's end,
+        run = computes[step * n:(step + 1) * n]  # took at least half its loads' time less than serially
+        span = run[-1][2] - run[0][1]
+        step_loads = sum(e - s for _, s, e in loads[step * n:(step + 1) * n])
+        serial = sum(e - s for _, s, e in run) + step_loads
+        assert span <= serial - 0.5 * step_loads, (step, span, serial, step_loads)
+
+
+def _copy_model(src, dst):
+    return Path(shutil.copytree(src, dst))
+
+
+def test_missing_or_truncated_weight_file_fails_the_start(tiny_models, tmp_path):
+    model = _copy_model(tiny_models["flux"], tmp_path / "flux")
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(UnknownModelError, match="truncated") as e:
+        Engine.from_pretrained(model, offload="disk:1")
+    assert str(weights) in str(e.value)
+    weights.unlink()
+    with pytest.raises(UnknownModelError, match="missing") as e:
+        Engine.from_pretrained(model, offload="blocks:1")
+    assert str(weights) in str(e.value)
+
+
+@pytest.mark.parametrize("dtype,source", [("float32", "MappedSource"), ("bfloat16", "DiskSource")])
+def test_weight_file_lost_mid_run_fails_the_request_not_the_engine(dtype, source, tiny_models, tmp_path):
+    """Both disk paths: mapped (file dtype = model dtype, on CPU) and read into slots (here with a
+    conversion from the fp32 file to bf16)."""
+    model = _copy_model(tiny_models["flux"], tmp_path / "flux")
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    engine = Engine.from_pretrained(model, offload="disk:1", dtype=dtype)
+    assert type(offload_of(engine.family).blocks.source).__name__ == source
+    p = params(num_inference_steps=3, seed=4)
+    good = engine.generate("a cat", p)[0]
+    plain = Engine.from_pretrained(model, dtype=dtype).generate("a cat", p)[0]
+    assert (good.float() - plain.float()).abs().max().item() <= 1e-6
+    weights.rename(weights.with_suffix(".moved"))
+    with pytest.raises(RequestFailedError, match="missing") as e:
+        engine.generate("a cat", p)
+    assert str(weights) in str(e.value)
+    weights.with_suffix(".moved").rename(weights)
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(RequestFailedError, match="truncated") as e:
+        engine.generate("a cat", p)
+    assert str(weights) in str(e.value)
+    weights.write_bytes(data)  # back: the same engine serves again, and identically
+    assert torch.equal(engine.generate("a cat", p)[0], good)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("offload", "disk:0", "disk:N with an integer N >= 1"), ("offload", "tape", "parts among"),
+    ("offload", "blocks:1,disk:1", "at most one"), ("offload", "none,components", "'none' alone"),
+    ("offload", 3, "a string"), ("max_resident_gb", -1, "GiB > 0"), ("max_resident_gb", "1", "GiB > 0"),
+])
+def test_bad_offload_settings_name_the_field(field, value, match, tiny_models):
+    with pytest.raises(InvalidParamError, match=match) as e:
+        Engine.from_pretrained(tiny_models["flux"], **{field: value})
+    assert e.value.field == field
+
+
+def test_memory_budget_picks_the_blocks_held(small_flux):
+    from offload import find_blocks
+
+    model = small_flux
+    probe = Engine.from_pretrained(model)
+    tr = probe.family.transformer
+    blocks = [m for _, m in find_blocks(tr)]
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    block = max(size(b.parameters()) for b in blocks)
+    others = sum(size(m.parameters()) + size(m.buffers()) for k, m in probe.family.components.items()
+                 if isinstance(m, torch.nn.Module) and k != "transformer")
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    fixed = size(p for p in tr.parameters() if id(p) not in in_blocks) + size(tr.buffers()) + others
+    tight = Engine.from_pretrained(model, max_resident_gb=(fixed + 2.5 * block) / 2**30)
+    handle = offload_of(tight.family)
+    assert (str(handle.policy), handle.blocks.nslots, handle.blocks.keep_all) == ("disk", 2, False)  # disk on CPU
+    roomy = Engine.from_pretrained(model, offload="blocks", max_resident_gb=1.0)
+    assert offload_of(roomy.family).blocks.keep_all
+    with pytest.raises(InvalidParamError, match="at least") as e:
+        Engine.from_pretrained(model, max_resident_gb=(fixed + block) / 2**30)
+    assert e.value.field == "max_resident_gb"
+    p = params(height=64, width=64, num_inference_steps=2, seed=2, max_sequence_length=16)
+    assert (tight.generate("a cat", p)[0] - probe.generate("a cat", p)[0]).abs().max().item() <= 1e-6
+
+
+def test_cli_passes_offload_settings():
+    from serve.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "x", "--offload", "components,disk:2", "--max-resident-gb", "1.5"])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["offload"], kwargs["max_resident_gb"]) == ("components,disk:2", 1.5)
+
+
+def test_block_streaming_with_quant_is_refused_by_name(tiny_models):
+    """Quantized layers are built from loaded weights; streamed blocks have none at load."""
+    with pytest.raises(InvalidParamError, match="quant") as e:
+        Engine.from_pretrained(tiny_models["flux"], offload="disk:1", quant="int8-weight")
+    assert e.value.field == "offload"
