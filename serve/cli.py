@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "about 10-15 minutes on 2 cores)")
     tp.add_argument("out_dir")
     tp.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tp.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                    help="stop after STEP steps of the full schedule and save that snapshot (default: run it all)")
     tp.set_defaults(func=cmd_train_policy)
 
     ep = sub.add_parser("run-episode", help="run the policy on one episode of the reaching task and save a GIF")
@@ -233,7 +235,7 @@ def cmd_train_policy(args) -> int:
     from dit_core.zoo.train_policy import TrainConfig, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    print(train(args.out_dir, TrainConfig(seed=args.seed, stop_at=args.stop_at)))
     return 0
 
 
