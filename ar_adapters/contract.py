@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +41,13 @@ class Thinker(abc.ABC):
         self.model_id = model_id  # names the weights: part of prompt-cache keys
         self.max_length = max_length  # tokens per text, template included
         self.calls = 0  # encode() calls that reached the model (tests and metrics read it)
+        # A fast tokenizer must not run on two threads at once ("Already borrowed"): requests are
+        # validated on server threads while the engine loop thread encodes.
+        self.tokenizer_lock = threading.Lock()
 
     def count_tokens(self, texts: list[str]) -> list[int]:
-        return [len(ids) for ids in self.tokenizer(texts).input_ids]
+        with self.tokenizer_lock:
+            return [len(ids) for ids in self.tokenizer(texts).input_ids]
 
     def check(self, texts: list[str]) -> None:
         """Raise PromptError for an empty text or one longer than ``max_length`` tokens."""

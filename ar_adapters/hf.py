@@ -17,8 +17,9 @@ class HFThinker(Thinker):
 
     @torch.no_grad()
     def _encode(self, texts: list[str]) -> list[Encoded]:
-        tokens = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
-                                return_tensors="pt").to(self.model.device)
+        with self.tokenizer_lock:
+            tokens = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
+                                    return_tensors="pt").to(self.model.device)
         hidden = self.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                             output_hidden_states=True).hidden_states[-1]
         mask = tokens.attention_mask.bool()

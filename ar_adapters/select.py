@@ -1,4 +1,11 @@
-"""Choosing a thinker: ``auto`` (vLLM where installed and starting, else transformers), ``vllm``, ``hf``."""
+"""Choosing a thinker: ``auto``, ``vllm`` or ``hf``.
+
+``auto`` decides by facts known at start: vLLM on CUDA when it is installed (falling back to
+transformers if its engine fails to start); transformers on CPU, where vLLM's CPU build ran
+the thinker at 0.5-0.8x the speed of transformers on this project's machines
+(benchmarks/results/thinker.json) and costs ~30 s of engine start-up. The choice and its
+reason are logged in one line. ``vllm`` and ``hf`` force one.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +24,32 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def make_thinker(kind: str, *, model_dir: str, tokenizer_dir: str | None, model_id: str, load_hf_model,
-                 tokenizer, dtype: str = "float32", kv_cache_gb: float = 1.0, memory_utilization: float = 0.1,
-                 max_length: int | None = None) -> Thinker:
-    """Build the thinker ``kind`` asks for. ``load_hf_model()`` loads the transformers model on demand."""
+def choose_thinker(kind: str, device: str = "cpu") -> str:
+    """What ``kind`` means on ``device``: ``"vllm"`` or ``"hf"`` (``auto`` logs its reason once)."""
     global _said_fallback
     if kind not in THINKERS:
         raise ValueError(f"thinker={kind!r} is not one of {list(THINKERS)}")
-    if kind in ("auto", "vllm") and vllm_available():
+    if kind != "auto":
+        return kind
+    on_cuda = str(device).startswith("cuda")
+    choice = "vllm" if on_cuda and vllm_available() else "hf"
+    if not _said_fallback:
+        reason = ("CUDA and vLLM are available" if choice == "vllm" else
+                  "vLLM is not installed" if not vllm_available() else
+                  f"on {device} vLLM ran the thinker at 0.5-0.8x transformers' speed here and takes ~30 s to "
+                  "start (--thinker vllm forces it)")
+        logger.info("thinker auto -> %s: %s", "vLLM" if choice == "vllm" else "transformers", reason)
+        _said_fallback = True
+    return choice
+
+
+def make_thinker(kind: str, *, model_dir: str, tokenizer_dir: str | None, model_id: str, load_hf_model,
+                 tokenizer, dtype: str = "float32", kv_cache_gb: float | None = 1.0, memory_utilization: float = 0.1,
+                 max_length: int | None = None, device: str = "cpu") -> Thinker:
+    """Build the thinker ``kind`` asks for on ``device`` (see ``choose_thinker``).
+    ``load_hf_model()`` loads the transformers model on demand."""
+    choice = choose_thinker(kind, device)
+    if choice == "vllm" and vllm_available():
         from .vllm_thinker import VLLMThinker
 
         try:
@@ -33,9 +58,33 @@ def make_thinker(kind: str, *, model_dir: str, tokenizer_dir: str | None, model_
             if kind == "vllm":
                 raise RuntimeError(f"the vLLM thinker failed to start: {type(e).__name__}: {e}") from e
             logger.warning("the vLLM thinker failed to start (%s: %s); using transformers", type(e).__name__, e)
-    elif kind == "vllm":
+    elif choice == "vllm":
         raise RuntimeError("thinker='vllm' but vLLM is not installed (pip install 'omnidit[vllm]')")
-    elif kind == "auto" and not _said_fallback:
-        logger.info("vLLM is not installed: the thinker runs on transformers")
-        _said_fallback = True
     return HFThinker(load_hf_model(), tokenizer, model_id, max_length)
+
+
+def make_talker(kind: str, *, model_dir: str, tokenizer_dir: str | None, load_hf_model, device: str = "cpu",
+                dtype: str = "float32", kv_cache_gb: float = 1.0, memory_utilization: float = 0.1,
+                max_length: int | None = None):
+    """Build a talker: ``vllm``, ``hf``, or ``auto``: vLLM on CUDA where installed, transformers on CPU.
+
+    On CPU, ``auto`` means transformers: a small talker decodes one token per step for a few
+    requests, where vLLM's CPU engine costs ~30 s to start, pins OpenMP threads to cores and ran
+    0.54-0.81x the speed of transformers for a ~1 M parameter model here. Ask for ``vllm`` to use it."""
+    if kind not in THINKERS:
+        raise ValueError(f"talker={kind!r} is not one of {list(THINKERS)}")
+    on_cuda = str(device).startswith("cuda")
+    if kind == "vllm" or (kind == "auto" and on_cuda and vllm_available()):
+        if not vllm_available():
+            raise RuntimeError("talker='vllm' but vLLM is not installed (pip install 'omnidit[vllm]')")
+        from .talker import VLLMTalker
+
+        try:
+            return VLLMTalker(model_dir, tokenizer_dir, dtype, kv_cache_gb, memory_utilization, max_length)
+        except Exception as e:  # noqa: BLE001 - auto falls back; an explicit choice reports why it failed
+            if kind == "vllm":
+                raise RuntimeError(f"the vLLM talker failed to start: {type(e).__name__}: {e}") from e
+            logger.warning("the vLLM talker failed to start (%s: %s); using transformers", type(e).__name__, e)
+    from .hf_talker import HFTalker
+
+    return HFTalker(load_hf_model(), max_length)

@@ -8,29 +8,30 @@ process; every ``encode`` sends all texts of one engine step in one call.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .contract import Encoded, Thinker
 from .folders import model_folder
+from .vllm_memory import explicit_kv_cache
 
 
 class VLLMThinker(Thinker):
     kind = "vllm"
 
     def __init__(self, model_dir: str, tokenizer_dir: str | None, model_id: str, dtype: str = "float32",
-                 kv_cache_gb: float = 1.0, memory_utilization: float = 0.1, max_length: int | None = None):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+                 kv_cache_gb: float | None = 1.0, memory_utilization: float = 0.1, max_length: int | None = None):
+        """``kv_cache_gb``: the KV cache's size in GiB on any device (None: vLLM sizes it from
+        ``memory_utilization``, of GPU memory, or of CPU memory on CPU)."""
         from transformers import AutoTokenizer
         from vllm import LLM
 
         self.folder = model_folder(model_dir, tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(self.folder.name)
-        llm = LLM(model=self.folder.name, runner="pooling", convert="embed",
-                  pooler_config={"task": "token_embed", "use_activation": False}, dtype=dtype,
-                  gpu_memory_utilization=memory_utilization, max_model_len=max_length, enforce_eager=True,
-                  disable_log_stats=True)
+        with explicit_kv_cache(kv_cache_gb) as kv_bytes:
+            llm = LLM(model=self.folder.name, runner="pooling", convert="embed",
+                      pooler_config={"task": "token_embed", "use_activation": False}, dtype=dtype,
+                      gpu_memory_utilization=memory_utilization, kv_cache_memory_bytes=kv_bytes,
+                      max_model_len=max_length, enforce_eager=True, disable_log_stats=True)
         super().__init__(tokenizer, model_id, llm.llm_engine.model_config.max_model_len)
         self.llm = llm
 

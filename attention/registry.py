@@ -2,7 +2,9 @@
 
 A backend computes softmax(q k^T * scale) v for q, k, v laid out [B, L, H, D]
 ("BLHD", the layout of flash-attn, xformers and diffusers' dispatch) and
-returns [B, Lq, H, D]. Its ``dense`` function takes an optional boolean mask
+returns [B, Lq, H, D]. ``causal=True`` aligns the mask bottom-right, as for a KV cache: query i
+of Lq <= Lk sees keys 0 .. i + (Lk - Lq) (with Lq == Lk, the usual lower triangle); every backend
+follows that convention or refuses the call. Its ``dense`` function takes an optional boolean mask
 broadcastable to [B, H, Lq, Lk] (True = attend) when it declares ``mask``;
 its ``varlen`` function, when it has one, takes packed [T, H, D] tensors with
 cumulative sequence lengths, the layout of flash-attn's varlen API.
@@ -36,7 +38,8 @@ class Backend:
     # score matrix would be padding (backends without masks always pack).
     pack_above: float = 0.0
     note: str = ""
-    extra_check: Callable[[], str | None] | None = field(default=None, compare=False)
+    # (device) -> the reason it cannot run there, or None
+    extra_check: Callable[[torch.device], str | None] | None = field(default=None, compare=False)
 
     @property
     def capabilities(self) -> dict:
@@ -46,9 +49,9 @@ class Backend:
                   head_dim: int | None = None) -> tuple[bool, str]:
         """Whether this backend can run here with these settings, and if not, every reason why."""
         reasons = [f"{m} is not installed" for m in self.requires if importlib.util.find_spec(m) is None]
-        if self.extra_check is not None and (reason := self.extra_check()):
-            reasons.append(reason)
         device = torch.device(device)
+        if self.extra_check is not None and (reason := self.extra_check(device)):
+            reasons.append(reason)
         if device.type not in self.devices:
             reasons.append(f"it runs on {'/'.join(self.devices)}, not {device.type}")
         elif device.type == "cuda" and not torch.cuda.is_available():

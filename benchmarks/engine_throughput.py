@@ -1,14 +1,22 @@
 """Engine throughput vs the stock diffusers pipeline, one request at a time, in the same run.
 
-    python -m benchmarks.engine_throughput [--quick]
+    python -m benchmarks.engine_throughput [--quick] [--repeats 3]
 
-Model: the random-weight ``small`` FLUX checkpoint (``omnidit make-random flux
-small``; a ~30 M parameter transformer). Every request is a different prompt and
-seed. Scenarios per image size: all requests arriving together, and Poisson
-arrivals at ``--load`` times the sequential pipeline's measured capacity.
-Side (a) serves them one at a time with ``FluxPipeline.__call__``; side (b) with
-``Engine`` (step-level continuous batching, ``--max-batch-size``). Outputs of
-both sides are compared request by request.
+Model: the random-weight ``small`` FLUX checkpoint (``omnidit make-random flux small``; a ~30 M
+parameter transformer). Scenarios per image size and T5 text length (64 tokens, and FLUX's
+pipeline default of 512, what a user gets): all requests arriving together; and, at 64 tokens,
+Poisson arrivals at ``--load`` times the sequential pipeline's measured capacity.
+Side "diffusers" serves them one at a time with ``FluxPipeline.__call__``; side "engine" with
+``Engine`` (step-level continuous batching, ``--max-batch-size``). In the "together" scenarios
+engines with the smaller ``--sweep`` batch sizes run too (time per image vs batch size).
+
+Method (benchmarks.common.interleaved): all sides of a scenario run once per round, in an order
+rotated every round, after the same warm-up call each; ``--repeats`` rounds; ratios are medians of
+the per-round ratios, spreads (max - min) / median. Every round sends fresh prompts (no side ever
+sees a prompt twice) and the engines run with the prompt cache off, so no cache answers for the
+engine what diffusers re-encodes; the prompt cache's own gain is measured separately (same prompts
+again, cache on, against cache off). Outputs of the two sides are compared request by request.
+Writes results/engine_throughput.json and results/engine_throughput.png.
 """
 
 from __future__ import annotations
@@ -23,21 +31,19 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import ForwardTimer, machine, mm_gflops, percentiles, write_json
+from benchmarks.common import ForwardTimer, interleaved, machine, mm_gflops, percentiles, save_plot, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SUBJECTS = ["cat", "dog", "red car", "house by the sea", "tree", "bird", "city at night", "mountain"]
 
 
-def requests(n: int, size: int, steps: int, text_tokens: int, seed: int = 0):
+def requests(n: int, size: int, steps: int, text_tokens: int, tag: str, seed: int = 0):
+    """``n`` requests whose prompts carry ``tag``: a tag no other call uses gives prompts never seen before."""
     from dit_core import SamplingParams
 
-    subjects = ["cat", "dog", "red car", "house by the sea", "tree", "bird", "city at night", "mountain"]
-    out = []
-    for i in range(n):
-        prompt = f"a photo of a {subjects[i % len(subjects)]}, variant {i}"
-        out.append((prompt, SamplingParams(height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
-                                           seed=seed + i, output_type="pt", max_sequence_length=text_tokens)))
-    return out
+    return [(f"a photo of a {SUBJECTS[i % len(SUBJECTS)]}, variant {i}, {tag}",
+             SamplingParams(height=size, width=size, num_inference_steps=steps, guidance_scale=3.5, seed=seed + i,
+                            output_type="pt", max_sequence_length=text_tokens)) for i in range(n)]
 
 
 def run_pipeline(pipe, reqs, arrivals):
@@ -112,51 +118,132 @@ def transformer_flops_per_row(engine, size: int, text_tokens: int) -> float:
     return float(counter.get_total_flops())
 
 
-def scenario(name, pipe, engine, reqs, arrivals, flops_per_row, mm):
-    seq_done, seq_out, seq_timer, seq_info = run_pipeline(pipe, reqs, arrivals)
-    eng_done, eng_out, eng_timer, eng_info = run_engine(engine, reqs, arrivals)
-    diff = max((a - b).abs().max().item() for a, b in zip(seq_out, eng_out))
-    result = {"scenario": name, "requests": len(reqs), "outputs_max_abs_diff": diff,
-              "outputs_identical": diff <= 1e-4}
-    for side, done, timer, info in (("diffusers", seq_done, seq_timer, seq_info),
-                                    ("engine", eng_done, eng_timer, eng_info)):
-        latency = [d - a for d, a in zip(done, arrivals)]
-        gflops = flops_per_row * info["rows"] / timer.seconds / 1e9
-        result[side] = {
-            "throughput_img_s": len(reqs) / max(done),
-            "latency_s": percentiles(latency),
-            "transformer_gflops": gflops,
-            "transformer_gflops_over_mm": gflops / mm,
-            "transformer_s": timer.seconds,
-            "wall_s": max(done),
-            **info,
-        }
-    result["throughput_ratio"] = result["engine"]["throughput_img_s"] / result["diffusers"]["throughput_img_s"]
-    result["p95_ratio"] = result["engine"]["latency_s"]["p95"] / result["diffusers"]["latency_s"]["p95"]
-    d, e = result["diffusers"], result["engine"]
-    print(f"{name:28s} diffusers {d['throughput_img_s']:6.2f} img/s p50 {d['latency_s']['p50']:6.2f}s "
-          f"p95 {d['latency_s']['p95']:6.2f}s | engine {e['throughput_img_s']:6.2f} img/s "
-          f"p50 {e['latency_s']['p50']:6.2f}s p95 {e['latency_s']['p95']:6.2f}s "
-          f"batch {e['mean_batch_size']:.2f} | x{result['throughput_ratio']:.2f} "
-          f"| transformer {e['transformer_gflops']:.0f} vs {d['transformer_gflops']:.0f} GFLOP/s "
-          f"| max diff {diff:.1e}", flush=True)
+class Scenario:
+    """One scenario's sides for ``interleaved``; keeps every round's outputs to compare the sides."""
+
+    def __init__(self, name, size, text, args, arrivals, flops_per_row, mm):
+        self.name, self.size, self.text, self.args = name, size, text, args
+        self.arrivals, self.flops, self.mm = arrivals, flops_per_row, mm
+        self.outputs: dict[str, dict[int, list]] = {}
+
+    def reqs(self, round_: int):
+        n = self.args.requests if round_ >= 0 else 2
+        return requests(n, self.size, self.args.steps if round_ >= 0 else 2, self.text,
+                        f"{self.name} round {round_}", seed=1000 * (round_ + 10))
+
+    def side(self, name: str, run, target):
+        def call(round_: int):
+            reqs = self.reqs(round_)
+            arrivals = self.arrivals if round_ >= 0 else [0.0] * len(reqs)
+            done, outputs, timer, info = run(target, reqs, arrivals)
+            if round_ >= 0:
+                self.outputs.setdefault(name, {})[round_] = outputs
+            latency = [d - a for d, a in zip(done, arrivals)]
+            gflops = self.flops * info["rows"] / timer.seconds / 1e9
+            lat = percentiles(latency)
+            return {"throughput_img_s": len(reqs) / max(done), "wall_s": max(done),
+                    "seconds_per_image": max(done) / len(reqs), "p50_s": lat["p50"], "p95_s": lat["p95"],
+                    "p99_s": lat["p99"], "transformer_s": timer.seconds, "transformer_gflops": gflops,
+                    "transformer_gflops_over_mm": gflops / self.mm,
+                    **{k: v for k, v in info.items() if k != "rows"}}
+
+        return call
+
+    def max_diff(self, a: str, b: str) -> float:
+        return max((x - y).abs().max().item() for r in self.outputs[a]
+                   for x, y in zip(self.outputs[a][r], self.outputs[b][r]))
+
+
+def measure(scenario: Scenario, pipe, engines: dict, repeats: int) -> dict:
+    sides = {"diffusers": scenario.side("diffusers", run_pipeline, pipe)}
+    for label, engine in engines.items():
+        sides[label] = scenario.side(label, run_engine, engine)
+    cmp = interleaved(sides, repeats)
+    main = next(iter(engines))
+    diff = max(scenario.max_diff("diffusers", label) for label in engines)
+    result = {"scenario": scenario.name, "size": scenario.size, "text_tokens": scenario.text,
+              "requests": scenario.args.requests, "repeats": repeats, "round_orders": cmp.order,
+              "outputs_max_abs_diff": diff, "outputs_identical": diff <= 1e-4,
+              "sides": {name: cmp.stats(name) for name in sides},
+              "throughput_ratio": cmp.ratio(main, "diffusers", "throughput_img_s"),
+              "throughput_ratio_spread": cmp.ratio_spread(main, "diffusers", "throughput_img_s"),
+              "throughput_ratio_samples": cmp.ratios(main, "diffusers", "throughput_img_s"),
+              "p95_ratio": cmp.ratio(main, "diffusers", "p95_s"),
+              "p95_ratio_spread": cmp.ratio_spread(main, "diffusers", "p95_s")}
+    d, e = result["sides"]["diffusers"], result["sides"][main]
+    med = (lambda s, m: s[m]["median"])
+    print(f"{scenario.name:34s} diffusers {med(d, 'throughput_img_s'):5.2f} img/s p95 {med(d, 'p95_s'):5.2f}s | "
+          f"{main} {med(e, 'throughput_img_s'):5.2f} img/s p95 {med(e, 'p95_s'):5.2f}s batch "
+          f"{med(e, 'mean_batch_size'):.2f} | x{result['throughput_ratio']:.2f} (spread "
+          f"{result['throughput_ratio_spread']:.0%}) | transformer {med(e, 'transformer_gflops'):.0f} vs "
+          f"{med(d, 'transformer_gflops'):.0f} GFLOP/s | max diff {diff:.1e}", flush=True)
+    for label in list(engines)[1:]:
+        print(f"{'':34s} {label}: {cmp.median(label, 'seconds_per_image'):.3f} s/img "
+              f"(x{cmp.ratio(label, 'diffusers', 'throughput_img_s'):.2f})", flush=True)
     return result
+
+
+def prompt_cache_gain(model, args, repeats: int) -> dict:
+    """The engine with its prompt cache on and the same prompts every round (hits after the warm-up)
+    against the cache off and fresh prompts: the gain the comparison with diffusers leaves out."""
+    from dit_core import Engine
+
+    on = Engine.from_pretrained(model, max_batch_size=args.max_batch_size)
+    off = Engine.from_pretrained(model, max_batch_size=args.max_batch_size, prompt_cache_bytes=0)
+    n, size = args.requests, 64
+
+    def side(engine, fresh: bool):
+        def call(round_: int):
+            reqs = requests(n, size, args.steps, 64, f"cache round {round_}" if fresh else "cache repeated")
+            t = time.perf_counter()
+            run_engine(engine, reqs, [0.0] * n)
+            return time.perf_counter() - t
+
+        return call
+
+    cmp = interleaved({"cache off, fresh prompts": side(off, True), "cache on, repeated prompts": side(on, False)},
+                      repeats)
+    gain = cmp.ratio("cache off, fresh prompts", "cache on, repeated prompts")
+    r = {"scenario": f"{size}x{size} together, 64 tokens", "speedup": gain,
+         "speedup_spread": cmp.ratio_spread("cache off, fresh prompts", "cache on, repeated prompts"),
+         "sides": {k: cmp.stats(k) for k in cmp.sides}, "hits": on.family.prompt_cache.hits}
+    print(f"prompt cache gain ({r['scenario']}, repeated prompts, cache on vs off): x{gain:.2f} "
+          f"(spread {r['speedup_spread']:.0%})", flush=True)
+    return r
+
+
+def plot(results: list[dict], main_label: str):
+    panels = []
+    for r in (r for r in results if r["scenario"].endswith("together")):
+        sides = r["sides"]
+        engines = sorted((int(k.split("=")[1]), k) for k in sides if k.startswith("engine"))
+        per_image = [sides[k]["seconds_per_image"] for _, k in engines]
+        series = {"engine": ([b for b, _ in engines], [s["median"] for s in per_image],
+                             [min(s["samples"]) for s in per_image], [max(s["samples"]) for s in per_image])}
+        panels.append({"xlabel": "engine max_batch_size", "ylabel": "seconds per image", "xscale": "log",
+                       "series": series, "title": r["scenario"],
+                       "hlines": {"diffusers, one at a time": sides["diffusers"]["seconds_per_image"]["median"]}})
+    return save_plot("engine_throughput", f"small FLUX: time per image vs batch size ({main_label}; median of "
+                                          "interleaved repeats, band = min..max)", panels)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="64x64 only, 8 requests (under 3 minutes)")
+    ap.add_argument("--quick", action="store_true", help="64x64 only, 8 requests, sweep 1 (about 5 minutes)")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sizes", default="64,256", help="comma-separated square image sizes")
-    ap.add_argument("--text-tokens", type=int, default=64, help="T5 max_sequence_length on both sides")
+    ap.add_argument("--text-tokens", default="64,512",
+                    help="T5 max_sequence_length values on both sides (512: FLUX's pipeline default)")
     ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--sweep", default="1,2,4", help="extra engine batch sizes in the 'together' scenarios")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per scenario (default 3)")
     ap.add_argument("--load", type=float, default=1.5,
                     help="Poisson arrival rate as a multiple of the sequential pipeline's capacity")
     ap.add_argument("--model", default=None, help="a FLUX folder (default: build the small random one)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.sizes = 8, "64"
+        args.requests, args.sizes, args.sweep = 8, "64", "1"
 
     from diffusers import FluxPipeline
 
@@ -166,43 +253,61 @@ def main(argv=None):
     model = args.model or build("flux", "small", Path(tempfile.mkdtemp()) / "flux-small")
     pipe = FluxPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
-    engine = Engine.from_pretrained(model, max_batch_size=args.max_batch_size)
+    batch_sizes = [args.max_batch_size] + [int(b) for b in args.sweep.split(",") if b and int(b) != args.max_batch_size]
+    engines = {f"engine b={b}": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0)
+               for b in batch_sizes}
+    main_label = f"engine b={args.max_batch_size}"
     mm = mm_gflops()
     print(f"torch.mm fp32: {mm:.0f} GFLOP/s on {machine()['cpu']} ({torch.get_num_threads()} threads)")
-    # warm both sides once (first calls allocate and pick kernels)
-    warm = requests(2, 64, 2, args.text_tokens, seed=10_000)
-    run_pipeline(pipe, warm, [0, 0])
-    run_engine(engine, warm, [0, 0])
-
+    texts = [int(t) for t in args.text_tokens.split(",")]
     results = []
     for size in (int(s) for s in args.sizes.split(",")):
-        reqs = requests(args.requests, size, args.steps, args.text_tokens)
-        flops = transformer_flops_per_row(engine, size, args.text_tokens)
-        together = scenario(f"{size}x{size} together", pipe, engine, reqs, [0.0] * len(reqs), flops, mm)
-        results.append(together)
-        rate = args.load * together["diffusers"]["throughput_img_s"]
-        rng = np.random.default_rng(0)
-        arrivals = list(np.cumsum(rng.exponential(1 / rate, len(reqs))) - 0.0)
-        arrivals = [a - arrivals[0] for a in arrivals]
-        poisson = scenario(f"{size}x{size} poisson {rate:.2f}/s", pipe, engine, reqs, arrivals, flops, mm)
-        poisson["arrival_rate_per_s"] = rate
-        results.append(poisson)
+        for text in texts:
+            flops = transformer_flops_per_row(engines[main_label], size, text)
+            name = f"{size}x{size} {text} tokens together"
+            together = measure(Scenario(name, size, text, args, [0.0] * args.requests, flops, mm), pipe, engines,
+                               args.repeats)
+            results.append(together)
+            if text != texts[0]:
+                continue
+            rate = args.load * together["sides"]["diffusers"]["throughput_img_s"]["median"]
+            times = np.cumsum(np.random.default_rng(0).exponential(1 / rate, args.requests))
+            name = f"{size}x{size} {text} tokens poisson {rate:.2f}/s"
+            poisson = measure(Scenario(name, size, text, args, list(times - times[0]), flops, mm), pipe,
+                              {main_label: engines[main_label]}, args.repeats)
+            poisson["arrival_rate_per_s"] = rate
+            results.append(poisson)
+    cache = prompt_cache_gain(model, args, args.repeats)
 
     main_result = results[0]
+    default_text = next(r for r in results if r["size"] == main_result["size"] and r["text_tokens"] == 512
+                        and r["scenario"].endswith("together")) if 512 in texts else None
     summary = {
         "throughput_ratio": main_result["throughput_ratio"],
+        "throughput_ratio_spread": main_result["throughput_ratio_spread"],
+        "throughput_ratio_default_text": default_text and default_text["throughput_ratio"],
+        "throughput_ratio_default_text_spread": default_text and default_text["throughput_ratio_spread"],
         "outputs_identical": all(r["outputs_identical"] for r in results),
-        "gflops_ratio": main_result["engine"]["transformer_gflops_over_mm"],
+        "gflops_ratio": main_result["sides"][main_label]["transformer_gflops_over_mm"]["median"],
         "mm_gflops": mm,
-        "throughput_ratio_by_scenario": {r["scenario"]: r["throughput_ratio"] for r in results},
-        "p95_ratio_by_scenario": {r["scenario"]: r["p95_ratio"] for r in results},
         "main_scenario": main_result["scenario"],
+        "default_text_scenario": default_text and default_text["scenario"],
+        "throughput_ratio_by_scenario": {r["scenario"]: r["throughput_ratio"] for r in results},
+        "throughput_ratio_spread_by_scenario": {r["scenario"]: r["throughput_ratio_spread"] for r in results},
+        "p95_ratio_by_scenario": {r["scenario"]: r["p95_ratio"] for r in results},
+        "prompt_cache_gain": cache["speedup"],
+        "repeats": args.repeats,
+        "method": "interleaved rounds, fresh prompts every round, engine prompt cache off; median of per-round "
+                  "ratios",
     }
     payload = {"benchmark": "engine_throughput", "machine": machine(), "args": vars(args),
-               "summary": summary, "scenarios": results}
+               "summary": summary, "scenarios": results, "prompt_cache": cache}
     path = write_json("engine_throughput", payload)
-    print(f"summary: throughput x{summary['throughput_ratio']:.2f}, outputs identical: "
-          f"{summary['outputs_identical']}, transformer/mm GFLOP/s {summary['gflops_ratio']:.2f} -> {path}")
+    png = plot(results, main_label)
+    default = "" if default_text is None else f", x{default_text['throughput_ratio']:.2f} at {default_text['scenario']}"
+    print(f"summary: throughput x{summary['throughput_ratio']:.2f} (spread {summary['throughput_ratio_spread']:.0%}) "
+          f"at {main_result['scenario']}{default}; outputs identical: "
+          f"{summary['outputs_identical']}, transformer/mm GFLOP/s {summary['gflops_ratio']:.2f} -> {path}, {png}")
     return payload
 
 

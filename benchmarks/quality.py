@@ -8,8 +8,10 @@
   (``--per-digit`` images per digit, fixed seeds, prompts cycling through every accepted phrasing);
 * diversity: mean pairwise distance between generated images of one digit over the same for
   the real images of that digit (1.0 = as varied as the data);
-* fidelity: with ``--compare-dtype`` (or programmatically, any second engine), PSNR of the
-  second run's images against the plain run's for the same seeds: the gate accelerations use.
+* fidelity: with ``--compare-dtype`` / ``--compare-cache`` (or programmatically, any second engine),
+  PSNR of the second run's images against the plain run's for the same seeds: the gate accelerations
+  use. The two engines' wall times are measured interleaved (benchmarks.common.interleaved: the
+  engines take turns for ``--repeats`` rounds after the same warm-up; median and spread).
 
 Writes ``benchmarks/results/quality.json`` (top-level ``summary``).
 """
@@ -22,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import BlockCounter, interleaved, machine, write_json
 from dit_core import Engine
 from dit_core.eval.digits import generate, psnr, real_diversity, requests, score, train_classifier
 from dit_core.zoo import default_model
@@ -42,31 +44,51 @@ def save_grid(images: torch.Tensor, digits: list[int], path: str, per_row: int =
 
 
 def run(model=None, steps: int = 20, per_digit: int = 20, guidance: float | None = None,
-        compare: dict | None = None, grid: str | None = None, max_batch_size: int = 32) -> dict:
+        compare: dict | None = None, grid: str | None = None, max_batch_size: int = 32, repeats: int = 3) -> dict:
     model = model or default_model()
     clf = train_classifier()
     print(f"classifier held-out accuracy on real digits: {clf.held_out_accuracy:.3f}")
     real_div = real_diversity()
     reqs = requests(per_digit, steps, guidance)
+    warm = requests(1, steps, guidance)
     digits = [d for d, _, _ in reqs]
-    engine = Engine.from_pretrained(model, max_batch_size=max_batch_size)
-    t = time.perf_counter()
-    images = generate(engine, reqs)
-    seconds = time.perf_counter() - t
-    result = score(images, digits, clf, real_div)
-    result.update(classifier_accuracy=clf.held_out_accuracy, images=len(reqs), steps=steps,
-                  guidance=guidance, seconds=seconds)
+    # thinker "hf": the thinker is not what this measures (a vLLM thinker would start an engine process per engine)
+    engines = {"plain": Engine.from_pretrained(model, max_batch_size=max_batch_size, thinker="hf")}
     if compare:
-        other = Engine.from_pretrained(model, max_batch_size=max_batch_size, **compare)
-        t = time.perf_counter()
-        images_b = generate(other, reqs)
-        seconds_b = time.perf_counter() - t
-        evals = other.stats.block_evals_full / other.stats.block_evals if other.stats.block_evals else None
-        result["compare"] = {"engine": compare, "psnr": psnr(images, images_b), "seconds": seconds_b,
+        engines["other"] = Engine.from_pretrained(model, max_batch_size=max_batch_size, thinker="hf", **compare)
+    images: dict = {}
+    counters = {}
+
+    def side(name):
+        counters[name] = BlockCounter(engines[name].family.transformer)
+
+        def call(round_: int):
+            counters[name].rows = 0
+            t = time.perf_counter()
+            out = generate(engines[name], warm if round_ < 0 else reqs)
+            seconds = time.perf_counter() - t
+            if round_ == 0:
+                images[name] = out
+            return {"seconds": seconds, "block_evals": counters[name].rows}
+
+        return call
+
+    # without a comparison there is nothing to interleave: one run is enough for the scores
+    cmp = interleaved({name: side(name) for name in engines}, repeats if compare else 1)
+    result = score(images["plain"], digits, clf, real_div)
+    result.update(classifier_accuracy=clf.held_out_accuracy, images=len(reqs), steps=steps,
+                  guidance=guidance, seconds=cmp.median("plain"), seconds_spread=cmp.spread("plain"))
+    if compare:
+        evals = cmp.median("plain", "block_evals") / cmp.median("other", "block_evals")
+        result["compare"] = {"engine": compare, "psnr": psnr(images["plain"], images["other"]),
+                             "seconds": cmp.median("other"), "seconds_spread": cmp.spread("other"),
+                             "time_ratio": cmp.ratio("other", "plain"), "time_ratio_spread":
+                             cmp.ratio_spread("other", "plain"), "repeats": repeats,
                              "block_evals_ratio": evals,
-                             **{k: v for k, v in score(images_b, digits, clf, real_div).items() if k != "per_digit"}}
+                             **{k: v for k, v in score(images["other"], digits, clf, real_div).items()
+                                if k != "per_digit"}}
     if grid:
-        save_grid(images, digits, grid)
+        save_grid(images["plain"], digits, grid)
     return result
 
 
@@ -80,7 +102,8 @@ def print_table(r: dict) -> None:
         c = r["compare"]
         evals = f", {c['block_evals_ratio']:.2f}x fewer block evaluations" if c.get("block_evals_ratio") else ""
         print(f"compare {c['engine']}: PSNR {c['psnr']:.1f} dB, adherence {c['adherence']:.3f}, "
-              f"{c['seconds']:.1f} s vs {r['seconds']:.1f} s{evals}")
+              f"{c['seconds']:.1f} s vs {r['seconds']:.1f} s (time ratio x{c['time_ratio']:.2f}, spread "
+              f"{c['time_ratio_spread']:.0%}, median of {c['repeats']} interleaved rounds){evals}")
 
 
 def main(argv=None):
@@ -96,16 +119,19 @@ def main(argv=None):
                     help="also run with this step cache (e.g. teacache:0.2) and report PSNR and block evaluations")
     ap.add_argument("--grid", default=None, help="write a PNG grid of the generated digits")
     ap.add_argument("--quick", action="store_true", help="10 images per digit (under 2 minutes)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds when comparing (default 3)")
     ap.add_argument("--name", default="quality", help="results file name under benchmarks/results/")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_digit = min(args.per_digit, 10)
     compare = {k: v for k, v in (("dtype", args.compare_dtype), ("cache", args.compare_cache)) if v} or None
-    result = run(args.model, args.steps, args.per_digit, args.guidance, compare, args.grid)
+    result = run(args.model, args.steps, args.per_digit, args.guidance, compare, args.grid, repeats=args.repeats)
     print_table(result)
     summary = {k: result[k] for k in ("adherence", "classifier_accuracy", "diversity_ratio", "steps", "images")}
     if "compare" in result:
         summary["psnr"] = result["compare"]["psnr"]
+        summary["time_ratio"] = result["compare"]["time_ratio"]
+        summary["time_ratio_spread"] = result["compare"]["time_ratio_spread"]
     payload = {"benchmark": "quality", "machine": machine(), "args": vars(args), "summary": summary,
                "result": result}
     print(f"-> {write_json(args.name, payload)}")

@@ -3,6 +3,10 @@
 Callers on any thread (usually an asyncio event loop) submit and abort; the
 loop thread owns the ``Engine`` and applies both at step boundaries. Events
 reach each caller's ``asyncio.Queue`` through ``call_soon_threadsafe``.
+Validation (which tokenizes prompts for some families) runs in a worker thread
+with ``submit_async``, so an event loop is never held up by it. If the loop
+thread ever dies, every waiting request gets a FAILED event saying so, new
+submissions raise ``EngineDeadError`` and ``is_alive`` turns False.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._accepting = True
+        self.died: str | None = None  # why the loop thread died, if it did
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name="omnidit-engine", daemon=True)
@@ -60,11 +65,27 @@ class AsyncEngine:
                loop: asyncio.AbstractEventLoop | None = None, model: str | None = None) -> tuple[str, asyncio.Queue]:
         """Validate (raising here, in the caller) and queue a request; returns its id and event queue.
         ``prompt`` is the conditioning input (a string, or an observation dict for a policy);
-        ``model`` names the engine's model (default: the only one)."""
+        ``model`` names the engine's model (default: the only one). Validation runs on the calling
+        thread: from an event loop, prefer ``submit_async``."""
+        self._check_accepting()
+        return self._enqueue(self.engine.make_request(prompt, params, request_id, model),
+                             loop or asyncio.get_running_loop())
+
+    async def submit_async(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                           model: str | None = None) -> tuple[str, asyncio.Queue]:
+        """``submit`` with validation (prompt tokenization included) in a worker thread, off the event loop."""
+        self._check_accepting()
+        req = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id, model)
+        return self._enqueue(req, asyncio.get_running_loop())
+
+    def _check_accepting(self) -> None:
+        if self.died is not None:
+            raise EngineDeadError(f"the engine loop died ({self.died}); restart the server")
         if not self._accepting or not self.is_alive:
             raise EngineDeadError("the engine is not accepting requests (shutting down or stopped)")
-        req = self.engine.make_request(prompt, params, request_id, model)
-        loop = loop or asyncio.get_running_loop()
+
+    def _enqueue(self, req, loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Queue]:
+        self._check_accepting()  # again: validation may have taken a while
         events: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if req.id in self._streams:
@@ -72,13 +93,17 @@ class AsyncEngine:
 
                 raise InvalidParamError("request_id", req.id, "an id not used by a live request")
             self._streams[req.id] = (loop, events)
+        if self.died is not None:  # the loop died while we registered: nobody would answer this stream
+            with self._lock:
+                self._streams.pop(req.id, None)
+            raise EngineDeadError(f"the engine loop died ({self.died}); restart the server")
         self._commands.put(("add", req))
         return req.id, events
 
     async def stream(self, prompt, params: SamplingParams | None = None,
                      request_id: str | None = None, model: str | None = None) -> AsyncIterator[RequestEvent]:
         """Yield the request's events until its final one. Leaving early aborts the request."""
-        rid, events = self.submit(prompt, params, request_id, model=model)
+        rid, events = await self.submit_async(prompt, params, request_id, model=model)
         async for event in self.events(rid, events):
             yield event
 
@@ -116,6 +141,13 @@ class AsyncEngine:
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         self._commands.put(("abort", request_id, reason))
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every unfinished request (at the next step boundary); each caller gets an ABORTED event."""
+        with self._lock:
+            pending = list(self._streams)
+        for rid in pending:
+            self.abort(rid, reason)
+
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop admission, let in-flight requests finish for up to ``drain_timeout_s``,
         abort the rest, and stop the loop thread."""
@@ -123,10 +155,7 @@ class AsyncEngine:
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.02)
-        with self._lock:
-            pending = list(self._streams)
-        for rid in pending:
-            self.abort(rid, "engine shutting down")
+        self.abort_all("engine shutting down")
         deadline = time.monotonic() + 30
         while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.02)
@@ -137,6 +166,19 @@ class AsyncEngine:
     # ---- loop thread ----
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - the loop must never die silently with requests waiting
+            self.died = f"{type(e).__name__}: {e}"
+            logger.critical("the engine loop died: %s; failing every waiting request", self.died, exc_info=True)
+            self._fail_waiters(f"the engine loop died ({self.died}); restart the server")
+
+    def _fail_waiters(self, message: str) -> None:
+        with self._lock:
+            waiting = list(self._streams)
+        self._dispatch([RequestEvent(rid, EventKind.FAILED, error=message) for rid in waiting])
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_commands(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():

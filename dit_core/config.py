@@ -24,7 +24,10 @@ class EngineConfig:
         ``num_outputs``, doubled when it uses CFG).
     max_tokens_per_step: rows x (image + text tokens) per forward. A request that
         alone exceeds it is rejected when added.
-    policy: waiting-queue order; see ``dit_core.scheduler.POLICIES``.
+    policy: which batch key each step serves and the admission order: ``fifo`` (oldest first) or
+        ``edf`` (earliest ``deadline_ms`` first, bulk work after); see ``dit_core.policies``.
+    edf_bulk_every: under ``edf``, at least one step in this many goes to the oldest request
+        without a deadline while any is live (no starvation of bulk work).
     attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
@@ -40,6 +43,9 @@ class EngineConfig:
     cache: step cache: ``none``, ``teacache:0.2``, ``fbcache:0.1[,fn=1][,bn=0]`` (per row, inside
         continuous batching) or ``cache-dit:0.1[,fn=1][,bn=0][,warmup=1]`` (request-level: forces
         ``max_batch_size=1``). See ``dit_core.cache``.
+    quant: weight quantization of the transformer (or the components named with ``,components=``):
+        ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
+        ``dit_core.quantize``.
     """
 
     dtype: str = "float32"
@@ -47,6 +53,7 @@ class EngineConfig:
     max_batch_size: int = 8
     max_tokens_per_step: int = 65536
     policy: str = "fifo"
+    edf_bulk_every: int = 10
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None
     cache: str | CacheConfig = "none"
@@ -54,6 +61,7 @@ class EngineConfig:
     thinker_kv_cache_gb: float = 1.0
     thinker_memory_utilization: float = 0.1
     prompt_cache_bytes: int = 256 << 20
+    quant: str | None = None
 
     def __post_init__(self):
         if self.thinker is None:
@@ -87,10 +95,16 @@ class EngineConfig:
             raise InvalidParamError("max_batch_size", self.max_batch_size, "an integer >= 1")
         if not isinstance(self.max_tokens_per_step, int) or self.max_tokens_per_step < 1:
             raise InvalidParamError("max_tokens_per_step", self.max_tokens_per_step, "an integer >= 1")
-        from .scheduler import POLICIES
+        from .policies import POLICIES
 
         if self.policy not in POLICIES:
             raise InvalidParamError("policy", self.policy, f"one of {sorted(POLICIES)}")
+        if isinstance(self.edf_bulk_every, bool) or not isinstance(self.edf_bulk_every, int) \
+                or self.edf_bulk_every < 1:
+            raise InvalidParamError("edf_bulk_every", self.edf_bulk_every, "an integer >= 1")
+        from .quantize import validate_quant
+
+        self.quant = validate_quant(self.quant, self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -21,9 +21,11 @@ from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
 from .families import Family, load_family
 from .params import SamplingParams
+from .quantize import apply_quant
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
 from .runner import Runner
 from .scheduler import StepScheduler
+from .step_times import StepTimes
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "default"  # the name of a model handed to Engine() alone
@@ -95,6 +97,7 @@ class Engine:
         self.scheduler = StepScheduler(config, max_batch)
         self.runners = {name: Runner(family) for name, family in self.models.items()}
         self.stats = EngineStats()
+        self.step_times = StepTimes()
         self._seq = itertools.count()
         self._pending: list[RequestEvent] = []
         self._live: dict[str, Request] = {}
@@ -119,6 +122,7 @@ class Engine:
                 if not isinstance(name, str) or not name.strip():
                     raise InvalidParamError("models", name, "a non-empty model name")
                 models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker, options)
+                apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
         except BaseException:
             for family in models.values():
                 family.close()
@@ -174,11 +178,13 @@ class Engine:
                 "height/width/num_outputs", f"{params.height}x{params.width} x {rows} rows = {tokens} tokens",
                 f"at most max_tokens_per_step={self.config.max_tokens_per_step} tokens per request",
             )
-        return Request(
+        req = Request(
             id=request_id or uuid.uuid4().hex, prompt=text, params=params, seq=next(self._seq),
             key=(name,) + family.batch_key(params), rows=rows, tokens=tokens, cfg=cfg, model=name,
             kind=family.output_kind, inputs=inputs,
         )
+        req.metrics.deadline_ms = params.deadline_ms
+        return req
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, model: str | None = None) -> str:
@@ -212,6 +218,7 @@ class Engine:
             out = self.runners[batch.model].run(batch)
             events += self.scheduler.postprocess(batch, out)
             self.stats.record(len(batch.requests), batch.rows, out.step_ms, out.cache, batch.model)
+            self.step_times.observe(batch.key, len(batch.requests), out.step_ms)
         for ev in events:
             if ev.kind.final:
                 self._live.pop(ev.request_id, None)

@@ -45,17 +45,37 @@ def load_components(path: str | Path, index: dict, dtype: torch.dtype, device: t
                     skip: set[str] = frozenset()) -> dict:
     """Load every component ``model_index.json`` lists (but ``skip``), models in ``dtype`` on ``device``."""
     components = {}
+    stored_quantized = index.get("_omnidit_quant") or {}  # components kept as GGUF files (dit_core.quantize)
     for name, spec in index.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None or name in skip:
             continue
         library, class_name = spec
-        if library not in LIBRARIES:
-            raise UnknownModelError(f"component {name!r} comes from {library!r}; supported: {list(LIBRARIES)}")
-        cls = getattr(importlib.import_module(library), class_name, None)
+        cls = getattr(_library_module(name, library), class_name, None)
         if cls is None:
             raise UnknownModelError(f"component {name!r}: {library} has no class {class_name!r}")
-        components[name] = _load_one(cls, library, Path(path) / name, dtype, device)
+        if name in stored_quantized:
+            from .quantize import load_quantized_component
+
+            components[name] = load_quantized_component(Path(path), name, stored_quantized[name], cls, dtype, device)
+            continue
+        components[name] = _load_one(cls, "transformers" if library == "transformers" else "diffusers",
+                                     Path(path) / name, dtype, device)
     return components
+
+
+def _library_module(name: str, library: str):
+    """The module a component class comes from: diffusers, transformers, or (as diffusers writes it
+    for models that live beside their pipeline, e.g. ``["stable_audio", "StableAudioProjectionModel"]``)
+    a diffusers pipeline module."""
+    if library in LIBRARIES:
+        return importlib.import_module(library)
+    if isinstance(library, str) and library.isidentifier():
+        try:
+            return importlib.import_module(f"diffusers.pipelines.{library}")
+        except ImportError:
+            pass
+    raise UnknownModelError(f"component {name!r} comes from {library!r}; supported: {list(LIBRARIES)} "
+                            "and diffusers pipeline modules")
 
 
 def load_component(path: str | Path, index: dict, name: str, dtype: torch.dtype, device: torch.device):

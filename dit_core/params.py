@@ -39,6 +39,9 @@ class SamplingParams:
     output_type: str = "pil"
     max_sequence_length: int | None = None
     use_cache: bool = True  # False: this request computes every step even when the engine caches
+    deadline_ms: float | None = None  # latency budget from arrival (``edf`` serves earliest first); None: bulk
+    audio_start_in_s: float | None = None  # audio models: where the clip starts (seconds)
+    audio_end_in_s: float | None = None  # audio models: where it ends, so its length is end - start
     # Action policies: real-time chunking (the previous chunk's remaining actions come with the
     # observation; its first ``rtc_delay`` actions are frozen into the new chunk).
     rtc: bool = False
@@ -58,8 +61,14 @@ class SamplingParams:
         if self.output_type not in OUTPUT_TYPES:
             raise InvalidParamError("output_type", self.output_type, f"one of {list(OUTPUT_TYPES)}")
         _check_int("max_sequence_length", self.max_sequence_length, 1, 4096, optional=True)
+        for name in ("audio_start_in_s", "audio_end_in_s"):
+            _check_float(name, getattr(self, name))
         if not isinstance(self.use_cache, bool):
             raise InvalidParamError("use_cache", self.use_cache, "true or false")
+        if self.deadline_ms is not None:
+            d = self.deadline_ms
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 3.6e6:
+                raise InvalidParamError("deadline_ms", d, "a number of milliseconds in (0, 3600000], or None")
         if not isinstance(self.rtc, bool):
             raise InvalidParamError("rtc", self.rtc, "true or false")
         _check_int("rtc_delay", self.rtc_delay, 0, MAX_STEPS)

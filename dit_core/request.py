@@ -42,6 +42,7 @@ class RequestMetrics:
     step_ms: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
     cache_skipped_rows: int = 0  # forward rows of this request that reused a cached residual
+    deadline_ms: float | None = None  # the request's latency budget, if any
 
     @property
     def queue_ms(self) -> float | None:
@@ -55,8 +56,17 @@ class RequestMetrics:
             return None
         return (self.finished - self.arrival) * 1e3
 
+    @property
+    def deadline_met(self) -> bool | None:
+        """Whether it finished within its budget (None: no deadline, or not finished)."""
+        if self.deadline_ms is None or self.e2e_ms is None:
+            return None
+        return self.e2e_ms <= self.deadline_ms
+
     def summary(self) -> dict:
         return {
+            "deadline_ms": self.deadline_ms,
+            "deadline_met": self.deadline_met,
             "queue_ms": self.queue_ms,
             "e2e_ms": self.e2e_ms,
             "step_ms": list(self.step_ms),

@@ -3,8 +3,10 @@
 The rule, in full:
 
 1. Each step serves exactly one batch key (requests sharing a forward must agree
-   on it). It is the key of the highest-priority live request, running or
-   waiting; under the default ``fifo`` policy that is the oldest request.
+   on it; it starts with the model's name, so models never share a forward). The
+   policy chooses it: under the default ``fifo`` policy it is the key of the oldest
+   live request, running or waiting; under ``edf`` the key of the request with the
+   earliest deadline, with a floor for bulk work (see ``dit_core.policies``).
 2. Running requests with that key all take part (they were admitted within
    budget). Waiting requests with that key are admitted in priority order while
    the budget allows (``max_batch_size`` requests, ``max_tokens_per_step`` tokens,
@@ -13,8 +15,9 @@ The rule, in full:
    is served again.
 
 So a compatible request is never held back by an incompatible one ahead of it,
-and no request starves: the highest-priority request makes progress every step,
-and every request becomes the highest-priority one once those before it finish.
+and no request starves: the highest-priority request makes progress every step
+(under ``edf``, bulk work at least every ``edf_bulk_every`` steps), and every request
+becomes the highest-priority one once those before it finish.
 Aborts are applied at the step boundary, in ``schedule``.
 """
 
@@ -24,18 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .policies import POLICIES
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
-
-
-class FifoPolicy:
-    """Oldest first."""
-
-    @staticmethod
-    def priority(req: Request):
-        return (req.seq,)
-
-
-POLICIES = {"fifo": FifoPolicy}
 
 
 @dataclass
@@ -67,7 +60,7 @@ class StepScheduler:
     def __init__(self, config: EngineConfig, max_batch: dict[str, int] | None = None):
         self.config = config
         self.max_batch = max_batch or {}  # per model, where it is below config.max_batch_size
-        self.policy = POLICIES[config.policy]()
+        self.policy = POLICIES[config.policy](config)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._aborts: dict[str, str] = {}
@@ -90,7 +83,7 @@ class StepScheduler:
         live = self.running + self.waiting
         if not live:
             return None, events
-        key = min(live, key=self.policy.priority).key
+        key = self.policy.choose(live)
         batch = [r for r in self.running if r.key == key]
         n, tokens = len(batch), sum(r.tokens for r in batch)
         limit = self.max_batch.get(key[0], self.config.max_batch_size)

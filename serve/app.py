@@ -11,25 +11,36 @@ from fastapi import FastAPI
 
 from dit_core import AsyncEngine
 
+from . import playground
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
+from .live_stats import LiveStats
 from .metrics import Metrics
-from .routes import images, system
+from .models import served_models
+from .routes import audio, images, speech, stats, system, videos
+from .video_jobs import VideoJobStore
 
 
 @dataclass
 class ServeSettings:
     """Server behaviour; every field is a ``omnidit serve`` flag."""
 
-    model_name: str = "omnidit"
+    model_name: str | None = None  # the public id of a single-model engine's model (default: its name)
     api_key: str | None = None
     max_queue: int = 64  # waiting (not yet admitted) requests before 429
     max_body_bytes: int = 1 << 20
     max_prompt_chars: int = 4000
     file_ttl_s: float = 3600.0
     max_files: int = 256
+    max_file_bytes: int = 256 << 20  # bytes the url file store holds at most (oldest evicted first)
+    request_timeout_s: float = 3600.0  # a request still unfinished after this is aborted (504); 0: no limit
     drain_timeout_s: float = 0.0  # at shutdown, after the HTTP server's own grace period
     retry_after_s: int = 1
+    # the video job store (see serve.video_jobs): folder (None: the system temp dir), jobs, bytes, TTL
+    video_dir: str | None = None
+    max_videos: int = 64
+    max_video_bytes: int = 256 << 20
+    video_ttl_s: float = 3600.0
 
 
 def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
@@ -39,18 +50,31 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        for service in app.state.speech.values():
+            service.close()
         if owns_engine:
             engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+        app.state.videos.close()
 
     app = FastAPI(title="omnidit", lifespan=lifespan)
     app.state.engine = engine
     app.state.settings = settings
-    app.state.files = FileStore(settings.max_files, settings.file_ttl_s)
+    app.state.files = FileStore(settings.max_files, settings.file_ttl_s, settings.max_file_bytes)
     app.state.metrics = Metrics(engine)
+    app.state.live_stats = LiveStats(engine)
+    app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,
+                                     settings.video_ttl_s)
     app.state.started = int(time.time())
+    app.state.model_ids = served_models(engine.engine, settings)
+    app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
     install_handlers(app)
     app.include_router(images.router)
+    app.include_router(audio.router)
+    app.include_router(speech.router)
     app.include_router(system.router)
+    app.include_router(stats.router)
+    playground.install(app)
+    app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
@@ -58,15 +82,19 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on every route but /health."""
+    """``Authorization: Bearer KEY`` on every route but /health and the playground page's files
+    (they hold no secret; the page asks for the key and sends it with its API calls)."""
 
-    open_paths = ("/health",)
+    open_paths = ("/health", *playground.OPEN_PATHS)
+    open_prefixes = playground.OPEN_PREFIXES
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in self.open_paths or (
+                path.startswith(self.open_prefixes) and ".." not in path):
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):

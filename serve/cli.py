@@ -8,13 +8,17 @@ import os
 import sys
 from pathlib import Path
 
-from dit_core.errors import OmniditError
+from .quiet import quiet_third_party
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # omnidit never downloads
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not getattr(args, "verbose", True):
+        quiet_third_party()  # before torch / transformers / diffusers / vLLM are imported
+    from dit_core.errors import OmniditError
+
     try:
         return args.func(args)
     except OmniditError as e:
@@ -26,14 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnidit", description="Serve and run diffusion transformers.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate images from a prompt, with a progress bar")
+    gen = sub.add_parser("generate", help="generate images (PNG), videos (MP4) or audio from a prompt, with a "
+                                          "progress bar")
     gen.add_argument("prompt", nargs="+",
                      help="one or more prompts (one image each, or --num-outputs); a first argument that is a "
                           "model folder is taken as --model")
     gen.add_argument("-m", "--model", default=None,
                      help="a diffusers-format model folder (default: the embedded digits model)")
-    gen.add_argument("-o", "--output", default="out.png",
-                     help="output PNG; with several images, _0, _1, ... are added before .png (default out.png)")
+    gen.add_argument("-o", "--output", default=None,
+                     help="output file; with several outputs, _0, _1, ... are added before the suffix (default "
+                          "out.png; out.mp4 for a video model; out.wav for an audio model, whose suffix picks the "
+                          "format: .wav, .flac, .mp3, .opus, .pcm)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
     gen.add_argument("--seed", type=int, default=None,
@@ -43,19 +50,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--true-cfg", type=float, default=None,
                      help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
     gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
-    gen.add_argument("--num-outputs", type=int, default=1, help="images per prompt (default 1)")
+    gen.add_argument("--frames", type=int, default=None,
+                     help="video models: frames per clip (Wan: 4k + 1; default: the model's)")
+    gen.add_argument("--fps", type=int, default=16, help="video models: frame rate of the MP4 (default 16)")
+    gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
+    gen.add_argument("--seconds", type=float, default=None,
+                     help="audio models: clip length in seconds (default: the model's maximum)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-style HTTP API")
     srv.add_argument("model", nargs="?", default=None,
-                     help="a diffusers-format model folder (default: the embedded digits model)")
+                     help="a model folder (default: the embedded digits model); for several, use --model")
+    srv.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
+                     help="serve this model under NAME (repeatable: several models share one engine); "
+                          "a bare NAME is an embedded model (e.g. --model digits)")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on every route but /health (default: open)")
+                     help="require 'Authorization: Bearer KEY' on every route but /health and the playground page "
+                          "(/, /static/; the page asks for the key) (default: open)")
     srv.add_argument("--model-name", default=None,
-                     help="the model id clients send and /v1/models lists (default: the folder's name)")
+                     help="with a positional model folder: the model id clients send and /v1/models lists "
+                          "(default: the folder's name)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for admission before 429 + Retry-After (default 64)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
@@ -63,6 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--file-ttl", type=float, default=3600.0,
                      help="seconds a response_format=url image stays downloadable (default 3600)")
     srv.add_argument("--max-files", type=int, default=256, help="url images kept at most (default 256)")
+    srv.add_argument("--video-dir", default=None,
+                     help="folder for finished videos (a private subfolder, removed at exit; default: the "
+                          "system temp dir)")
+    srv.add_argument("--max-videos", type=int, default=64,
+                     help="video jobs kept at most, finished or not; more get 429 + Retry-After (default 64)")
+    srv.add_argument("--max-video-bytes", type=int, default=256 << 20,
+                     help="bytes of stored MP4s at most; more get 429 + Retry-After (default 256 MiB)")
+    srv.add_argument("--video-ttl", type=float, default=3600.0,
+                     help="seconds a finished video job and its file are kept (default 3600)")
+    srv.add_argument("--max-file-bytes", type=int, default=256 << 20,
+                     help="bytes of url images kept at most; the oldest go first, and a request whose PNGs could "
+                          "exceed it is refused with 400 (default 256 MiB)")
+    srv.add_argument("--request-timeout", type=float, default=3600.0,
+                     help="seconds a request may take from arrival to its image; past it the request is aborted "
+                          "and answered 504 (0: no limit; default 3600)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
@@ -73,6 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("out_dir")
     trn.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     trn.set_defaults(func=cmd_train_default)
+
+    tvd = sub.add_parser("train-video-default",
+                         help="retrain the embedded video model, moving digits (about 20 minutes on 2 cores)")
+    tvd.add_argument("out_dir")
+    tvd.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tvd.add_argument("--threads", type=int, default=None,
+                     help="torch threads (default: torch's); 1 is much faster on a machine busy with other jobs")
+    tvd.set_defaults(func=cmd_train_video_default)
+    tts = sub.add_parser("train-tts-default",
+                         help="retrain the embedded text-to-speech model and its digit recognizer (espeak-ng data; "
+                              "apt-get installs espeak-ng when missing; see README for times)")
+    tts.add_argument("out_dir")
+    tts.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tts.add_argument("--talker-steps", type=int, default=1400, help="talker training steps (default 1400)")
+    tts.add_argument("--talker-minutes", type=float, default=30.0,
+                     help="talker time budget: it stops at its steps or this, whichever is first (default 30)")
+    tts.add_argument("--dit-steps", type=int, default=1000, help="audio DiT training steps (default 1000)")
+    tts.add_argument("--dit-minutes", type=float, default=10.0, help="audio DiT time budget (default 10)")
+    tts.add_argument("--no-recognizer", action="store_true", help="skip the recognizer")
+    tts.set_defaults(func=cmd_train_tts)
 
     tp = sub.add_parser("train-policy", help="retrain the embedded reaching policy (behaviour cloning; "
                                              "about 10-15 minutes on 2 cores)")
@@ -104,9 +156,21 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--write", action="store_true", help="store the coefficients in the model's model_index.json")
     fit.set_defaults(func=cmd_fit_teacache)
 
+    qnt = sub.add_parser("quantize", help="write a copy of a model folder with its transformer as a GGUF file")
+    qnt.add_argument("model", help="a diffusers-format model folder (float weights)")
+    qnt.add_argument("--to", required=True, metavar="gguf:TYPE",
+                     help="GGUF block type: gguf:Q8_0, gguf:Q4_0, gguf:Q4_1, gguf:Q5_0, gguf:Q5_1, gguf:Q4_K, "
+                          "gguf:Q5_K or gguf:Q6_K")
+    qnt.add_argument("-o", "--output", required=True,
+                     help="new folder: loads with Engine.from_pretrained / omnidit serve, and its .gguf file with "
+                          "diffusers' from_single_file")
+    qnt.add_argument("--component", default="transformer", help="component to quantize (default transformer)")
+    qnt.set_defaults(func=cmd_quantize)
+
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
-    rnd.add_argument("family", help="flux, sd3, qwenimage or pi0 (a robot policy)")
-    rnd.add_argument("size", help="tiny (tests) or small (benchmarks)")
+    rnd.add_argument("family", help="flux, sd3, qwenimage, wan, stable-audio or pi0 (a robot policy)")
+    rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
+                                  "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder)")
     rnd.add_argument("out_dir")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     rnd.set_defaults(func=cmd_make_random)
@@ -114,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="show third-party logs, warnings and progress bars (transformers, diffusers, vLLM); "
+                        "by default only omnidit's own output and errors are shown")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward (default 8)")
@@ -134,6 +201,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM thinker gpu_memory_utilization; CPU memory share on CPU (default 0.1)")
     p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
                    help="prompt-embedding cache size in bytes; 0 disables (default 256 MiB)")
+    p.add_argument("--policy", default=None, choices=["fifo", "edf"],
+                   help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
+                        "at least 1 step in 10 to bulk); default: edf when a robot policy model is loaded, else fifo")
+    p.add_argument("--quant", default=None,
+                   help="weight quantization of the transformer: int8-weight, int8-dynamic (CPU), fp8 or "
+                        "gguf:TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); options ',kernel=NAME', "
+                        "',components=transformer+text_encoder' (default: none; a folder from `omnidit quantize` "
+                        "is quantized already)")
     p.add_argument("--attention-per-role", default=None,
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
@@ -145,7 +220,8 @@ def engine_kwargs(args) -> dict:
                 attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
                 thinker_memory_utilization=args.thinker_memory_utilization,
-                prompt_cache_bytes=args.prompt_cache_bytes)
+                prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant,
+                **({"policy": args.policy} if args.policy else {}))
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:
@@ -177,12 +253,23 @@ def cmd_generate(args) -> int:
         args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
     engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
+    kind = engine.family.output_kind
+    audio = kind == "audio"
+    out = Path(args.output or {"audio": "out.wav", "video": "out.mp4"}.get(kind, "out.png"))
+    if kind == "video" and out.suffix.lower() != ".mp4":
+        out = out.with_suffix(".mp4")
+    if audio and out.suffix.lower().lstrip(".") not in ("wav", "flac", "mp3", "opus", "ogg", "pcm"):
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
     ids = []
     for i, prompt in enumerate(args.prompt):
         params = SamplingParams(height=height, width=width, num_inference_steps=args.steps,
+                                audio_end_in_s=args.seconds,
                                 seed=None if args.seed is None else args.seed + i,
                                 guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
-                                negative_prompt=args.negative_prompt, num_outputs=args.num_outputs)
+                                negative_prompt=args.negative_prompt, num_outputs=args.num_outputs,
+                                num_frames=args.frames)
         ids.append(engine.add_request(prompt, params))
     total = sum(engine.get_request(r).total_steps for r in ids)
     outputs = {}
@@ -197,11 +284,15 @@ def cmd_generate(args) -> int:
                 elif ev.kind.final:
                     print(f"omnidit: request {ev.request_id} {ev.kind.value}: {ev.error}", file=sys.stderr)
                     return 1
-    images = [img for rid in ids for img in outputs[rid].images]
-    out = Path(args.output)
+    images = [img for rid in ids for img in outputs[rid].outputs]
     for i, img in enumerate(images):
         path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
-        img.save(path)
+        if kind == "video":
+            from dit_core.video import write_mp4
+
+            write_mp4(path, img, fps=args.fps)
+        else:
+            img.save(path)
         print(path)
     print(f"seeds: {[outputs[rid].seed for rid in ids]}", file=sys.stderr)
     return 0
@@ -211,12 +302,51 @@ def cmd_serve(args) -> int:
     from .app import ServeSettings
     from .server import serve
 
-    model = resolve_model(args.model)
-    settings = ServeSettings(model_name=args.model_name or Path(model).resolve().name, api_key=args.api_key,
-                             max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+    models = served_model_paths(args)
+    settings = ServeSettings(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
-                             max_files=args.max_files)
-    return serve(model, args.host, args.port, settings, args.shutdown_timeout, **engine_kwargs(args))
+                             max_files=args.max_files, max_file_bytes=args.max_file_bytes,
+                             request_timeout_s=args.request_timeout, video_dir=args.video_dir,
+                             max_videos=args.max_videos, max_video_bytes=args.max_video_bytes,
+                             video_ttl_s=args.video_ttl)
+    options = engine_kwargs(args)
+    if "policy" not in options:
+        options["policy"] = default_policy(models.values())
+    return serve(models, args.host, args.port, settings, args.shutdown_timeout, **options)
+
+
+def served_model_paths(args) -> dict[str, str]:
+    """NAME -> folder from ``--model NAME=PATH`` / ``--model NAME`` (embedded), or the positional folder."""
+    from dit_core.errors import InvalidParamError
+    from dit_core.zoo import embedded_model
+
+    if args.models and (args.model or args.model_name):
+        raise InvalidParamError("--model", args.models, "either NAME=PATH options or one positional model folder "
+                                                        "(with --model-name), not both")
+    if not args.models:
+        model = resolve_model(args.model)
+        return {args.model_name or Path(model).resolve().name: model}
+    models = {}
+    for spec in args.models:
+        name, eq, path = spec.partition("=")
+        if not name or (eq and not path):
+            raise InvalidParamError("--model", spec, "NAME=PATH or the NAME of an embedded model")
+        if name in models:
+            raise InvalidParamError("--model", spec, f"a name not used twice ({name!r} is)")
+        if not eq:
+            try:
+                path = str(embedded_model(name))
+            except (KeyError, FileNotFoundError) as e:
+                raise InvalidParamError("--model", spec, f"NAME=PATH, or an embedded model: {e}") from None
+        models[name] = path
+    return models
+
+
+def default_policy(paths) -> str:
+    """``edf`` when any model is a robot policy (actions), else ``fifo``."""
+    from dit_core.families import family_class
+
+    return "edf" if any(family_class(p).output_kind == "actions" for p in paths) else "fifo"
 
 
 def cmd_train_default(args) -> int:
@@ -226,6 +356,28 @@ def cmd_train_default(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    return 0
+
+
+def cmd_train_video_default(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_video import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(train(args.out_dir, TrainConfig(seed=args.seed, threads=args.threads)))
+    return 0
+
+
+def cmd_train_tts(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_tts import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = TrainConfig(seed=args.seed, talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
+                      dit_steps=args.dit_steps, dit_minutes=args.dit_minutes)
+    print(train(args.out_dir, cfg, recognizer=not args.no_recognizer))
     return 0
 
 
@@ -274,6 +426,15 @@ def cmd_fit_teacache(args) -> int:
     if args.write:
         steps = engine.family.resolve(params).num_inference_steps
         print(f"written to {fit.write(model, result, prompts, steps)}")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from dit_core.quantize import export_gguf
+
+    summary = export_gguf(args.model, args.to, args.output, args.component)
+    print(json.dumps(summary, indent=2))
+    print(args.output)
     return 0
 
 

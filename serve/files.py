@@ -1,4 +1,11 @@
-"""A bounded, expiring in-memory store for images returned as URLs (``response_format="url"``)."""
+"""A bounded, expiring in-memory store for images returned as URLs (``response_format="url"``).
+
+Bounded twice: at most ``max_items`` files and ``max_bytes`` bytes in all. Storing a file past
+either bound evicts the oldest files first (a URL older than ``max_items`` newer files, or than
+``max_bytes`` of newer files, stops working). A single file larger than ``max_bytes`` is
+refused (``FileTooLarge``); the route checks a response's worst-case size before generating, so a
+request whose images could not all be kept is refused up front with a 400.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +15,35 @@ import threading
 import time
 
 
+class FileTooLarge(ValueError):
+    """A file larger than the whole store."""
+
+
+def png_bound(width: int, height: int) -> int:
+    """Bytes an RGB PNG of this size can take at most: raw pixels, a filter byte per row, zlib's
+    stored-block overhead (5 bytes per 64 KiB) and the chunk headers."""
+    raw = height * (3 * width + 1)
+    return raw + 5 * (raw // 65535 + 1) + 1024
+
+
 class FileStore:
-    def __init__(self, max_items: int = 256, ttl_s: float = 3600.0):
-        self.max_items, self.ttl_s = max_items, ttl_s
+    def __init__(self, max_items: int = 256, ttl_s: float = 3600.0, max_bytes: int = 256 << 20):
+        self.max_items, self.ttl_s, self.max_bytes = max_items, ttl_s, max_bytes
+        self.bytes = 0
         self._items: collections.OrderedDict[str, tuple[float, bytes, str]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def put(self, data: bytes, content_type: str = "image/png") -> str:
+        if len(data) > self.max_bytes:
+            raise FileTooLarge(f"a {len(data)}-byte file is larger than the file store ({self.max_bytes} bytes)")
         file_id = "file-" + secrets.token_urlsafe(16)
         with self._lock:
             self._expire()
             self._items[file_id] = (time.monotonic() + self.ttl_s, data, content_type)
-            while len(self._items) > self.max_items:
-                self._items.popitem(last=False)
+            self.bytes += len(data)
+            while len(self._items) > self.max_items or self.bytes > self.max_bytes:
+                _, (_, dropped, _) = self._items.popitem(last=False)
+                self.bytes -= len(dropped)
         return file_id
 
     def get(self, file_id: str) -> tuple[bytes, str] | None:
@@ -37,4 +60,4 @@ class FileStore:
     def _expire(self) -> None:
         now = time.monotonic()
         for key in [k for k, (expiry, _, _) in self._items.items() if expiry <= now]:
-            del self._items[key]
+            self.bytes -= len(self._items.pop(key)[1])

@@ -27,6 +27,8 @@ class Metrics:
                                          buckets=TIME_BUCKETS, registry=r)
         self.requests = Counter("omnidit_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.errors = Counter("omnidit_errors", "errors by kind", ["kind"], registry=r)
+        self.deadlines = Counter("omnidit_deadlines", "finished requests with a deadline_ms, by model and "
+                                 "whether it was met", ["model", "outcome"], registry=r)
         self.cache_rows = Counter("omnidit_cache_rows", "forward rows by step-cache decision", ["decision"],
                                   registry=r)
         self.skip_share = Histogram("omnidit_cache_skip_share", "share of a forward's rows that skipped the blocks",
@@ -49,6 +51,9 @@ class Metrics:
         self.requests.labels(event.kind.value).inc()
         if event.kind == EventKind.FINISHED:
             self.request_latency.observe(event.output.metrics["e2e_ms"] / 1e3)
+            met = event.output.metrics.get("deadline_met")
+            if met is not None:
+                self.deadlines.labels(event.output.model, "met" if met else "missed").inc()
 
     def on_step(self, stats) -> None:
         self.batch_size.observe(stats.batch_sizes[-1])

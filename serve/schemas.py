@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dit_core import InvalidParamError, SamplingParams
 
+MAX_N = 10  # images per HTTP request (the engine allows more; GET /v1/models/{id} states the lower one)
+
 
 class ImageGenerationRequest(BaseModel):
     """OpenAI's images.generate body, plus omnidit's extension fields. Unknown fields are errors."""
@@ -16,7 +18,7 @@ class ImageGenerationRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    n: int = Field(1, ge=1, le=10)
+    n: int = Field(1, ge=1, le=MAX_N)
     size: str | None = Field(None, description='"WIDTHxHEIGHT" (e.g. "512x512") or "auto"')
     response_format: Literal["b64_json", "url"] = "b64_json"
     user: str | None = None
@@ -62,6 +64,13 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omnidit"
+    kind: str = "image"  # what the model makes: image | video | audio | actions
+
+
+class ModelDetail(ModelCard):
+    """``GET /v1/models/{id}``: the card plus the family's defaults and limits."""
+
+    details: dict
 
 
 class ModelList(BaseModel):

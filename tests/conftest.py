@@ -5,6 +5,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Engines built by tests run their thinker on transformers unless a test chooses one: a vLLM engine
 # takes tens of seconds to start, so the vLLM tests share one per session (tests/test_thinker.py).
 os.environ.setdefault("OMNIDIT_THINKER", "hf")
+# vLLM's legacy KV-cache variable, set as a user might have it: the engines' own kv_cache_gb must win
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest  # noqa: E402
@@ -21,6 +22,26 @@ def tiny_models(tmp_path_factory):
     """family -> path of its tiny random checkpoint, built once per session."""
     root = tmp_path_factory.mktemp("models")
     return {f: build(f, "tiny", root / f) for f in FAMILIES}
+
+
+# variants of the tiny checkpoints: name -> (family, random_models size)
+VARIANTS = {"sd3.5": ("sd3", "tiny-3.5"), "qwenimage-vl": ("qwenimage", "tiny-vl")}
+
+
+@pytest.fixture(scope="session")
+def variant_models(tmp_path_factory):
+    """name -> path of a variant checkpoint (SD3.5 dual attention + qk-norm; Qwen-Image with the
+    Qwen2.5-VL text encoder), each built on first use."""
+    root = tmp_path_factory.mktemp("variants")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            family, size = VARIANTS[name]
+            built[name] = build(family, size, root / name)
+        return built[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +61,15 @@ def engines(tiny_models):
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def wan_tiny(tmp_path_factory):
+    """The tiny random Wan 2.1 checkpoint (VAE factors 8 spatial, 4 temporal: 4k + 1 frames)."""
+    return build("wan", "tiny", tmp_path_factory.mktemp("models") / "wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_audio(tmp_path_factory):
+    """The tiny random Stable Audio checkpoint (8 kHz stereo, at most 0.128 s), built once per session."""
+    return build("stable-audio", "tiny", tmp_path_factory.mktemp("models") / "stable-audio")

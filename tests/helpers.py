@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.common import BlockCounter  # noqa: F401  (forward pre-hooks on the transformer's blocks)
 from dit_core import Engine, SamplingParams
 from dit_core.request import EventKind
 
@@ -59,3 +60,10 @@ def inject_fault(monkeypatch, family, stage: str = "predict", prompt: str = "boo
         return original(requests, *args)
 
     monkeypatch.setattr(family, stage, faulty)
+
+
+def full_block_evals(engine: Engine, since_step: int = 0) -> int:
+    """Row-block evaluations of the engine's steps since ``since_step`` without any cache: the rows
+    the scheduler put in each forward times the transformer's blocks."""
+    steps = engine.stats.steps - since_step
+    return sum(list(engine.stats.batch_rows)[-steps:]) * engine.family.num_blocks if steps else 0

@@ -189,3 +189,69 @@ def test_engine_outputs_equal_math_backend_for_every_backend(family, tiny_models
     for name in RUNNABLE:
         for got, ref in zip(results[name], results["math"]):
             assert (got - ref).abs().max().item() <= IMAGE_TOL, name
+
+
+# Causal masks align bottom-right (query i of Lq sees keys up to i + Lk - Lq, as with a KV cache).
+CAUSAL = [n for n in RUNNABLE if get_backend(n).causal]
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+@pytest.mark.parametrize("lq,lk", [(24, 24), (7, 24), (1, 24), (16, 40)])
+def test_causal_aligns_bottom_right_for_unequal_lengths(name, lq, lk):
+    q, k, v = qkv(b=2, lq=lq, lk=lk)
+    out = get_backend(name).dense(q, k, v, causal=True)
+    ref = get_backend("math").dense(q, k, v, causal=True)
+    assert (out - ref).abs().max().item() < 1e-5
+    # the last query sees every key: it equals non-causal attention of that query
+    last = get_backend("math").dense(q[:, -1:], k, v)
+    assert (out[:, -1:] - last).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name", [n for n in CAUSAL if get_backend(n).mask])
+def test_causal_combines_with_a_mask(name):
+    q, k, v = qkv(b=2, lq=8, lk=20)
+    mask = torch.rand(2, 1, 8, 20, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[..., 0] = True
+    out = get_backend(name).dense(q, k, v, mask=mask, causal=True)
+    ref = get_backend("math").dense(q, k, v, mask=mask, causal=True)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name", [n for n in CAUSAL if get_backend(n).varlen is not None])
+def test_causal_varlen_aligns_bottom_right_per_sequence(name):
+    q_lens, k_lens = [3, 10, 1], [9, 10, 6]
+    g = torch.Generator().manual_seed(5)
+    qs = [torch.randn(1, n, 4, 32, generator=g) for n in q_lens]
+    ks = [torch.randn(1, n, 4, 32, generator=g) for n in k_lens]
+    vs = [torch.randn(1, n, 4, 32, generator=g) for n in k_lens]
+    cu = (lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+    out = get_backend(name).varlen(torch.cat(qs, 1)[0], torch.cat(ks, 1)[0], torch.cat(vs, 1)[0], cu(q_lens),
+                                   cu(k_lens), max(q_lens), max(k_lens), causal=True)
+    start = 0
+    for q, k, v, n in zip(qs, ks, vs, q_lens):
+        ref = get_backend("math").dense(q, k, v, causal=True)[0]
+        assert (out[start:start + n] - ref).abs().max().item() < 1e-5
+        start += n
+
+
+def test_sage_refuses_causal_with_unequal_lengths_instead_of_aligning_differently():
+    q, k, v = qkv(b=1, lq=4, lk=9)
+    with pytest.raises(ValueError, match="equal query and key lengths"):
+        get_backend("sage").dense(q, k, v, causal=True)
+
+
+def test_flash_attention_3_only_on_hopper(monkeypatch):
+    from attention.backends import flash
+
+    assert flash.pick_module((9, 0), have_fa3=True, have_fa2=True) == "flash_attn_interface"
+    assert flash.pick_module((8, 0), have_fa3=True, have_fa2=True) == "flash_attn"  # A100: FA2
+    assert flash.pick_module((12, 0), have_fa3=True, have_fa2=True) == "flash_attn"
+    assert flash.pick_module((9, 0), have_fa3=False, have_fa2=True) == "flash_attn"
+    assert flash.pick_module((8, 6), have_fa3=True, have_fa2=False) is None
+    # an Ampere GPU with only flash-attn 3 installed: the backend says it cannot run, and why
+    monkeypatch.setattr(flash, "_installed", lambda name: name == flash.FA3)
+    monkeypatch.setattr(flash, "_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "Hopper (sm90) only" in flash._check(torch.device("cuda", 0))
+    monkeypatch.setattr(flash, "_capability", lambda device: (9, 0))
+    assert flash._check(torch.device("cuda", 0)) is None

@@ -77,3 +77,28 @@ def test_fields_a_family_does_not_use_are_rejected_by_name(engines):
 def test_a_text_model_rejects_a_non_string_input_naming_the_field(engines):
     with pytest.raises(InvalidParamError, match="prompt"):
         engines("flux").make_request({"observation/state": [0.0]}, SamplingParams())
+
+
+def test_serving_several_models_lists_them_and_routes_by_kind(tiny_models):
+    import httpx
+    from openai import OpenAI
+
+    from tests.test_serve import live_server
+    from serve.app import ServeSettings
+
+    with live_server(dict(f=tiny_models["flux"], s=tiny_models["sd3"]), ServeSettings()) as srv:
+        listing = httpx.get(f"{srv.url}/v1/models").json()["data"]
+        assert [(m["id"], m["kind"]) for m in listing] == [("f", "image"), ("s", "image")]
+        detail = httpx.get(f"{srv.url}/v1/models/s").json()
+        assert detail["kind"] == "image" and detail["details"]["family"] == "sd3"
+        assert detail["details"]["size_multiple"] == 4  # the tiny SD3: VAE x2, patch 2
+        assert detail["details"]["cfg_param"] == "guidance_scale" and detail["details"]["max_outputs"] == 10
+        assert httpx.get(f"{srv.url}/v1/models/nope").status_code == 404
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        out = client.images.generate(model="s", prompt="a cat", size="32x32",
+                                     extra_body={"num_inference_steps": 2, "seed": 1})
+        assert len(out.data) == 1
+        r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "a cat", "size": "32x32"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "a cat", "model": "zzz"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

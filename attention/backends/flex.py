@@ -44,17 +44,19 @@ def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, causal=False):
 
     doc_q, doc_k = document_ids(cu_q), document_ids(cu_k)
     start_q, start_k = cu_q[:-1].long()[doc_q], cu_k[:-1].long()[doc_k]
+    # bottom-right alignment within each sequence: query i sees keys up to i + (len_k - len_q)
+    shift = ((cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])).long()[doc_q]
 
     def mask_mod(bi, hi, qi, ki):
         same = doc_q[qi] == doc_k[ki]
-        return same & (ki - start_k[ki] <= qi - start_q[qi]) if causal else same
+        return same & (ki - start_k[ki] <= qi - start_q[qi] + shift[qi]) if causal else same
 
     block_mask = create_block_mask(mask_mod, 1, None, q.shape[0], k.shape[0], device=q.device)
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
     return _flex(q, k, v, block_mask, scale, k.shape[1] != q.shape[1])[0].transpose(0, 1)
 
 
-def _check() -> str | None:
+def _check(device=None) -> str | None:
     try:
         import torch.nn.attention.flex_attention  # noqa: F401
     except ImportError:

@@ -16,7 +16,14 @@ from ..registry import Backend, register_backend
 
 def dense(q, k, v, mask=None, scale=None, causal=False):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+    lq, lk = q.shape[-2], k.shape[-2]
+    # SDPA's is_causal aligns top-left; it equals our bottom-right convention only when lq == lk
+    # and it cannot be combined with a mask, so other cases get the causal mask explicitly.
+    native = causal and mask is None and lq == lk
+    if causal and not native:
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        mask = keep if mask is None else mask & keep
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=native, scale=scale,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 

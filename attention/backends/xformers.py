@@ -1,4 +1,8 @@
-"""``xformers``: memory_efficient_attention; padded batches as a block-diagonal packed batch. CUDA."""
+"""``xformers``: memory_efficient_attention; padded batches as a block-diagonal packed batch. CUDA.
+
+Causal masks are the bottom-right variants (``LowerTriangularFromBottomRightMask``,
+``BlockDiagonalCausalFromBottomRightMask``): xformers' plain ``LowerTriangularMask`` and
+``BlockDiagonalCausalMask`` align top-left, which differs when query and key lengths differ."""
 
 from __future__ import annotations
 
@@ -12,17 +16,19 @@ def dense(q, k, v, mask=None, scale=None, causal=False):
 
     if mask is not None:
         raise ValueError("the xformers backend takes no boolean mask; padded batches use the varlen path")
-    bias = xops.LowerTriangularMask() if causal else None
+    from xformers.ops.fmha.attn_bias import LowerTriangularFromBottomRightMask
+
+    bias = LowerTriangularFromBottomRightMask() if causal else None
     return xops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=scale)
 
 
 def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, causal=False):
     import xformers.ops as xops
-    from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask, BlockDiagonalMask
+    from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask, BlockDiagonalMask
 
     q_lens = (cu_q[1:] - cu_q[:-1]).tolist()
     k_lens = (cu_k[1:] - cu_k[:-1]).tolist()
-    bias = (BlockDiagonalCausalMask if causal else BlockDiagonalMask).from_seqlens(q_lens, k_lens)
+    bias = (BlockDiagonalCausalFromBottomRightMask if causal else BlockDiagonalMask).from_seqlens(q_lens, k_lens)
     return xops.memory_efficient_attention(q[None], k[None], v[None], attn_bias=bias, scale=scale)[0]
 
 

@@ -24,7 +24,7 @@ class CacheDiT(StepCache):
         import cache_dit  # noqa: F401  (fails here, at engine start, when it is not installed)
 
         self.threshold, self.fn, self.bn, self.warmup = threshold, fn, bn, warmup
-        self._cached_steps = 0
+        self._ran = 0  # block calls in the current forward
 
     def _config(self, steps: int | None, threshold: float):
         from cache_dit import DBCacheConfig
@@ -42,6 +42,12 @@ class CacheDiT(StepCache):
             raise ValueError(f"cache-dit needs fn + bn < the blocks of each of the model's block lists "
                              f"(smallest has {smallest}; got fn={self.fn}, bn={self.bn})")
         cache_dit.enable_cache(family.transformer, cache_config=self._config(None, self.threshold))
+        for name in ("transformer_blocks", "single_transformer_blocks"):
+            for block in getattr(family.transformer, name, None) or []:
+                block.register_forward_pre_hook(self._count)
+
+    def _count(self, *_):
+        self._ran += 1
 
     def forward(self, family: Family, inputs: dict, requests: list[Request]) -> torch.Tensor:
         import cache_dit
@@ -52,15 +58,11 @@ class CacheDiT(StepCache):
         if req.step_index == 0:
             threshold = self.threshold if req.params.use_cache else 0.0
             cache_dit.refresh_context(family.transformer, cache_config=self._config(req.total_steps, threshold))
-            self._cached_steps = 0
+        self._ran = 0
         out = family.transformer(**inputs, return_dict=False)[0]
-        stats = cache_dit.summary(family.transformer, logging=False)
-        cached = len(stats[0].cached_steps) if stats else 0
-        skipped = cached > self._cached_steps
-        self._cached_steps = cached
-        req.metrics.cache_skipped_rows += req.rows if skipped else 0
         n = family.num_blocks
+        skipped = self._ran < n  # cache-dit reused the middle blocks' residual for this forward
+        req.metrics.cache_skipped_rows += req.rows if skipped else 0
         self.last = {"rows": req.rows, "rows_skipped": req.rows if skipped else 0,
-                     "block_evals": req.rows * (n if not skipped else self.fn + self.bn),
-                     "block_evals_full": req.rows * n}
+                     "block_evals": req.rows * self._ran, "block_evals_full": req.rows * n}
         return out

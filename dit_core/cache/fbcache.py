@@ -13,7 +13,7 @@ import torch
 from ..families.base import Family
 from ..request import Request
 from .base import StepCache
-from .rows import cached_blocks, gather_state, must_compute, rel_l1, row_slices, run_blocks, skip_counts
+from .rows import cached_blocks, eligible_rows, gather_state, rel_l1, row_slices, run_blocks, skip_counts
 
 
 class FirstBlockCache(StepCache):
@@ -33,8 +33,7 @@ class FirstBlockCache(StepCache):
         n = family.num_blocks
         img, txt = run_blocks(family, x, 0, self.fn)
         first = img - x.img
-        eligible = torch.cat([torch.full((req.rows,), not must_compute(req) and self.key in req.state
-                                         and "prev" in req.state[self.key]) for req in requests])
+        eligible = eligible_rows(requests, self.key)
         prev = gather_state(requests, self.key, "prev", first)
         skip = eligible & (rel_l1(first, prev) < self.threshold)
         compute = ~skip

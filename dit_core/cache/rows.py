@@ -23,6 +23,13 @@ def must_compute(req: Request) -> bool:
     return req.step_index == 0 or req.step_index >= req.total_steps - 1 or not req.params.use_cache
 
 
+def eligible_rows(requests: list[Request], key: str) -> torch.Tensor:
+    """Per row of the batch: may it reuse cached work this step? Not on a first or last step, not
+    opted out, and only once its request has cache state (``prev``) from an earlier step."""
+    return torch.cat([torch.full((req.rows,), not must_compute(req) and "prev" in req.state.get(key, {}))
+                      for req in requests])
+
+
 def rel_l1(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     """Per-row relative L1 change: mean |current - previous| / mean |previous|."""
     return (current - previous).abs().flatten(1).mean(1) / previous.abs().flatten(1).mean(1)

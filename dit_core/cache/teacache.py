@@ -15,7 +15,7 @@ import torch
 from ..families.base import Family
 from ..request import Request
 from .base import StepCache
-from .rows import cached_blocks, gather_state, must_compute, rel_l1, row_slices, skip_counts
+from .rows import cached_blocks, eligible_rows, gather_state, rel_l1, row_slices, skip_counts
 
 
 def polyval(coefficients: list[float], x: torch.Tensor) -> torch.Tensor:
@@ -37,9 +37,7 @@ class TeaCache(StepCache):
     def forward(self, family: Family, inputs: dict, requests: list[Request]) -> torch.Tensor:
         x = family.block_inputs(inputs)
         signal = family.cache_signal(x)
-        # rows that may reuse: not a first/last step, not opted out, and seen before
-        eligible = torch.cat([torch.full((req.rows,), not must_compute(req) and self.key in req.state
-                                         and "prev" in req.state[self.key]) for req in requests])
+        eligible = eligible_rows(requests, self.key)
         prev = gather_state(requests, self.key, "prev", signal)
         acc = gather_state(requests, self.key, "acc", torch.zeros(len(eligible)))
         acc = acc + polyval(self.coefficients, rel_l1(signal, prev).float())

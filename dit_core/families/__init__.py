@@ -17,6 +17,9 @@ from .image import DiffusersFamily, ImageFamily
 from .pi0 import Pi0Family
 from .qwenimage import QwenImageFamily
 from .sd3 import SD3Family
+from .speech import SpeechFamily
+from .stable_audio import StableAudioFamily
+from .wan import WanFamily
 
 # A checkpoint may declare its own serving defaults (any SamplingParams fields) under this key of
 # model_index.json; diffusers ignores keys that start with "_".
@@ -31,7 +34,7 @@ def register(cls: type[Family]) -> type[Family]:
     return cls
 
 
-for _cls in (FluxFamily, SD3Family, QwenImageFamily, Pi0Family):
+for _cls in (FluxFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily, Pi0Family):
     register(_cls)
 
 

@@ -11,11 +11,11 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.torch_utils import randn_tensor
 
-from ar_adapters import make_thinker, vllm_available
+from ar_adapters import choose_thinker, make_thinker, vllm_available
 
 from ..errors import InvalidParamError
 from ..loading import load_component, load_components
-from ..params import SamplingParams
+from ..params import MAX_OUTPUTS, MAX_SIDE, MAX_STEPS, SamplingParams
 from ..request import Request
 from .base import Family, TextCond, split_rows
 
@@ -46,7 +46,8 @@ class DiffusersFamily(Family):
     @classmethod
     def load(cls, path, index, dtype, device, thinker="auto", thinker_options=None) -> "DiffusersFamily":
         lm = cls.thinker_component  # families without an AR thinker ignore the thinker setting
-        uses_vllm = lm is not None and (not isinstance(thinker, str) or thinker in ("auto", "vllm")
+        # a thinker passed in (shared) or one that runs on vLLM does not need the LM loaded here
+        uses_vllm = lm is not None and (not isinstance(thinker, str) or choose_thinker(thinker, str(device)) == "vllm"
                                         and vllm_available())
         components = load_components(path, index, dtype, device, skip={lm} if uses_vllm else set())
         family = cls(components, dtype, device, {k: v for k, v in index.items() if k.startswith("_omnidit")})
@@ -58,7 +59,7 @@ class DiffusersFamily(Family):
                 model_id=f"{family.model_id}/{lm}", tokenizer=components["tokenizer"],
                 load_hf_model=lambda: components.get(lm) or load_component(path, index, lm, dtype, device),
                 dtype=str(dtype).replace("torch.", ""), max_length=family.thinker_max_length,
-                **(thinker_options or {}))
+                device=str(device), **(thinker_options or {}))
         return family
 
     def head_dims(self) -> set[int]:
@@ -74,8 +75,11 @@ class DiffusersFamily(Family):
 
     def encode(self, requests: list[Request]) -> None:
         """Set ``cond`` (and ``uncond`` for CFG requests) for all ``requests``: cached prompts come from
-        the prompt cache, the rest go to the encoders in ONE batched call (requests admitted together
-        share the batch key, hence the text length)."""
+        the prompt cache, the rest go to the local encoders one prompt per call. Encoding prompts
+        together would make an embedding depend (in its last bits: GEMM blocking follows the batch size)
+        on the prompts it was encoded with, and the prompt cache would carry that into later requests;
+        text encoding is a small part of a request's cost. A thinker (an AR stage, e.g. vLLM) gets all
+        missing prompts in one call: batching is what it is for."""
         params = requests[0].params
         prompts = [r.prompt for r in requests] + [r.params.negative_prompt or "" for r in requests if r.cfg]
         keys = [self.prompt_key(p, params) for p in prompts]
@@ -83,7 +87,10 @@ class DiffusersFamily(Family):
         found = {k: cache.get(k) for k in dict.fromkeys(keys)} if cache is not None else {}
         missing = [k for k in dict.fromkeys(keys) if found.get(k) is None]
         if missing:
-            fresh = self.encode_prompts([k[-2] for k in missing], params)
+            if self.thinker is not None:  # an AR stage batches by design: one call for all missing prompts
+                fresh = self.encode_prompts([k[-2] for k in missing], params)
+            else:
+                fresh = [self.encode_prompts([k[-2]], params)[0] for k in missing]
             for key, cond in zip(missing, fresh):
                 found[key] = cond
                 if cache is not None:
@@ -140,6 +147,7 @@ class ImageFamily(DiffusersFamily):
     params_used = frozenset({"height", "width", "num_frames", "guidance_scale", "true_cfg_scale",
                              "negative_prompt", "max_sequence_length"})
     processor: VaeImageProcessor  # set by subclasses
+    cfg_param: ClassVar[str] = "true_cfg_scale"  # the SamplingParams field that sets classifier-free guidance
 
     @property
     def size_multiple(self) -> int:
@@ -153,8 +161,13 @@ class ImageFamily(DiffusersFamily):
         return (params.height // self.size_multiple) * (params.width // self.size_multiple)
 
     def describe(self) -> dict:
-        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": 8192,
-                "max_text_tokens": self.max_text_tokens}
+        """Adds the size rule (``size_multiple``, ``max_side``), ``max_text_tokens``, the step and
+        output ranges (``min_steps``..``max_steps``, ``max_outputs``) and ``cfg_param``: the field
+        that sets classifier-free guidance for this family."""
+        min_steps = 2 if self.scheduler.config.get("shift_terminal") else 1
+        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": MAX_SIDE,
+                "max_text_tokens": self.max_text_tokens, "min_steps": min_steps, "max_steps": MAX_STEPS,
+                "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param}
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         self.check_fields(params)

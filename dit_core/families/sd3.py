@@ -24,6 +24,7 @@ class SD3Family(ImageFamily):
     attention_processor = SD3Processor
     defaults = dict(num_inference_steps=28, guidance_scale=7.0, true_cfg_scale=1.0, max_sequence_length=256)
     max_text_tokens = 512
+    cfg_param = "guidance_scale"
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)

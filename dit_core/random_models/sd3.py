@@ -1,4 +1,5 @@
-"""Random Stable Diffusion 3 checkpoints (CLIP-L + CLIP-G + T5, MMDiT)."""
+"""Random Stable Diffusion 3 checkpoints (CLIP-L + CLIP-G + T5, MMDiT); ``tiny-3.5`` has SD3.5's
+dual-attention blocks (a second, image-only attention) and RMS qk-norm."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from .common import autoencoder_kl, clip_text_model, t5_text_model
 SIZES = {
     "tiny": dict(heads=4, head_dim=8, layers=2, clip=32, t5=64, pos=32, sample=32,
                  vae=(8, 16), latent=4),
+    # SD3.5 Medium's block layout in miniature: dual attention in the first block, qk-norm everywhere
+    "tiny-3.5": dict(heads=4, head_dim=8, layers=2, clip=32, t5=64, pos=32, sample=32,
+                     vae=(8, 16), latent=4, dual_attention_layers=(0,), qk_norm="rms_norm"),
     # ~32 M parameter transformer; vae factor 8, 16 latent channels as in SD3.5
     "small": dict(heads=6, head_dim=64, layers=6, clip=64, t5=128, pos=64, sample=64,
                   vae=(16, 32, 64, 64), latent=16),
@@ -32,6 +36,8 @@ def make_pipeline(size: str) -> StableDiffusion3Pipeline:
         pooled_projection_dim=2 * c["clip"],
         out_channels=c["latent"],
         pos_embed_max_size=c["pos"],
+        dual_attention_layers=c.get("dual_attention_layers", ()),
+        qk_norm=c.get("qk_norm"),
     ).eval()
     vae = autoencoder_kl(c["vae"], c["latent"], scaling=1.5305, shift=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)

@@ -1,29 +1,50 @@
-"""Models shipped inside the package. ``digits``: the embedded default model; ``reach``: the
-embedded robot policy for the reaching task (``reach_env``)."""
+"""Models shipped inside the package, by name. ``digits``: the embedded default (image) model;
+``digits_video``: the embedded video model ("moving digits", a Wan 2.1-shaped checkpoint);
+``reach``: the embedded robot policy for the reaching task (``reach_env``).
+
+Each entry maps a name (usable as ``omnidit serve --model NAME``) to its folder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_MODEL = Path(__file__).parent / "digits"
-DEFAULT_POLICY = Path(__file__).parent / "reach"
+ROOT = Path(__file__).parent
+DEFAULT_MODEL = ROOT / "digits"
+DEFAULT_VIDEO_MODEL = ROOT / "digits_video"
+DEFAULT_POLICY = ROOT / "reach"
+EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL, "digits_video": DEFAULT_VIDEO_MODEL, "tts": ROOT / "tts",
+                            "reach": ROOT / "reach"}
+
+
+def embedded_model(name: str) -> Path:
+    """The folder of the embedded model ``name``."""
+    if name not in EMBEDDED:
+        raise KeyError(f"no embedded model {name!r}; embedded models: {sorted(EMBEDDED)}")
+    folder = EMBEDDED[name]
+    if not ((folder / "model_index.json").is_file() or (folder / "config.json").is_file()):
+        raise FileNotFoundError(f"the embedded model {name!r} is missing from {folder}; rebuild it with its "
+                                "`omnidit train-...` command or pass a model folder")
+    return folder
 
 
 def default_model() -> Path:
     """The folder of the embedded default model (a diffusers-format Qwen-Image checkpoint)."""
-    if not (DEFAULT_MODEL / "model_index.json").is_file():
-        raise FileNotFoundError(
-            f"the embedded default model is missing from {DEFAULT_MODEL}; rebuild it with "
-            "`omnidit train-default` or pass a model folder"
-        )
-    return DEFAULT_MODEL
+    return embedded_model("digits")
+
+
+def default_video_model() -> Path:
+    """The folder of the embedded video model (a diffusers-format WanPipeline checkpoint)."""
+    return embedded_model("digits_video")
+
+
+TTS_MODEL = ROOT / "tts"
+
+
+def tts_model() -> Path:
+    """The folder of the embedded text-to-speech model (talker + audio DiT + audio VAE)."""
+    return embedded_model("tts")
 
 
 def default_policy() -> Path:
     """The folder of the embedded reaching policy (a pi0-shaped policy checkpoint)."""
-    if not (DEFAULT_POLICY / "config.json").is_file():
-        raise FileNotFoundError(
-            f"the embedded policy is missing from {DEFAULT_POLICY}; rebuild it with "
-            "`omnidit train-policy` or pass a policy folder"
-        )
-    return DEFAULT_POLICY
+    return embedded_model("reach")

@@ -12,10 +12,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from dit_core import RequestAbortedError, RequestFailedError
+from dit_core import EngineDeadError, RequestAbortedError, RequestFailedError
 from dit_core.request import EventKind, RequestOutput
 
 from ..errors import APIError
+from ..models import resolve_model
+from ..files import png_bound
 from ..schemas import ImageData, ImageGenerationRequest, ImagesResponse
 
 router = APIRouter()
@@ -27,23 +29,27 @@ DISCONNECT_POLL_S = 0.2
 async def create_image(body: ImageGenerationRequest, request: Request):
     state = request.app.state
     settings, engine = state.settings, state.engine
-    if body.model is not None and body.model != settings.model_name:
-        raise APIError(404, f"model {body.model!r} is not served here; this server serves "
-                            f"{settings.model_name!r}", "invalid_request_error", "model", "model_not_found")
-    if len(body.prompt) > settings.max_prompt_chars:
-        raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {settings.max_prompt_chars}",
-                       "invalid_request_error", "prompt", "prompt_too_long")
+    model = resolve_model(state, body.model, "image")
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(body, name) or ""
+        if len(text) > settings.max_prompt_chars:
+            raise APIError(400, f"{name} is {len(text)} characters; the limit is {settings.max_prompt_chars}",
+                           "invalid_request_error", name, "prompt_too_long")
     params = body.sampling_params()
+    if body.response_format == "url":
+        _check_file_store_fits(engine, params, settings)
     waiting = engine.num_unfinished - len(engine.engine.scheduler.running)
     if waiting >= settings.max_queue:
         raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
                        None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
-    rid, events = engine.submit(body.prompt, params)
+    # validation tokenizes the prompt for some families: off the event loop
+    rid, events = await engine.submit_async(body.prompt, params, model=model)
     base_url = str(request.base_url)
+    deadline = time.monotonic() + settings.request_timeout_s if settings.request_timeout_s else None
     if body.stream:
-        return StreamingResponse(_sse(state, rid, events, body, base_url), media_type="text/event-stream",
+        return StreamingResponse(_sse(state, rid, events, body, base_url, deadline), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-    event = await _until_final(engine, rid, events, request)
+    event = await _until_final(engine, rid, events, request, deadline, settings.request_timeout_s)
     data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url)
     _log(event.output)
     return ImagesResponse(created=int(time.time()), data=data)
@@ -58,8 +64,25 @@ async def get_file(file_id: str, request: Request):
     return Response(content=item[0], media_type=item[1])
 
 
-async def _until_final(engine, rid, events, request: Request):
-    """Wait for the request's final event; abort it if the client disconnects first."""
+def _check_file_store_fits(engine, params, settings) -> None:
+    """Refuse up front a url response whose images could not all be kept by the file store."""
+    resolved = engine.engine.family.resolve(params)
+    worst = resolved.num_outputs * png_bound(resolved.width, resolved.height)
+    if worst > settings.max_file_bytes:
+        raise APIError(400, f"{resolved.num_outputs} image(s) of {resolved.width}x{resolved.height} can take up to "
+                            f"{worst} bytes as PNG, more than the url file store holds ({settings.max_file_bytes} "
+                            "bytes): ask for response_format 'b64_json', or fewer or smaller images",
+                       "invalid_request_error", "response_format", "response_too_large")
+
+
+def _timeout_error(rid: str, seconds: float) -> APIError:
+    return APIError(504, f"request {rid} did not finish within the server's request timeout ({seconds:g} s) and "
+                         "was aborted", "server_error", None, "request_timeout")
+
+
+async def _until_final(engine, rid, events, request: Request, deadline: float | None = None, timeout_s: float = 0):
+    """Wait for the request's final event; abort it if the client disconnects or ``deadline`` passes
+    first. (A dead engine loop fails every waiting request itself: see AsyncEngine.)"""
 
     async def consume():
         async for event in engine.events(rid, events):
@@ -70,13 +93,21 @@ async def _until_final(engine, rid, events, request: Request):
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
+            if task.done():
+                break
+            if await request.is_disconnected():
                 task.cancel()  # the stream's cleanup aborts the request in the engine
                 raise RequestAbortedError(rid, "client disconnected")
+            if deadline is not None and time.monotonic() > deadline:
+                engine.abort(rid, f"the server's request timeout ({timeout_s:g} s) passed")
+                task.cancel()
+                raise _timeout_error(rid, timeout_s)
     except asyncio.CancelledError:
         task.cancel()
         raise
     event = task.result()
+    if event.kind == EventKind.FAILED and engine.died is not None:
+        raise EngineDeadError(event.error)  # not this request's fault: 503, like any unavailable engine
     if event.kind == EventKind.FAILED:
         raise RequestFailedError(rid, event.error)
     if event.kind == EventKind.ABORTED:
@@ -84,22 +115,50 @@ async def _until_final(engine, rid, events, request: Request):
     return event
 
 
-async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str):
-    """progress events, then one event per image, then [DONE]. Disconnecting aborts the request."""
-    async for event in state.engine.events(rid, events):
-        if event.kind == EventKind.STEP:
-            yield _sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})
-        elif event.kind == EventKind.FINISHED:
-            yield _sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})
-            data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url)
-            for i, item in enumerate(data):
-                yield _sse_data({"type": "image", "id": rid, "index": i, **item.model_dump(exclude_none=True)})
-            _log(event.output)
-        elif event.kind.final:
-            kind = "server_error"
-            yield _sse_data({"type": "error", "id": rid, "error": {"message": event.error, "type": kind,
-                                                                  "param": None, "code": event.kind.value}})
+async def _until_deadline(events, deadline: float | None):
+    """The events of an async iterator until ``deadline`` (monotonic); then TimeoutError (the iterator's
+    cleanup, which aborts the request, runs when it is closed)."""
+    iterator = aiter(events)
+    while True:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            event = await asyncio.wait_for(anext(iterator), remaining)
+        except StopAsyncIteration:
+            return
+        yield event
+
+
+async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, deadline: float | None = None):
+    """progress events, then one event per image, then [DONE]. Disconnecting aborts the request; so does
+    the server's request timeout (an error event with code request_timeout)."""
+    stream = state.engine.events(rid, events)
+    try:
+        async for event in _until_deadline(stream, deadline):
+            for chunk in await _sse_event(state, rid, event, body, base_url):
+                yield chunk
+    except (TimeoutError, asyncio.TimeoutError):
+        await stream.aclose()  # aborts the request in the engine
+        err = _timeout_error(rid, state.settings.request_timeout_s)
+        yield _sse_data({"type": "error", "id": rid, "error": {"message": err.message, "type": err.type,
+                                                              "param": None, "code": err.code}})
     yield "data: [DONE]\n\n"
+
+
+async def _sse_event(state, rid, event, body: ImageGenerationRequest, base_url: str) -> list[str]:
+    """The SSE chunks one engine event becomes."""
+    if event.kind == EventKind.STEP:
+        return [_sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})]
+    if event.kind == EventKind.FINISHED:
+        out = [_sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})]
+        data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url)
+        out += [_sse_data({"type": "image", "id": rid, "index": i, **item.model_dump(exclude_none=True)})
+                for i, item in enumerate(data)]
+        _log(event.output)
+        return out
+    if event.kind.final:
+        return [_sse_data({"type": "error", "id": rid, "error": {"message": event.error, "type": "server_error",
+                                                                "param": None, "code": event.kind.value}})]
+    return []
 
 
 def _sse_data(payload: dict) -> str:

@@ -1,4 +1,4 @@
-"""GET /v1/models, /health and /metrics."""
+"""GET /v1/models, /v1/models/{id}, /health and /metrics."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..errors import error_response
-from ..schemas import ModelCard, ModelList
+from ..errors import APIError, error_response
+from ..schemas import MAX_N, ModelCard, ModelDetail, ModelList
 
 router = APIRouter()
 
@@ -15,7 +15,23 @@ router = APIRouter()
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request):
     state = request.app.state
-    return ModelList(data=[ModelCard(id=state.settings.model_name, created=state.started)])
+    models = state.engine.engine.models
+    return ModelList(data=[ModelCard(id=public, created=state.started, kind=models[name].output_kind)
+                           for public, name in state.model_ids.items()])
+
+
+@router.get("/v1/models/{model_id}", response_model=ModelDetail)
+async def describe_model(model_id: str, request: Request):
+    """One model: its kind, the family, its defaults and the limits a request must respect."""
+    state = request.app.state
+    if model_id not in state.model_ids:
+        raise APIError(404, f"model {model_id!r} is not served here; this server serves {sorted(state.model_ids)}",
+                       "invalid_request_error", "model", "model_not_found")
+    family = state.engine.engine.models[state.model_ids[model_id]]
+    details = family.describe()
+    if "max_outputs" in details:  # what one HTTP request may ask for (``n``), not only what the engine allows
+        details["max_outputs"] = min(details["max_outputs"], MAX_N)
+    return ModelDetail(id=model_id, created=state.started, kind=family.output_kind, details=details)
 
 
 @router.get("/health")

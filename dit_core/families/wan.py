@@ -1,0 +1,232 @@
+"""Wan 2.1 text-to-video (UMT5 text encoder, WanTransformer3DModel, AutoencoderKLWan).
+
+Matches diffusers' WanPipeline: the cleaned prompt's UMT5 states are zero-padded to
+``max_sequence_length`` (no mask, so text length is part of the batch key), latents are
+float32 noise of [C, (F - 1) / t + 1, H / s, W / s], the pipeline's scheduler steps them, and
+CFG runs when ``guidance_scale`` > 1 (negative prompt defaults to ""). ``num_frames`` must be
+t k + 1 for the VAE's temporal factor t (4 for Wan: 5, 9, ..., 81), and joins the batch key.
+
+Decoding: the requests that finish on one step share their shape; they are decoded together
+in chunks of at most ``decode_pixel_budget`` output pixels (videos x frames x height x width,
+default 2^24, ~64 MiB per float32 RGB plane of the output), so one 81 x 480 x 832 video decodes
+alone and many small clips decode in one VAE call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.utils.torch_utils import randn_tensor
+from diffusers.video_processor import VideoProcessor
+
+from ..errors import InvalidParamError, UnknownModelError
+from ..params import SamplingParams
+from ..request import Request
+from .base import BlockInputs, TextCond, gather_rows
+from .image import DiffusersFamily
+from .processors.wan import WanProcessor
+
+# TeaCache4Wan2.1 polynomials (the variant without "retention steps", whose change signal is the
+# timestep embedding), highest power first: Wan2.1-T2V-1.3B (30 blocks) and -14B (40 blocks).
+TEACACHE_1_3B = [2.39676752e03, -1.31110545e03, 2.01331979e02, -8.29855975e00, 1.37887774e-01]
+TEACACHE_14B = [-5.78454975e03, 5.44950912e03, -1.81116592e03, 2.56271784e02, -1.30225240e01]
+
+
+DEFAULT_FPS = 16  # Wan 2.1's
+FPS_KEY = "_omnidit_fps"  # a checkpoint's own frame rate, in model_index.json
+
+
+class WanFamily(DiffusersFamily):
+    name = "wan"
+    pipeline_class = "WanPipeline"
+    output_kind = "video"
+    attention_processor = WanProcessor
+    params_used = frozenset({"height", "width", "num_frames", "guidance_scale", "negative_prompt",
+                             "max_sequence_length"})
+    # WanPipeline.__call__'s defaults
+    defaults = dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0,
+                    max_sequence_length=512)
+    max_text_tokens = 512
+    decode_pixel_budget = 1 << 24
+
+    def __init__(self, components: dict[str, Any], dtype, device, checkpoint=None):
+        super().__init__(components, dtype, device, checkpoint)
+        checkpoint = checkpoint or {}
+        if self.transformer.config.image_dim is not None or self.transformer.config.added_kv_proj_dim is not None:
+            raise UnknownModelError("image-to-video Wan checkpoints are not supported (text-to-video only)")
+        self.tokenizer, self.text_encoder = components["tokenizer"], components["text_encoder"]
+        self.t_scale = self.vae.config.scale_factor_temporal
+        self.s_scale = self.vae.config.scale_factor_spatial
+        self.patch = tuple(self.transformer.config.patch_size)
+        self.processor = VideoProcessor(vae_scale_factor=self.s_scale)
+        # the frame rate its clips are meant to play at (MP4s, and seconds <-> frames in the Videos API)
+        self.fps = int(checkpoint.get(FPS_KEY) or DEFAULT_FPS)
+        if not checkpoint.get("_omnidit_teacache"):
+            self.teacache_coefficients = TEACACHE_14B if len(self.transformer.blocks) > 30 else TEACACHE_1_3B
+
+    @classmethod
+    def load(cls, path, index, dtype, device, thinker="auto", thinker_options=None) -> "WanFamily":
+        if index.get("transformer_2", [None])[0] is not None or index.get("boundary_ratio") is not None:
+            raise UnknownModelError(f"{path}: two-stage Wan 2.2 checkpoints (transformer_2 / boundary_ratio) "
+                                    "are not supported")
+        if index.get("expand_timesteps"):
+            raise UnknownModelError(f"{path}: Wan 2.2 TI2V checkpoints (expand_timesteps) are not supported")
+        return super().load(path, index, dtype, device, thinker, thinker_options)
+
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE factor x patch)."""
+        return self.s_scale * max(self.patch[1], self.patch[2])
+
+    def describe(self) -> dict:
+        return {**super().describe(), "size_multiple": self.size_multiple, "frame_step": self.t_scale, "fps": self.fps,
+                "max_text_tokens": self.max_text_tokens, "max_side": 8192}
+
+    # ---- per request ----
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        self.check_fields(params)
+        params = params.with_defaults(**{**self.defaults, **self.checkpoint_defaults})
+        m = self.size_multiple
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value % m:
+                raise InvalidParamError(name, value, f"a multiple of {m} for this {self.name} model")
+        if (params.num_frames - 1) % self.t_scale:
+            raise InvalidParamError("num_frames", params.num_frames,
+                                    f"{self.t_scale} k + 1 frames for this model's VAE "
+                                    f"({', '.join(str(self.t_scale * k + 1) for k in range(4))}, ...)")
+        if params.max_sequence_length > self.max_text_tokens:
+            raise InvalidParamError("max_sequence_length", params.max_sequence_length,
+                                    f"an integer in [1, {self.max_text_tokens}]")
+        return params
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        return params.guidance_scale > 1
+
+    def latent_shape(self, params: SamplingParams) -> tuple[int, int, int]:
+        return ((params.num_frames - 1) // self.t_scale + 1, params.height // self.s_scale,
+                params.width // self.s_scale)
+
+    def row_tokens(self, prompt: str, params: SamplingParams, inputs=None) -> int:
+        f, h, w = self.latent_shape(params)
+        pt, ph, pw = self.patch
+        return (f // pt) * (h // ph) * (w // pw) + params.max_sequence_length
+
+    def batch_key(self, params: SamplingParams) -> tuple:
+        return (self.name, params.height, params.width, params.num_frames, params.max_sequence_length,
+                str(self.dtype))
+
+    # ---- conditioning ----
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
+        """UMT5 states of the valid tokens only; ``transformer_inputs`` zero-pads them as the pipeline does."""
+        text = self.tokenizer([prompt_clean(p) for p in prompts], padding="max_length",
+                              max_length=params.max_sequence_length, truncation=True, add_special_tokens=True,
+                              return_attention_mask=True, return_tensors="pt")
+        mask = text.attention_mask.to(self.device)
+        states = self.text_encoder(text.input_ids.to(self.device), mask).last_hidden_state
+        states = states.to(self.text_encoder.dtype)
+        return [TextCond(s[: int(n)].to(self.dtype)) for s, n in zip(states, mask.gt(0).sum(dim=1))]
+
+    def prepare(self, req: Request) -> None:
+        p = req.params
+        gen = torch.Generator("cpu").manual_seed(p.seed)
+        shape = (p.num_outputs, self.transformer.config.in_channels, *self.latent_shape(p))
+        # the pipeline keeps Wan latents in float32 whatever the transformer's dtype
+        req.latents = randn_tensor(shape, generator=gen, device=self.device, dtype=torch.float32)
+        sampler = self.new_sampler()
+        sampler.set_timesteps(p.num_inference_steps, device=self.device)
+        sampler.set_begin_index(0)
+        req.sampler = sampler
+
+    def transformer_inputs(self, requests: list[Request]) -> dict:
+        latents, timesteps, conds, _ = gather_rows(requests)
+        length = requests[0].params.max_sequence_length
+        embeds = torch.stack([torch.nn.functional.pad(c.embeds, (0, 0, 0, length - c.embeds.shape[0]))
+                              for c in conds])
+        return dict(hidden_states=latents.to(self.dtype), timestep=timesteps, encoder_hidden_states=embeds)
+
+    def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
+        if uncond is None:
+            return cond
+        return uncond + req.params.guidance_scale * (cond - uncond)
+
+    # ---- the block loop of WanTransformer3DModel.forward (text-to-video, one timestep per row) ----
+
+    def head_dims(self) -> set[int]:
+        return {self.transformer.config.attention_head_dim}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.transformer.blocks)
+
+    def block_inputs(self, inputs: dict) -> BlockInputs:
+        tr = self.transformer
+        latents = inputs["hidden_states"]
+        rotary = tr.rope(latents)
+        img = tr.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+        temb, proj, txt, _ = tr.condition_embedder(inputs["timestep"], inputs["encoder_hidden_states"], None)
+        grid = tuple(n // p for n, p in zip(latents.shape[2:], self.patch))
+        return BlockInputs(img, txt, {"temb": temb, "proj": proj.unflatten(1, (6, -1))},
+                           {"rotary": rotary, "grid": grid})
+
+    def run_block(self, index: int, x: BlockInputs):
+        img = self.transformer.blocks[index](x.img, x.txt, x.rows["proj"], x.shared["rotary"])
+        return img, x.txt
+
+    def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        # TeaCache4Wan2.1 watches the timestep embedding, not a modulated image input
+        return x.rows["temb"]
+
+    def head(self, x: BlockInputs) -> torch.Tensor:
+        tr = self.transformer
+        shift, scale = (tr.scale_shift_table + x.rows["temb"].unsqueeze(1)).chunk(2, dim=1)
+        out = tr.proj_out((tr.norm_out(x.img.float()) * (1 + scale) + shift).type_as(x.img))
+        (f, h, w), (pt, ph, pw) = x.shared["grid"], self.patch
+        out = out.reshape(out.shape[0], f, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return out.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    # ---- output ----
+
+    def decode(self, requests: list[Request]) -> list[list]:
+        """Finished requests (one shape) -> per request its ``num_outputs`` videos, decoded in chunks
+        within ``decode_pixel_budget``. ``pil``: a list of frames; ``np``: [F, H, W, 3] floats in
+        [0, 1]; ``pt``: [F, 3, H, W]; ``latent``: the final latents."""
+        out = {r.id: list(r.latents) for r in requests if r.params.output_type == "latent"}
+        pixel = [r for r in requests if r.id not in out]
+        for chunk in self.decode_chunks(pixel):
+            with torch.no_grad():
+                videos = self.decode_latents(torch.cat([r.latents for r in chunk]))
+            start = 0
+            for req in chunk:
+                n = req.params.num_outputs
+                result = self.processor.postprocess_video(videos[start:start + n], output_type=req.params.output_type)
+                out[req.id] = list(result)
+                start += n
+        return [out[r.id] for r in requests]
+
+    def decode_chunks(self, requests: list[Request]) -> list[list[Request]]:
+        """Consecutive groups whose videos fit ``decode_pixel_budget`` together (a request alone always fits)."""
+        chunks, current, used = [], [], 0
+        for req in requests:
+            p = req.params
+            cost = p.num_outputs * p.num_frames * p.height * p.width
+            if current and used + cost > self.decode_pixel_budget:
+                chunks.append(current)
+                current, used = [], 0
+            current.append(req)
+            used += cost
+        return chunks + [current] if current else chunks
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents [N, C, F', H', W'] -> videos in [-1, 1], [N, 3, F, H, W]."""
+        vae = self.vae
+        z = vae.config.z_dim
+        latents = latents.to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        return vae.decode(latents / inv_std + mean, return_dict=False)[0]

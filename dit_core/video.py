@@ -1,0 +1,63 @@
+"""Video outputs: frames as uint8 arrays, and H.264 MP4 encoding through PyAV (which ships its own
+libav*, so no system ffmpeg is needed)."""
+
+from __future__ import annotations
+
+import io
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_FPS = 16  # Wan 2.1's frame rate
+
+
+def as_uint8(video) -> np.ndarray:
+    """One video in any output type (a list of PIL frames, [F, H, W, 3] floats in [0, 1], or a
+    [F, 3, H, W] tensor) -> a uint8 array [F, H, W, 3]."""
+    if isinstance(video, (list, tuple)):
+        return np.stack([np.asarray(frame.convert("RGB"), dtype=np.uint8) for frame in video])
+    if isinstance(video, torch.Tensor):
+        video = video.detach().float().cpu().permute(0, 2, 3, 1).numpy()
+    video = np.asarray(video)
+    if video.dtype == np.uint8:
+        return video
+    return (np.clip(video, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def encode_mp4(video, fps: int = DEFAULT_FPS, crf: int = 18) -> bytes:
+    """An H.264 (yuv420p) MP4 of one video (see ``as_uint8`` for the accepted forms)."""
+    import av
+
+    frames = as_uint8(video)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
+        raise ValueError(f"expected frames [F, H, W, 3], got shape {frames.shape}")
+    _, h, w, _ = frames.shape
+    # yuv420p needs even sides; pad the last row / column by repetition rather than fail
+    if h % 2 or w % 2:
+        frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(int(fps)))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(crf)}
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
+def write_mp4(path: str | Path, video, fps: int = DEFAULT_FPS) -> Path:
+    path = Path(path)
+    path.write_bytes(encode_mp4(video, fps))
+    return path
+
+
+def decode_mp4(data: bytes) -> np.ndarray:
+    """Every frame of an MP4 as uint8 [F, H, W, 3]."""
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])

@@ -1,0 +1,99 @@
+"""The audio API: ``POST /v1/audio/generate`` (text-to-audio models, e.g. Stable Audio).
+
+The text-to-speech routes (``/v1/audio/speech``, ``/v1/audio/voices``) live in ``speech.py``.
+Models are found by the engine's model names; a model of the wrong kind is a 400 naming ``model``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from dit_core import InvalidParamError, SamplingParams
+from dit_core.audio import content_type, encode
+
+from ..errors import APIError
+from .images import _until_final
+
+router = APIRouter()
+AUDIO_FORMATS = ("wav", "flac", "mp3", "opus", "pcm")
+
+
+class AudioGenerateRequest(BaseModel):
+    """A text-to-audio request. Unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    negative_prompt: str | None = None
+    seconds: float | None = Field(None, gt=0, description="clip length (default: the model's maximum)")
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    response_format: Literal["wav", "flac", "mp3", "opus", "pcm"] = "wav"
+
+
+def find_model(request: Request, name: str | None, kind: str, route: str, check=None) -> str:
+    """The engine's name for the model a request names (None: the only model of ``kind``); 404 for
+    an unknown model, 400 for one of another kind (or one ``check(family)`` rejects)."""
+    state = request.app.state
+    models = state.engine.engine.models
+    settings = state.settings
+    if name is None:
+        fitting = [n for n, f in models.items() if f.output_kind == kind and (check is None or check(f))]
+        if len(fitting) != 1:
+            raise APIError(400, f"model is required: this server holds {len(fitting)} models that {route} takes",
+                           "invalid_request_error", "model", "model_required")
+        return fitting[0]
+    if name not in models and len(models) == 1 and name == settings.model_name:
+        name = next(iter(models))  # the served name of a single-model server (--model-name)
+    if name not in models:
+        served = sorted(models) if len(models) > 1 else [settings.model_name]
+        raise APIError(404, f"model {name!r} is not served here; this server serves {served}",
+                       "invalid_request_error", "model", "model_not_found")
+    family = models[name]
+    if family.output_kind != kind or (check is not None and not check(family)):
+        raise APIError(400, f"model {name!r} makes {family.output_kind} ({family.name}); {route} takes "
+                            f"{kind} models of another kind", "invalid_request_error", "model", "wrong_model_kind")
+    return name
+
+
+def check_queue(state) -> None:
+    """429 + Retry-After when too many requests wait for admission (as the image API)."""
+    engine, settings = state.engine, state.settings
+    waiting = engine.num_unfinished - len(engine.engine.scheduler.running)
+    if waiting >= settings.max_queue:
+        raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
+                       None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
+
+
+@router.post("/v1/audio/generate")
+async def generate_audio(body: AudioGenerateRequest, request: Request):
+    state = request.app.state
+    name = find_model(request, body.model, "audio", "/v1/audio/generate",
+                      check=lambda f: getattr(f, "pipeline_class", "") != "OmniditSpeechPipeline")
+    if len(body.prompt) > state.settings.max_prompt_chars:
+        raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {state.settings.max_prompt_chars}",
+                       "invalid_request_error", "prompt", "prompt_too_long")
+    check_queue(state)
+    try:
+        params = SamplingParams(negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
+                                guidance_scale=body.guidance_scale, seed=body.seed,
+                                audio_end_in_s=body.seconds)
+        rid, events = await state.engine.submit_async(body.prompt, params, model=name)
+    except InvalidParamError as e:
+        if e.field in ("audio_end_in_s", "audio_start_in_s"):
+            raise APIError(400, f"seconds={body.seconds} is invalid: expected {e.allowed}", "invalid_request_error",
+                           "seconds", "invalid_value") from None
+        raise
+    event = await _until_final(state.engine, rid, events, request)
+    audio = await asyncio.to_thread(encode, event.output.outputs[0], body.response_format)
+    wave = event.output.outputs[0]
+    return Response(content=audio, media_type=content_type(body.response_format),
+                    headers={"X-Request-Id": rid, "X-Sample-Rate": str(wave.sample_rate),
+                             "X-Audio-Channels": str(wave.channels)})

@@ -1,0 +1,166 @@
+"""Text-to-speech, OpenAI-compatible: ``POST /v1/audio/speech`` and ``GET /v1/audio/voices``.
+
+``client.audio.speech.create(model=..., input=..., voice=..., response_format=..., speed=...,
+stream_format=...)`` and ``with_streaming_response`` work unchanged. ``stream_format``:
+``audio`` (the default, as OpenAI's) sends the encoded audio as chunked bytes as each DiT chunk
+finishes; ``sse`` sends ``speech.audio.delta`` events (base64 of the same bytes) and a final
+``speech.audio.done``. FLAC cannot be streamed (its header carries the length), so it is sent
+whole, and is a 400 with ``sse``. A client that disconnects aborts its talker request and DiT chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from dit_core import InvalidParamError, RequestAbortedError
+from dit_core.audio import StreamEncoder, Waveform, content_type, encode
+from dit_core.audio.service import SpeechService
+
+from ..errors import APIError
+from .audio import check_queue, find_model
+
+router = APIRouter()
+DISCONNECT_POLL_S = 0.2
+
+
+class SpeechRequestBody(BaseModel):
+    """OpenAI's audio.speech.create body (``seed`` and ``num_inference_steps`` are extensions)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str = Field(min_length=1)
+    voice: str | dict
+    instructions: str | None = None
+    response_format: Literal["wav", "flac", "mp3", "opus", "pcm"] = "mp3"
+    speed: float = 1.0
+    stream_format: Literal["audio", "sse"] = "audio"
+    seed: int | None = None
+    num_inference_steps: int | None = None
+
+    def voice_name(self):
+        if isinstance(self.voice, dict):
+            if set(self.voice) != {"id"} or not isinstance(self.voice["id"], str):
+                raise InvalidParamError("voice", self.voice, 'a voice name or {"id": NAME}')
+            return self.voice["id"]
+        return self.voice
+
+
+def speech_service(request: Request, name: str) -> SpeechService:
+    services = request.app.state.speech
+    if name not in services:
+        services[name] = SpeechService(request.app.state.engine, name)
+    return services[name]
+
+
+def _is_speech(family) -> bool:
+    return getattr(family, "pipeline_class", "") == "OmniditSpeechPipeline"
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(request: Request, model: str | None = None):
+    models = request.app.state.engine.engine.models
+    names = [find_model(request, model, "audio", "/v1/audio/voices", check=_is_speech)] if model else \
+        [n for n, f in models.items() if _is_speech(f)]
+    data = []
+    for name in names:
+        for voice, info in models[name].text.voices.items():
+            data.append({"id": voice, "object": "audio.voice", "name": voice, "model": name,
+                         "created_at": request.app.state.started, "description": info.get("description", "")})
+    return {"object": "list", "data": data}
+
+
+@router.post("/v1/audio/speech")
+async def create_speech(body: SpeechRequestBody, request: Request):
+    state = request.app.state
+    name = find_model(request, body.model, "audio", "/v1/audio/speech", check=_is_speech)
+    if body.instructions:
+        raise APIError(400, "instructions are not supported by this model (it has no style control)",
+                       "invalid_request_error", "instructions", "unsupported")
+    if body.response_format == "flac" and body.stream_format == "sse":
+        raise APIError(400, "response_format=flac cannot be streamed as sse (its header carries the length); use "
+                            "wav, mp3, opus or pcm", "invalid_request_error", "response_format", "unsupported")
+    check_queue(state)
+    service = speech_service(request, name)
+    req = service.request(body.input, body.voice_name(), body.speed, body.seed, steps=body.num_inference_steps)
+    fmt = body.response_format
+    headers = {"X-Request-Id": req.id, "X-Sample-Rate": str(service.text.sample_rate), "Cache-Control": "no-cache"}
+    if fmt == "flac":  # whole: a FLAC stream could not say its length
+        audio = await _whole(service, req, request)
+        return Response(content=encode(Waveform(audio, service.text.sample_rate), fmt), media_type=content_type(fmt),
+                        headers=headers)
+    if body.stream_format == "sse":
+        return StreamingResponse(_sse(service, req, fmt), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(_bytes(service, req, fmt), media_type=content_type(fmt), headers=headers)
+
+
+async def _whole(service, req, request: Request):
+    """The utterance's whole audio; aborted if the client disconnects while it is being made."""
+
+    async def collect():
+        gen = service.stream(req, stream=False)
+        try:
+            return [piece async for piece in gen][0]
+        finally:
+            await gen.aclose()
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # closing the stream aborts the talker request and its chunks
+                raise RequestAbortedError(req.id, "client disconnected")
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    return task.result()
+
+
+async def _bytes(service, req, fmt: str):
+    enc = StreamEncoder(fmt, service.text.sample_rate, 1)
+    gen = service.stream(req)
+    try:
+        async for piece in gen:
+            data = enc.write(piece)
+            if data:
+                service.timelines.setdefault(req.id, {}).setdefault("first_bytes", time.perf_counter())
+                yield data
+        tail = enc.close()
+        if tail:
+            yield tail
+    finally:
+        await gen.aclose()  # a client that went away cancels us here: the utterance is aborted
+
+
+async def _sse(service, req, fmt: str):
+    enc = StreamEncoder(fmt, service.text.sample_rate, 1)
+    gen = service.stream(req)
+    samples = 0
+    try:
+        async for piece in gen:
+            samples += piece.shape[1]
+            data = enc.write(piece)
+            if data:
+                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        tail = enc.close()
+        if tail:
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
+        words = len(req.words)
+        tokens = round(samples / service.text.hop)
+        yield _event({"type": "speech.audio.done",
+                      "usage": {"input_tokens": words, "output_tokens": tokens, "total_tokens": words + tokens}})
+    finally:
+        await gen.aclose()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

@@ -1,0 +1,13 @@
+"""GET /v1/engine/stats: the engine panel's numbers as JSON (``/metrics`` stays Prometheus text)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+router = APIRouter()
+
+
+@router.get("/v1/engine/stats")
+async def engine_stats(request: Request) -> dict:
+    """Queue, batch size per step, steps/s, step-cache skips and prompt-cache hit rate, right now."""
+    return request.app.state.live_stats.snapshot()

@@ -1,0 +1,253 @@
+"""The Videos API, following OpenAI's: jobs (create, retrieve, list, delete, download) and a
+synchronous ``POST /v1/videos/sync`` that answers with the MP4 itself.
+
+Bodies come as JSON or as a multipart / url-encoded form (the ``openai`` client sends a form).
+Beyond OpenAI's fields (prompt, model, seconds, size) a body may carry omnidit's: num_frames,
+fps, num_inference_steps, guidance_scale, negative_prompt, seed, max_sequence_length, use_cache.
+``seconds`` x fps becomes the nearest frame count the model can make (Wan: 4k + 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dit_core import InvalidParamError, SamplingParams
+from dit_core.video import as_uint8, encode_mp4
+
+from ..errors import APIError
+from ..video_jobs import StoreFullError, run_job
+from .images import _until_final
+
+router = APIRouter()
+logger = logging.getLogger("omnidit.serve")
+POLL_AFTER_MS = 250  # what the openai client's create_and_poll waits between polls
+
+
+class VideoCreateRequest(BaseModel):
+    """OpenAI's videos.create body plus omnidit's extension fields. Unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    seconds: float | None = Field(None, description="clip length; with fps it sets the frame count")
+    size: str | None = Field(None, description='"WIDTHxHEIGHT", e.g. "832x480"')
+    user: str | None = None
+    # extensions
+    num_frames: int | None = None
+    fps: int | None = Field(None, ge=1, le=120)
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    max_sequence_length: int | None = None
+    use_cache: bool = True
+
+
+def parse_size(size: str | None) -> tuple[int | None, int | None]:
+    if size in (None, "", "auto"):
+        return None, None
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise InvalidParamError("size", size, '"WIDTHxHEIGHT" such as "832x480"')
+    return int(parts[0]), int(parts[1])
+
+
+def frame_count(seconds: float, fps: int, step: int) -> int:
+    """The frame count of ``seconds`` at ``fps`` the model can make: ``step`` k + 1, nearest."""
+    if seconds <= 0:
+        raise InvalidParamError("seconds", seconds, "a positive number of seconds")
+    k = round((seconds * fps - 1) / step)
+    frames = step * k + 1
+    if k < 1 or frames > 1024:
+        lo, hi = (1 + step) / fps, (1 + step * (1023 // step)) / fps
+        raise InvalidParamError("seconds", seconds, f"from {lo:g} to {hi:g} seconds at {fps} fps (the model makes "
+                                                    f"{step} k + 1 frames, k >= 1, at most 1024)")
+    return frames
+
+
+async def read_body(request: Request) -> VideoCreateRequest:
+    """The body as JSON, or as a form (what the openai client sends); file parts are refused."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        form = await request.form()
+        data = {}
+        for key, value in form.multi_items():
+            if not isinstance(value, str):
+                raise InvalidParamError(key, getattr(value, "filename", "a file"),
+                                        "no file: omnidit makes videos from text only")
+            data[key] = value
+    else:
+        try:
+            data = await request.json()
+        except ValueError:
+            raise APIError(400, "the body is not valid JSON or a form", "invalid_request_error", None,
+                           "invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object", "invalid_request_error", None, "invalid_json")
+    if data.get("input_reference") not in (None, ""):
+        raise InvalidParamError("input_reference", "given", "absent: omnidit makes videos from text only")
+    data.pop("input_reference", None)
+    try:
+        return VideoCreateRequest(**data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        raise APIError(400, f"{param}: {err.get('msg')}", "invalid_request_error", param, err.get("type")) from None
+
+
+def pick_model(request: Request, name: str | None) -> tuple[str, str]:
+    """(the engine's model name, the name clients see) of a video model, or a 400/404 naming ``model``.
+    None means the server's model (the first video model when it holds several)."""
+    state = request.app.state
+    models = state.engine.engine.models
+    single = len(models) == 1
+    if name is None:
+        videos = [n for n, f in models.items() if f.output_kind == "video"]
+        engine_name = state.engine.engine.default_model if single or not videos else videos[0]
+    elif single and name == state.settings.model_name:
+        engine_name = state.engine.engine.default_model
+    elif name in models:
+        engine_name = name
+    else:
+        served = [state.settings.model_name] if single else sorted(models)
+        raise APIError(404, f"model {name!r} is not served here; this server serves {served}",
+                       "invalid_request_error", "model", "model_not_found")
+    public = state.settings.model_name if single else engine_name
+    kind = models[engine_name].output_kind
+    if kind != "video":
+        raise APIError(400, f"model {public!r} makes {kind}s, not videos; use a video model here",
+                       "invalid_request_error", "model", "model_not_video")
+    return engine_name, public
+
+
+def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, SamplingParams, int]:
+    """Check a create body against the model: (engine model, public model, params, fps)."""
+    settings, engine = request.app.state.settings, request.app.state.engine
+    if len(body.prompt) > settings.max_prompt_chars:
+        raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {settings.max_prompt_chars}",
+                       "invalid_request_error", "prompt", "prompt_too_long")
+    name, public = pick_model(request, body.model)
+    family = engine.engine.models[name]
+    fps = body.fps or getattr(family, "fps", 16)
+    frames = body.num_frames
+    if frames is None and body.seconds is not None:
+        frames = frame_count(body.seconds, fps, family.describe().get("frame_step", 1))
+    width, height = parse_size(body.size)
+    params = SamplingParams(height=height, width=width, num_frames=frames, num_inference_steps=body.num_inference_steps,
+                            guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt, seed=body.seed,
+                            max_sequence_length=body.max_sequence_length, use_cache=body.use_cache)
+    return name, public, params, fps
+
+
+def submit(request: Request, body: VideoCreateRequest, name: str, params: SamplingParams):
+    """Queue the request in the engine (429 when the engine's queue is full); size errors name ``size``."""
+    state = request.app.state
+    engine = state.engine
+    waiting = engine.num_unfinished - len(engine.engine.scheduler.running)
+    if waiting >= state.settings.max_queue:
+        raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
+                       None, "queue_full", headers={"Retry-After": str(state.settings.retry_after_s)})
+    try:
+        request_obj = engine.engine.make_request(body.prompt, params, model=name)
+    except InvalidParamError as e:
+        if e.field in ("height", "width") and body.size is not None:
+            raise InvalidParamError("size", body.size, f"{e.field} {e.allowed}") from None
+        raise
+    return request_obj
+
+
+def _mp4(fps: int):
+    return lambda output: encode_mp4(as_uint8(output.outputs[0]), fps=fps)
+
+
+@router.post("/v1/videos")
+async def create_video(request: Request):
+    state = request.app.state
+    body = await read_body(request)
+    name, public, params, fps = plan(request, body)
+    req = submit(request, body, name, params)
+    p = req.params
+    try:
+        job = state.videos.create(model=public, prompt=body.prompt, width=p.width, height=p.height,
+                                  num_frames=p.num_frames, fps=fps)
+    except StoreFullError as e:
+        raise APIError(429, str(e), "rate_limit_error", None, "video_store_full",
+                       headers={"Retry-After": str(e.retry_after_s)}) from None
+    try:
+        job.request_id, events = await state.engine.submit_async(body.prompt, p, request_id=job.id, model=name)
+    except BaseException:
+        state.videos.delete(job.id)
+        raise
+    job.task = asyncio.ensure_future(run_job(state.videos, state.engine, job, events, _mp4(fps)))
+    return job.to_dict()
+
+
+@router.post("/v1/videos/sync")
+async def create_video_sync(request: Request):
+    """Generate and answer with the MP4 bytes (no job is stored); a disconnect aborts the request."""
+    state = request.app.state
+    body = await read_body(request)
+    name, _, params, fps = plan(request, body)
+    req = submit(request, body, name, params)
+    rid, events = await state.engine.submit_async(body.prompt, req.params, model=name)
+    event = await _until_final(state.engine, rid, events, request)
+    mp4 = await asyncio.to_thread(_mp4(fps), event.output)
+    p = req.params
+    return Response(mp4, media_type="video/mp4", headers={
+        "X-Request-Id": rid, "X-Num-Frames": str(p.num_frames), "X-Fps": str(fps), "X-Seed": str(p.seed)})
+
+
+@router.get("/v1/videos")
+async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                      order: Literal["asc", "desc"] = "desc"):
+    jobs, more = request.app.state.videos.list(limit, after, order)
+    data = [j.to_dict() for j in jobs]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+def _job(request: Request, video_id: str):
+    job = request.app.state.videos.get(video_id)
+    if job is None:
+        raise APIError(404, f"video {video_id!r} does not exist or has expired", "invalid_request_error",
+                       "video_id", "video_not_found")
+    return job
+
+
+@router.get("/v1/videos/{video_id}")
+async def retrieve_video(video_id: str, request: Request):
+    job = _job(request, video_id)
+    headers = {"openai-poll-after-ms": str(POLL_AFTER_MS)} if job.status in ("queued", "in_progress") else {}
+    return JSONResponse(job.to_dict(), headers=headers)
+
+
+@router.get("/v1/videos/{video_id}/content")
+async def download_video(video_id: str, request: Request, variant: str = "video"):
+    job = _job(request, video_id)
+    if variant != "video":
+        raise InvalidParamError("variant", variant, '"video" (thumbnails and spritesheets are not produced)')
+    if job.status != "completed":
+        detail = f": {job.error['message']}" if job.error else f" ({job.progress}% done)"
+        raise APIError(404, f"video {video_id!r} has no content yet: it is {job.status}{detail}",
+                       "invalid_request_error", "video_id", "video_not_ready")
+    return Response(job.path.read_bytes(), media_type="video/mp4")
+
+
+@router.delete("/v1/videos/{video_id}")
+async def delete_video(video_id: str, request: Request):
+    """Delete a job and its file; a job still running is aborted in the engine first."""
+    state = request.app.state
+    job = _job(request, video_id)
+    if job.status in ("queued", "in_progress"):
+        state.engine.abort(job.request_id, "deleted by the client")
+    if job.task is not None and not job.task.done():
+        job.task.cancel()
+    state.videos.delete(video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}

@@ -1,0 +1,47 @@
+// Labelled form fields with an error line each, and placing the server's errors next to the field
+// they name. Shared by the tabs.
+
+import { el } from "./dom.js";
+
+/** A labelled control (``input`` or ``textarea``) with its error line; returns {wrap, input, error}. */
+export function field(id, label, tag = "input", attrs = {}) {
+  const input = el(tag, { id, name: id, ...attrs });
+  const error = el("p", { class: "field-error", id: `${id}-error`, role: "alert" });
+  input.setAttribute("aria-describedby", [attrs["aria-describedby"], error.id].filter(Boolean).join(" "));
+  const wrap = el("div", { class: "field" }, el("label", { for: id, text: label }), input, error);
+  return { wrap, input, error };
+}
+
+/** Error lines of one form, keyed by field; ``paramToField`` maps the server's ``param`` names. */
+export class FormErrors {
+  constructor(fields, general, paramToField) {
+    this.fields = fields; // name -> {input, error, inputs?: {param: input}}
+    this.general = general; // the error line for errors that name no field
+    this.paramToField = paramToField;
+  }
+
+  clear() {
+    for (const { input, inputs, error } of Object.values(this.fields)) {
+      error.textContent = "";
+      for (const node of [input, ...Object.values(inputs || {})]) node?.removeAttribute("aria-invalid");
+    }
+    this.general.textContent = "";
+  }
+
+  /** Show ``err`` (an ApiError) next to the field its ``param`` names, else under the form. */
+  show(err) {
+    const name = this.paramToField[err.param] || err.param;
+    const target = this.fields[name];
+    if (!target) {
+      this.general.textContent = err.message;
+      return;
+    }
+    target.error.textContent = err.message;
+    // a field of several inputs (size: width and height) marks the one the server named
+    const input = (target.inputs && target.inputs[err.param]) || target.input;
+    if (input) {
+      input.setAttribute("aria-invalid", "true");
+      input.focus();
+    }
+  }
+}

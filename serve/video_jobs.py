@@ -1,0 +1,191 @@
+"""Video jobs: a bounded on-disk store of jobs and their MP4 files, and the tasks that run them.
+
+A job is created at once (``queued``), follows its engine request's events (``in_progress`` with a
+progress percentage from the step events), and ends ``completed`` (its MP4 on disk) or ``failed``
+(with an ``error`` object). The store is bounded three ways: at most ``max_jobs`` jobs, at most
+``max_bytes`` of MP4 files, and finished jobs expire ``ttl_s`` after they complete. A full store
+refuses new jobs (429 + Retry-After) instead of growing. Files live in a private folder under
+``root`` that the store removes when it closes: jobs do not outlive the server that ran them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dit_core.request import EventKind
+
+logger = logging.getLogger("omnidit.serve")
+
+
+class StoreFullError(Exception):
+    """The job store holds as many jobs or bytes as it may; ``retry_after_s`` says when to retry."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class VideoJob:
+    id: str
+    model: str
+    prompt: str
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    seq: int
+    status: str = "queued"  # queued | in_progress | completed | failed
+    progress: int = 0
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: dict | None = None
+    path: Path | None = None
+    size_bytes: int = 0
+    request_id: str | None = None
+    task: asyncio.Task | None = None
+    expiry: float | None = None  # time.time() when a finished job goes (expires_at, unrounded)
+
+    @property
+    def seconds(self) -> str:
+        return f"{self.num_frames / self.fps:g}"
+
+    def to_dict(self) -> dict:
+        """The OpenAI ``Video`` object."""
+        return {"id": self.id, "object": "video", "model": self.model, "status": self.status,
+                "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
+                "expires_at": self.expires_at, "size": f"{self.width}x{self.height}", "seconds": self.seconds,
+                "prompt": self.prompt, "remixed_from_video_id": None, "error": self.error,
+                # omnidit's additions
+                "num_frames": self.num_frames, "fps": self.fps}
+
+
+class VideoJobStore:
+    """Jobs by id, in creation order, with their MP4 files in a private folder under ``root``."""
+
+    def __init__(self, root: str | Path | None = None, max_jobs: int = 64, max_bytes: int = 256 << 20,
+                 ttl_s: float = 3600.0, retry_after_s: int = 5):
+        if root is not None:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="omnidit-videos-", dir=root))
+        self.max_jobs, self.max_bytes, self.ttl_s, self.retry_after_s = max_jobs, max_bytes, ttl_s, retry_after_s
+        self._jobs: dict[str, VideoJob] = {}
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(j.size_bytes for j in self._jobs.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._jobs)
+
+    def create(self, **fields) -> VideoJob:
+        """A new queued job, or StoreFullError when the store holds ``max_jobs`` jobs or ``max_bytes``."""
+        with self._lock:
+            self._expire()
+            if len(self._jobs) >= self.max_jobs:
+                raise StoreFullError(f"the video store holds its maximum of {self.max_jobs} jobs; delete finished "
+                                     "ones or retry later", self.retry_after_s)
+            if self.used_bytes >= self.max_bytes:
+                raise StoreFullError(f"the video store holds its maximum of {self.max_bytes} bytes; delete finished "
+                                     "ones or retry later", self.retry_after_s)
+            job = VideoJob(id="video_" + secrets.token_hex(12), seq=next(self._seq), **fields)
+            self._jobs[job.id] = job
+            return job
+
+    def get(self, job_id: str) -> VideoJob | None:
+        with self._lock:
+            self._expire()
+            return self._jobs.get(job_id)
+
+    def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> tuple[list[VideoJob], bool]:
+        """A page of jobs by creation time, after the job ``after``; returns (jobs, has_more)."""
+        with self._lock:
+            self._expire()
+            jobs = sorted(self._jobs.values(), key=lambda j: j.seq, reverse=order == "desc")
+        if after is not None:
+            ids = [j.id for j in jobs]
+            if after not in ids:
+                return [], False
+            jobs = jobs[ids.index(after) + 1:]
+        return jobs[:limit], len(jobs) > limit
+
+    def complete(self, job: VideoJob, mp4: bytes) -> None:
+        """Store the job's MP4 (or fail the job if it would pass ``max_bytes``)."""
+        with self._lock:
+            if job.id not in self._jobs:  # deleted while it was encoding
+                return
+            if self.used_bytes + len(mp4) > self.max_bytes:
+                self._finish(job, "failed", error={"code": "storage_full", "message": (
+                    f"the finished video ({len(mp4)} bytes) does not fit the store's {self.max_bytes} bytes")})
+                return
+            path = self.dir / f"{job.id}.mp4"
+            path.write_bytes(mp4)
+            job.path, job.size_bytes, job.progress = path, len(mp4), 100
+            self._finish(job, "completed")
+
+    def fail(self, job: VideoJob, code: str, message: str) -> None:
+        with self._lock:
+            self._finish(job, "failed", error={"code": code, "message": message})
+
+    def delete(self, job_id: str) -> VideoJob | None:
+        with self._lock:
+            job = self._jobs.pop(job_id, None)
+        if job is not None and job.path is not None:
+            job.path.unlink(missing_ok=True)
+        return job
+
+    def close(self) -> None:
+        """Remove every job and the store's folder."""
+        with self._lock:
+            self._jobs.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _finish(self, job: VideoJob, status: str, error: dict | None = None) -> None:
+        now = time.time()
+        job.status, job.error = status, error
+        job.completed_at, job.expiry = int(now), now + self.ttl_s
+        job.expires_at = int(job.expiry)
+
+    def _expire(self) -> None:
+        now = time.time()
+        for job in [j for j in self._jobs.values() if j.expiry is not None and j.expiry <= now]:
+            del self._jobs[job.id]
+            if job.path is not None and job.path.exists():
+                os.unlink(job.path)
+
+
+async def run_job(store: VideoJobStore, engine, job: VideoJob, events: asyncio.Queue, encode) -> None:
+    """Follow a job's engine events to its end; ``encode(output) -> bytes`` makes the MP4."""
+    try:
+        async for event in engine.events(job.request_id, events):
+            if event.kind == EventKind.STEP:
+                job.status = "in_progress"
+                job.progress = min(99, int(100 * event.step / max(event.total, 1)))
+            elif event.kind == EventKind.FINISHED:
+                job.progress = 99
+                mp4 = await asyncio.to_thread(encode, event.output)
+                store.complete(job, mp4)
+            elif event.kind == EventKind.FAILED:
+                store.fail(job, "generation_failed", event.error or "the generation failed")
+            elif event.kind == EventKind.ABORTED:
+                store.fail(job, "aborted", event.error or "the job was aborted")
+    except asyncio.CancelledError:  # DELETE or shutdown: leaving the event stream aborts the request
+        raise
+    except Exception as e:  # noqa: BLE001 - reported in the job, never a hung status
+        logger.exception("video job %s failed outside the engine", job.id)
+        store.fail(job, "internal", f"{type(e).__name__}: {e}")

@@ -1,0 +1,85 @@
+"""Live servers for the serve/ tests: in-process (uvicorn on a thread) or as an ``omnidit serve`` process."""
+
+import base64
+import io
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import httpx
+import uvicorn
+from PIL import Image
+
+from dit_core import AsyncEngine, Engine
+from serve.app import ServeSettings, create_app
+from serve.server import free_port
+
+
+@contextmanager
+def live_server(model, settings: ServeSettings, **engine_options):
+    """A server on a free port in this process; ``model`` is a folder or a {name: folder} dict."""
+    if isinstance(model, dict):
+        engine = AsyncEngine(Engine.from_models(model, **engine_options))
+    else:
+        engine = AsyncEngine(Engine.from_pretrained(model, **engine_options))
+    app = create_app(engine, settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    try:
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, app=app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def post(live, body, **kw):
+    return httpx.post(f"{live.url}/v1/images/generations", json=body, timeout=120, **kw)
+
+
+def png(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def assert_error(response, status, param=None, code=None):
+    assert response.status_code == status, response.text
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@contextmanager
+def server_process(model, *flags):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", str(model), "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180  # a loaded 2-core machine can take a minute to import and load
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,155 @@
+"""The Videos API on a live server, through the real ``openai`` client: jobs, MP4 content, list and
+delete, failures in ``error``, 400s naming the field, aborting deletes, the bounded job store."""
+
+import time
+import warnings
+
+import httpx
+import openai
+import pytest
+
+from dit_core.video import decode_mp4
+from helpers import inject_fault
+from serve.app import ServeSettings
+from test_serve import assert_error, live_server
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the video API deprecated
+
+FAST = {"num_inference_steps": 2, "max_sequence_length": 16}
+
+
+@pytest.fixture(scope="module")
+def live(wan_tiny, tmp_path_factory):
+    settings = ServeSettings(model_name="tiny-wan", video_dir=str(tmp_path_factory.mktemp("videos")), max_videos=6)
+    with live_server(wan_tiny, settings, max_batch_size=8) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(live):
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    for video in list(live.app.state.videos.list(100)[0]):  # every test leaves the store empty
+        live.app.state.videos.delete(video.id)
+
+
+def wait_idle(live, timeout=60):
+    deadline = time.monotonic() + timeout
+    while live.engine.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live.engine.engine.has_unfinished()
+
+
+def test_create_poll_download_gives_the_requested_frames_and_size(client, live):
+    video = client.videos.create_and_poll(prompt="a cat walking", size="48x32", seconds="0.5",
+                                          extra_body={**FAST, "fps": 16, "seed": 3}, poll_interval_ms=50)
+    assert video.status == "completed" and video.progress == 100 and video.error is None
+    assert video.size == "48x32" and video.model == "tiny-wan" and video.completed_at >= video.created_at
+    frames = decode_mp4(client.videos.download_content(video.id).read())
+    assert frames.shape == (9, 32, 48, 3)  # 0.5 s x 16 fps = 8 frames -> the nearest 4k + 1 is 9
+    assert video.seconds == "0.5625"
+
+
+def test_json_body_num_frames_and_sync_mp4(live, client):
+    r = httpx.post(live.url + "/v1/videos/sync", json={"prompt": "waves", "size": "32x32", "num_frames": 5,
+                                                        "fps": 8, **FAST}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+    assert decode_mp4(r.content).shape == (5, 32, 32, 3) and r.headers["x-num-frames"] == "5"
+    job = httpx.post(live.url + "/v1/videos", json={"prompt": "waves", "size": "32x32", "num_frames": 5, **FAST})
+    assert job.status_code == 200 and job.json()["status"] in ("queued", "in_progress")
+    assert job.json()["seconds"] == "0.3125"  # 5 frames at the model's 16 fps
+    wait_idle(live)
+
+
+def test_content_is_404_until_completed_and_list_paginates(client, live):
+    slow = client.videos.create(prompt="a slow one", size="32x32",
+                                extra_body={"num_inference_steps": 400, "max_sequence_length": 16})
+    with pytest.raises(openai.NotFoundError, match="no content yet"):
+        client.videos.download_content(slow.id)
+    made = [slow.id] + [client.videos.create(prompt=f"clip {i}", size="32x32", extra_body=FAST).id for i in range(3)]
+    page = client.videos.list(limit=2, order="asc")
+    assert [v.id for v in page.data] == made[:2] and page.has_more
+    assert [v.id for v in page.get_next_page().data] == made[2:]
+    assert [v.id for v in client.videos.list(limit=10)] == made[::-1]  # newest first, all pages
+    for vid in made:
+        assert client.videos.delete(vid).deleted
+    assert client.videos.list().data == []
+    wait_idle(live)
+
+
+def test_delete_aborts_a_running_job_and_frees_its_slot(client, live):
+    store = live.app.state.videos
+    jobs = [client.videos.create(prompt=f"long {i}", size="32x32",
+                                 extra_body={"num_inference_steps": 400, "max_sequence_length": 16})
+            for i in range(store.max_jobs)]
+    with pytest.raises(openai.RateLimitError) as e:  # the store is full
+        client.videos.create(prompt="one more", size="32x32", extra_body=FAST)
+    assert e.value.response.headers["retry-after"]
+    deadline = time.monotonic() + 30
+    while client.videos.retrieve(jobs[0].id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.videos.delete(jobs[0].id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(jobs[0].id)
+    ok = client.videos.create_and_poll(prompt="fits now", size="32x32", extra_body=FAST, poll_interval_ms=50)
+    for job in jobs[1:]:
+        client.videos.delete(job.id)
+    wait_idle(live)  # every deleted job left the engine: none ran its 400 steps
+    assert ok.status == "completed"
+    assert len(store) == 1 and len(list(store.dir.iterdir())) == 1
+
+
+def test_a_failing_job_reports_its_error(client, live, monkeypatch):
+    inject_fault(monkeypatch, live.engine.engine.family, "predict", prompt="boom")
+    bad = client.videos.create_and_poll(prompt="boom", size="32x32", extra_body=FAST, poll_interval_ms=50)
+    assert bad.status == "failed" and bad.error.code == "generation_failed" and "injected fault" in bad.error.message
+    good = client.videos.create_and_poll(prompt="fine", size="32x32", extra_body=FAST, poll_interval_ms=50)
+    assert good.status == "completed"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"num_frames": 8}, "num_frames"),  # Wan makes 4k + 1 frames
+    ({"size": "40x32"}, "size"),  # not a multiple of 16
+    ({"size": "big"}, "size"),
+    ({"seconds": 0}, "seconds"),
+    ({"seconds": -2}, "seconds"),
+    ({"seconds": 1000}, "seconds"),
+    ({"model": "sora-2"}, "model"),
+    ({"steps": 3}, "steps"),
+    ({"guidance_scale": -1}, "guidance_scale"),
+    ({"prompt": ""}, "prompt"),
+])
+def test_bad_input_is_400_naming_the_field(live, body, param):
+    r = httpx.post(live.url + "/v1/videos", json={"prompt": "a cat", "size": "32x32", **FAST, **body})
+    assert_error(r, 404 if param == "model" else 400, param)
+    r = httpx.post(live.url + "/v1/videos/sync", data={"prompt": "a cat", "size": "32x32", **FAST, **body})
+    assert_error(r, 404 if param == "model" else 400, param)
+
+
+def test_unknown_video_is_404_and_a_file_part_is_refused(client, live):
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve("video_nope")
+    r = httpx.post(live.url + "/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"123")})
+    assert_error(r, 400, "input_reference")
+
+
+def test_an_image_model_is_refused_by_the_videos_api(tiny_models):
+    with live_server(tiny_models["flux"], ServeSettings(model_name="tiny-flux")) as srv:
+        r = httpx.post(srv.url + "/v1/videos", json={"prompt": "a cat"})
+        assert_error(r, 400, "model")
+        assert "not videos" in r.json()["error"]["message"]
+
+
+def test_finished_jobs_expire_and_their_files_go(wan_tiny, tmp_path):
+    settings = ServeSettings(model_name="w", video_dir=str(tmp_path), video_ttl_s=3)
+    with live_server(wan_tiny, settings) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        v = c.videos.create_and_poll(prompt="brief", size="32x32", extra_body=FAST, poll_interval_ms=50)
+        assert v.expires_at is not None and len(list(srv.app.state.videos.dir.iterdir())) == 1
+        time.sleep(3.2)
+        with pytest.raises(openai.NotFoundError):
+            c.videos.retrieve(v.id)
+        assert list(srv.app.state.videos.dir.iterdir()) == []
+        folder = srv.app.state.videos.dir
+    assert not folder.exists()  # the store's folder goes with the server
