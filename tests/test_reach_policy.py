@@ -84,3 +84,18 @@ def test_training_is_seeded_and_writes_a_loadable_policy(tmp_path):
     actions = engine.infer(obs)["actions"]
     assert actions.shape == (16, 2) and np.isfinite(actions).all()
     assert engine.family.cfg.norm_stats["actions"]["std"][0] > 0
+
+
+def test_stop_at_saves_the_snapshot_the_full_run_passes_through(tmp_path):
+    from dit_core.policy import save_policy
+    from dit_core.zoo.train_policy import SERVING_DEFAULTS, TrainConfig, train
+
+    def snapshot(step, ema, tokenizer):
+        save_policy(tmp_path / f"seen{step}", ema, tokenizer, SERVING_DEFAULTS)
+
+    full, stopped = TrainConfig(episodes=3, steps=4, batch=8), TrainConfig(episodes=3, steps=4, batch=8, stop_at=2)
+    train(tmp_path / "full", full, progress=snapshot, progress_every=2)
+    train(tmp_path / "stopped", stopped)
+    weights = "model.safetensors"
+    assert (tmp_path / "stopped" / weights).read_bytes() == (tmp_path / "seen2" / weights).read_bytes()
+    assert (tmp_path / "full" / weights).read_bytes() != (tmp_path / "seen2" / weights).read_bytes()

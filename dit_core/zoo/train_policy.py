@@ -40,7 +40,7 @@ SERVING_DEFAULTS = {"num_inference_steps": 10}
 class TrainConfig:
     seed: int = 0
     episodes: int = 1500
-    steps: int = 3000
+    steps: int = 2000
     batch: int = 64
     flow_samples: int = 2
     lr: float = 1e-3
