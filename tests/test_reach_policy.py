@@ -13,9 +13,9 @@ from dit_core.zoo import default_policy
 from dit_core.zoo.reach_env import COLOURS, MAX_STEPS, ReachEnv
 
 SEEDS = list(range(40))  # fixed; training demonstrations use seeds from 1,000,000 on
-SHIPPED_FLOOR = FLOOR_PLACEHOLDER
+SHIPPED_FLOOR = 0.1
 MISSED_TARGET = ("issue 10 asks >= 85% on 40 fixed-seed episodes; the shipped policy measured "
-                 "MEASURED_PLACEHOLDER (README, 'Robot action policies'): the target is missed")
+                 "0.17 on these seeds (README, 'Robot action policies'): the target is missed")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,8 @@ def test_the_shipped_policy_meets_the_issue_target(closed_loop):
     assert closed_loop.success_rate >= 0.85, closed_loop
 
 
+@pytest.mark.xfail(strict=True, reason="the shipped policy (0.17 success) does not yet reach every named target: "
+                   "the same gap as the missed success target")
 def test_the_shipped_policy_follows_the_instruction_not_just_the_scene(policy):
     env = ReachEnv()
     obs, _ = env.reset(seed=7)
