@@ -14,8 +14,9 @@
 4. Batching: 8 concurrent policy requests through the engine (shared forwards) against the same
    8 one at a time; throughput ratio.
 
-Timed sides run interleaved (A B A B ...), after the same warm-up, ``--repeats`` times; the JSON
-has medians and relative spreads (max - min) / median. Writes benchmarks/results/policy_eval.json
+Timed sides run through ``benchmarks.common.interleaved`` (alternating order, the same warm-up,
+``--repeats`` rounds); ratios are medians of per-round ratios, with relative spreads
+(max - min) / median in the JSON. Writes benchmarks/results/policy_eval.json
 (``--quick``: policy_eval_quick.json, fewer episodes and repeats, every summary key).
 """
 
@@ -26,25 +27,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import machine, write_json
-
-
-def interleaved(sides: dict, repeats: int) -> dict:
-    """Run each side's callable in turn, ``repeats`` rounds, after one warm-up round; seconds per side."""
-    for fn in sides.values():
-        fn()
-    times = {name: [] for name in sides}
-    for _ in range(repeats):
-        for name, fn in sides.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def stats(seconds: list[float]) -> dict:
-    med = float(np.median(seconds))
-    return {"median_s": med, "spread": float((max(seconds) - min(seconds)) / med), "runs": seconds}
+from benchmarks.common import interleaved, machine, timed, write_json
 
 
 def closed_loop(engine, seeds) -> dict:
@@ -95,14 +78,15 @@ def prefix_reuse(engine, repeats: int, requests: int) -> dict:
                 family.reuse_prefix = True
         return go
 
-    times = interleaved({"reuse": run(True), "recompute": run(False)}, repeats)
+    cmp = interleaved({"reuse": timed(run(True)), "recompute": timed(run(False))}, repeats)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(results[True], results[False]))
-    reuse, recompute = stats(times["reuse"]), stats(times["recompute"])
-    speedup = recompute["median_s"] / reuse["median_s"]
-    print(f"  one request: {1e3 * reuse['median_s'] / requests:.1f} ms with reuse, "
-          f"{1e3 * recompute['median_s'] / requests:.1f} ms recomputing: x{speedup:.2f} (max diff {diff:.1e})")
-    return {"reuse": reuse, "recompute": recompute, "requests_per_run": requests, "speedup": speedup,
-            "max_abs_diff": diff}
+    speedup = cmp.ratio("recompute", "reuse")
+    print(f"  one request: {1e3 * cmp.median('reuse') / requests:.1f} ms with reuse, "
+          f"{1e3 * cmp.median('recompute') / requests:.1f} ms recomputing: x{speedup:.2f} "
+          f"(spread {cmp.ratio_spread('recompute', 'reuse'):.2f}, max diff {diff:.1e})")
+    return {"reuse": cmp.stats("reuse"), "recompute": cmp.stats("recompute"), "order": cmp.order,
+            "requests_per_run": requests, "speedup": speedup,
+            "speedup_spread": cmp.ratio_spread("recompute", "reuse"), "max_abs_diff": diff}
 
 
 def batching(engine, repeats: int, concurrent: int = 8) -> dict:
@@ -120,15 +104,16 @@ def batching(engine, repeats: int, concurrent: int = 8) -> dict:
         results["sequential"] = [engine.infer(o, p)["actions"] for o, p in zip(obs, params)]
 
     first = engine.stats.steps
-    times = interleaved({"batched": together, "sequential": one_by_one}, repeats)
+    cmp = interleaved({"batched": timed(together), "sequential": timed(one_by_one)}, repeats)
     sizes = list(engine.stats.batch_sizes)[-(engine.stats.steps - first):]
     diff = max(float(np.abs(a - b).max()) for a, b in zip(results["batched"], results["sequential"]))
-    batched, sequential = stats(times["batched"]), stats(times["sequential"])
-    ratio = sequential["median_s"] / batched["median_s"]
-    print(f"  {concurrent} requests: {concurrent / batched['median_s']:.1f} chunks/s batched, "
-          f"{concurrent / sequential['median_s']:.1f} one at a time: x{ratio:.2f} (max diff {diff:.1e}, "
+    ratio = cmp.ratio("sequential", "batched")
+    print(f"  {concurrent} requests: {concurrent / cmp.median('batched'):.1f} chunks/s batched, "
+          f"{concurrent / cmp.median('sequential'):.1f} one at a time: x{ratio:.2f} "
+          f"(spread {cmp.ratio_spread('sequential', 'batched'):.2f}, max diff {diff:.1e}, "
           f"largest forward {max(sizes)} requests)")
-    return {"batched": batched, "sequential": sequential, "concurrent": concurrent, "ratio": ratio,
+    return {"batched": cmp.stats("batched"), "sequential": cmp.stats("sequential"), "order": cmp.order,
+            "concurrent": concurrent, "ratio": ratio, "ratio_spread": cmp.ratio_spread("sequential", "batched"),
             "max_abs_diff": diff, "max_batch": max(sizes)}
 
 

@@ -40,13 +40,16 @@ SERVING_DEFAULTS = {"num_inference_steps": 10}
 class TrainConfig:
     seed: int = 0
     episodes: int = 1500
-    steps: int = 3000
+    steps: int = 2000
     batch: int = 64
     flow_samples: int = 2
     lr: float = 1e-3
     warmup: int = 100
     weight_decay: float = 1e-4
     ema: float = 0.998
+    # Stop after this many steps of the ``steps``-long schedule (None: run it all). The result is
+    # exactly the snapshot a full run's ``progress`` callback sees at that step.
+    stop_at: int | None = None
     # One thread: the same bits whatever the machine's core count, and no OpenMP barrier stalls
     # when the cores are shared (two threads ran 7-15x slower than one on a loaded 2-core box).
     threads: int | None = 1
@@ -105,7 +108,7 @@ def _train(out_dir: Path, cfg: TrainConfig, progress, progress_every: int) -> Pa
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     k = cfg.flow_samples
-    for step in range(cfg.steps):
+    for step in range(cfg.steps if cfg.stop_at is None else min(cfg.stop_at, cfg.steps)):
         idx = torch.randint(len(demos), (cfg.batch,), generator=gen)
         kv, lengths = model.prefix(demos.images[idx].float()[:, None], [tokens[i] for i in idx.tolist()],
                                    states[idx])
