@@ -11,9 +11,10 @@ from fastapi import FastAPI
 
 from dit_core import AsyncEngine
 
-from . import playground
+from . import openapi, playground
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
+from .guards import ClientLimitMiddleware
 from .live_stats import LiveStats
 from .metrics import Metrics
 from .models import served_models
@@ -41,6 +42,11 @@ class ServeSettings:
     max_videos: int = 64
     max_video_bytes: int = 256 << 20
     video_ttl_s: float = 3600.0
+    # reliability bounds (serve/guards.py): POSTs in flight per client address (0: no limit), and the work
+    # one request may ask: outputs x width x height x frames x steps (0: no limit), and its steps
+    max_inflight_per_client: int = 64
+    max_pixel_steps: int = 1 << 42
+    max_steps: int = 1000  # num_inference_steps a request may ask (every route)
 
 
 def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
@@ -64,6 +70,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.state.live_stats = LiveStats(engine)
     app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,
                                      settings.video_ttl_s)
+    app.state.videos.faults = engine.engine.faults
     app.state.started = int(time.time())
     app.state.model_ids = served_models(engine.engine, settings)
     app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
@@ -76,6 +83,10 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     playground.install(app)
     app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.max_inflight_per_client:
+        app.add_middleware(ClientLimitMiddleware, max_inflight=settings.max_inflight_per_client,
+                           retry_after_s=settings.retry_after_s)
+    openapi.install(app, ApiKeyMiddleware.open_paths)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,8 +23,20 @@ class APIError(Exception):
         self.headers = headers
 
 
+# an absolute local path (two components or more); API routes (/v1/..., /static/...) are left alone
+_PATH = re.compile(r"(?<![\w.:/])/(?!v1/|static/)[\w.@+-]+(?:/[\w.@+-]*)+")
+_TRACE = re.compile(r"Traceback \(most recent call last\):.*", re.S)
+
+
+def scrub(message: str) -> str:
+    """A message fit for a client: no stack trace, no local file path (both stay in the server log)."""
+    message = _TRACE.sub("(details in the server log)", str(message))
+    message = re.sub(r'File "[^"]*"', 'File "<path>"', message)
+    return _PATH.sub("<path>", message)
+
+
 def error_response(status: int, message: str, type: str, param=None, code=None, headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    body = {"error": {"message": scrub(message), "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -74,7 +87,8 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return respond(request, e.status_code, str(e.detail), kind, None, None)
+        # e.headers carries the Allow header of a 405
+        return respond(request, e.status_code, str(e.detail), kind, None, None, e.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):

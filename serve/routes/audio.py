@@ -17,6 +17,7 @@ from dit_core import InvalidParamError, SamplingParams
 from dit_core.audio import content_type, encode
 
 from ..errors import APIError
+from ..guards import check_steps
 from .images import _until_final
 
 router = APIRouter()
@@ -80,6 +81,7 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
     if len(body.prompt) > state.settings.max_prompt_chars:
         raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {state.settings.max_prompt_chars}",
                        "invalid_request_error", "prompt", "prompt_too_long")
+    check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
     try:
         params = SamplingParams(negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
@@ -92,6 +94,7 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
                            "seconds", "invalid_value") from None
         raise
     event = await _until_final(state.engine, rid, events, request)
+    state.engine.engine.faults.hit("output_encoding", [body.prompt])
     audio = await asyncio.to_thread(encode, event.output.outputs[0], body.response_format)
     wave = event.output.outputs[0]
     return Response(content=audio, media_type=content_type(body.response_format),

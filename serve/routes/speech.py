@@ -25,6 +25,7 @@ from dit_core.audio import StreamEncoder, Waveform, content_type, encode
 from dit_core.audio.service import SpeechService
 
 from ..errors import APIError
+from ..guards import check_steps
 from .audio import check_queue, find_model
 
 router = APIRouter()
@@ -88,6 +89,10 @@ async def create_speech(body: SpeechRequestBody, request: Request):
     if body.response_format == "flac" and body.stream_format == "sse":
         raise APIError(400, "response_format=flac cannot be streamed as sse (its header carries the length); use "
                             "wav, mp3, opus or pcm", "invalid_request_error", "response_format", "unsupported")
+    if len(body.input) > state.settings.max_prompt_chars:
+        raise APIError(400, f"input is {len(body.input)} characters; the limit is {state.settings.max_prompt_chars}",
+                       "invalid_request_error", "input", "prompt_too_long")
+    check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
     service = speech_service(request, name)
     req = service.request(body.input, body.voice_name(), body.speed, body.seed, steps=body.num_inference_steps)

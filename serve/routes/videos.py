@@ -21,6 +21,7 @@ from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
 
 from ..errors import APIError
+from ..guards import check_work
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
 
@@ -160,11 +161,15 @@ def submit(request: Request, body: VideoCreateRequest, name: str, params: Sampli
         if e.field in ("height", "width") and body.size is not None:
             raise InvalidParamError("size", body.size, f"{e.field} {e.allowed}") from None
         raise
+    check_work(state.settings, request_obj.params)
     return request_obj
 
 
-def _mp4(fps: int):
-    return lambda output: encode_mp4(as_uint8(output.outputs[0]), fps=fps)
+def _mp4(fps: int, faults, prompt: str):
+    def encode(output):
+        faults.hit("output_encoding", [prompt])
+        return encode_mp4(as_uint8(output.outputs[0]), fps=fps)
+    return encode
 
 
 @router.post("/v1/videos")
@@ -185,7 +190,8 @@ async def create_video(request: Request):
     except BaseException:
         state.videos.delete(job.id)
         raise
-    job.task = asyncio.ensure_future(run_job(state.videos, state.engine, job, events, _mp4(fps)))
+    job.task = asyncio.ensure_future(run_job(state.videos, state.engine, job, events,
+                                                 _mp4(fps, state.engine.engine.faults, body.prompt)))
     return job.to_dict()
 
 
@@ -198,7 +204,7 @@ async def create_video_sync(request: Request):
     req = submit(request, body, name, params)
     rid, events = await state.engine.submit_async(body.prompt, req.params, model=name)
     event = await _until_final(state.engine, rid, events, request)
-    mp4 = await asyncio.to_thread(_mp4(fps), event.output)
+    mp4 = await asyncio.to_thread(_mp4(fps, state.engine.engine.faults, body.prompt), event.output)
     p = req.params
     return Response(mp4, media_type="video/mp4", headers={
         "X-Request-Id": rid, "X-Num-Frames": str(p.num_frames), "X-Fps": str(fps), "X-Seed": str(p.seed)})
