@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from dit_core import EngineDeadError, InvalidParamError, RequestAbortedError, RequestFailedError
 
@@ -52,6 +53,15 @@ def count_error(app, code: str) -> None:
         metrics.error(code)
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method some route of the app answers at this request's path."""
+    matching = [r for r in request.app.router.routes
+                if getattr(r, "methods", None) and r.matches(request.scope)[0] != Match.NONE]
+    # a fixed path (/v1/videos/sync) is its own resource, not an id of a templated one (/v1/videos/{id})
+    exact = [r for r in matching if getattr(r, "path", None) == request.url.path]
+    return ", ".join(sorted(set().union(*(r.methods for r in exact or matching))))
+
+
 def install_handlers(app: FastAPI) -> None:
     def respond(request: Request, status, message, type, param, code, headers=None):
         count_error(request.app, code or str(status))
@@ -87,8 +97,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        # e.headers carries the Allow header of a 405
-        return respond(request, e.status_code, str(e.detail), kind, None, None, e.headers)
+        headers = e.headers
+        if e.status_code == 405:  # Starlette's Allow names one route's methods; a path may have several routes
+            headers = {**(headers or {}), "Allow": allowed_methods(request)}
+        return respond(request, e.status_code, str(e.detail), kind, None, None, headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):

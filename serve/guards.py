@@ -14,6 +14,15 @@ def request_work(params) -> int:
     return params.num_outputs * (params.width or 0) * (params.height or 0) * frames * params.num_inference_steps
 
 
+def check_prompts(settings, body, names=("prompt", "negative_prompt")) -> None:
+    """400 naming the field when a prompt-like field is longer than ``max_prompt_chars``."""
+    for name in names:
+        text = getattr(body, name, None) or ""
+        if len(text) > settings.max_prompt_chars:
+            raise APIError(400, f"{name} is {len(text)} characters; the limit is {settings.max_prompt_chars}",
+                           "invalid_request_error", name, "prompt_too_long")
+
+
 def check_steps(settings, steps: int | None) -> None:
     """400 naming ``num_inference_steps`` past the server's ``max_steps``."""
     if steps is not None and settings.max_steps and steps > settings.max_steps:

@@ -39,6 +39,8 @@ REASONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Mi
            504: "The server's request timeout passed"}
 AUDIO = ("audio/wav", "audio/flac", "audio/mpeg", "audio/ogg", "audio/pcm")
 BINARY = {"type": "string", "format": "binary"}
+SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"},
+                                              "id": {"type": "string"}, "retry": {"type": "integer"}}}
 # (method, path) -> media types of the 200 answer besides / instead of JSON
 MEDIA = {
     ("get", "/metrics"): ("text/plain",),
@@ -50,8 +52,20 @@ MEDIA = {
     ("post", "/v1/images/generations"): ("application/json", "text/event-stream"),
 }
 GENERATION = {"/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/audio/generate", "/v1/audio/speech"}
+# links for stateful testing and for readers: (method, path) of a creating operation -> the operations
+# that take the id it answers with, and the path parameter that id fills
+LINKS = {("post", "/v1/videos"): [("get", "/v1/videos/{video_id}"), ("get", "/v1/videos/{video_id}/content"),
+                                  ("delete", "/v1/videos/{video_id}")]}
 # routes that read and validate their body themselves: path -> pydantic model of the JSON body
 MANUAL_BODIES: dict[str, type] = {"/v1/videos": VideoCreateRequest, "/v1/videos/sync": VideoCreateRequest}
+
+
+def _media_schema(media_type: str) -> dict:
+    if media_type == "text/event-stream":  # each event, as a client parses it
+        return SSE_EVENT
+    if media_type.startswith("text/"):
+        return {"type": "string"}
+    return BINARY
 
 
 def _statuses(method: str, path: str, op: dict, open_paths: tuple) -> list[int]:
@@ -86,9 +100,21 @@ def build_schema(app: FastAPI, open_paths: tuple = ("/health",)) -> dict:
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
-    for path, ops in schema.get("paths", {}).items():
+    paths = schema.get("paths", {})
+    for path, ops in paths.items():
         for method, op in ops.items():
             _document(method, path, op, open_paths)
+    for (method, path), targets in LINKS.items():
+        ok = paths.get(path, {}).get(method, {}).get("responses", {}).get("200")
+        if ok is None:
+            continue
+        links = ok.setdefault("links", {})
+        for t_method, t_path in targets:
+            target = paths.get(t_path, {}).get(t_method)
+            if target is not None and "operationId" in target:
+                param = t_path[t_path.index("{") + 1:t_path.index("}")]
+                links[target["operationId"]] = {"operationId": target["operationId"],
+                                                "parameters": {param: "$response.body#/id"}}
     return schema
 
 
@@ -103,8 +129,7 @@ def _document(method: str, path: str, op: dict, open_paths: tuple) -> None:
     if media:
         ok = responses.setdefault("200", {"description": "Successful Response"})
         json_schema = ok.get("content", {}).get("application/json", {"schema": {}})
-        ok["content"] = {m: json_schema if m == "application/json" else {"schema": BINARY if "/" in m and
-                         not m.startswith("text/") else {"type": "string"}} for m in media}
+        ok["content"] = {m: json_schema if m == "application/json" else {"schema": _media_schema(m)} for m in media}
     for code in _statuses(method, path, op, open_paths):
         entry = {"description": REASONS[code], "content": {"application/json": {"schema": ERROR_REF}}}
         if code in (429,):
@@ -133,6 +158,18 @@ def _set_bound(prop: dict, kind: str, key: str, value: int) -> None:
             option[key] = value
 
 
+def _list_voices(schema: dict, app: FastAPI) -> None:
+    """The speech body's ``voice`` names one of the served speech models' voices."""
+    engine = getattr(app.state, "engine", None)
+    body = schema.get("components", {}).get("schemas", {}).get("SpeechRequestBody")
+    if engine is None or body is None:
+        return
+    voices = sorted({v for f in engine.engine.models.values() for v in getattr(getattr(f, "text", None), "voices", ())})
+    for option in body.get("properties", {}).get("voice", {}).get("anyOf", ()):
+        if voices and option.get("type") == "string":
+            option["enum"] = voices
+
+
 def install(app: FastAPI, open_paths: tuple = ("/health",)) -> None:
     """Make ``app.openapi()`` (and ``/openapi.json``) return the documented schema."""
 
@@ -142,6 +179,7 @@ def install(app: FastAPI, open_paths: tuple = ("/health",)) -> None:
             settings = getattr(app.state, "settings", None)
             if settings is not None:
                 _limit_components(schema, settings)
+            _list_voices(schema, app)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -17,7 +17,7 @@ from dit_core import InvalidParamError, SamplingParams
 from dit_core.audio import content_type, encode
 
 from ..errors import APIError
-from ..guards import check_steps
+from ..guards import check_prompts, check_steps
 from .images import _until_final
 
 router = APIRouter()
@@ -27,7 +27,8 @@ AUDIO_FORMATS = ("wav", "flac", "mp3", "opus", "pcm")
 class AudioGenerateRequest(BaseModel):
     """A text-to-audio request. Unknown fields are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1)
     model: str | None = None
@@ -78,9 +79,7 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
     state = request.app.state
     name = find_model(request, body.model, "audio", "/v1/audio/generate",
                       check=lambda f: getattr(f, "pipeline_class", "") != "OmniditSpeechPipeline")
-    if len(body.prompt) > state.settings.max_prompt_chars:
-        raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {state.settings.max_prompt_chars}",
-                       "invalid_request_error", "prompt", "prompt_too_long")
+    check_prompts(state.settings, body)
     check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
     try:

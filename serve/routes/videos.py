@@ -21,7 +21,7 @@ from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
 
 from ..errors import APIError
-from ..guards import check_work
+from ..guards import check_prompts, check_work
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
 
@@ -79,12 +79,14 @@ async def read_body(request: Request) -> VideoCreateRequest:
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
         form = await request.form()
         data = {}
+        is_form = True
         for key, value in form.multi_items():
             if not isinstance(value, str):
                 raise InvalidParamError(key, getattr(value, "filename", "a file"),
                                         "no file: omnidit makes videos from text only")
             data[key] = value
     else:
+        is_form = False
         try:
             data = await request.json()
         except ValueError:
@@ -95,8 +97,8 @@ async def read_body(request: Request) -> VideoCreateRequest:
     if data.get("input_reference") not in (None, ""):
         raise InvalidParamError("input_reference", "given", "absent: omnidit makes videos from text only")
     data.pop("input_reference", None)
-    try:
-        return VideoCreateRequest(**data)
+    try:  # a JSON body is strict (0 is not false); a form's values are all strings, so it is not
+        return VideoCreateRequest.model_validate(data, strict=not is_form)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err.get("loc", ())) or None
@@ -131,9 +133,7 @@ def pick_model(request: Request, name: str | None) -> tuple[str, str]:
 def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, SamplingParams, int]:
     """Check a create body against the model: (engine model, public model, params, fps)."""
     settings, engine = request.app.state.settings, request.app.state.engine
-    if len(body.prompt) > settings.max_prompt_chars:
-        raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {settings.max_prompt_chars}",
-                       "invalid_request_error", "prompt", "prompt_too_long")
+    check_prompts(settings, body)
     name, public = pick_model(request, body.model)
     family = engine.engine.models[name]
     fps = body.fps or getattr(family, "fps", 16)
