@@ -16,7 +16,7 @@ from .errors import count_error, error_response, install_handlers
 from .files import FileStore
 from .guards import ClientLimitMiddleware
 from .live_stats import LiveStats
-from .metrics import Metrics
+from .metrics import HttpCountMiddleware, Metrics
 from .models import served_models
 from .routes import audio, images, speech, stats, system, videos
 from .video_jobs import VideoJobStore
@@ -89,6 +89,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     openapi.install(app, ApiKeyMiddleware.open_paths)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(HttpCountMiddleware, metrics=app.state.metrics)  # outermost: counts 401s and 413s too
     return app
 
 
