@@ -345,7 +345,9 @@ def test_default_model_quality_gate_for_every_method():
     from dit_core.zoo import default_model
 
     clf = train_classifier()
-    reqs = requests(per_digit=4, steps=16)  # the fixed seeds of tests/test_default_model.py
+    # 2 per digit (20 images; the first seeds of tests/test_default_model.py's fixed set): within 2 points
+    # then means not one image more misread than fp32; the 40-image figures are benchmarks/quant.py's
+    reqs = requests(per_digit=2, steps=16)
     digits = [d for d, _, _ in reqs]
 
     def run(method):
