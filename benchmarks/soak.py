@@ -119,7 +119,8 @@ class Client:
             await self.send(kind, "POST", img, img, json={**IMG, "prompt": prompt, **bad})
         elif kind == "audio":
             await self.send(kind, "POST", "/v1/audio/generate", "/v1/audio/generate",
-                            json={"prompt": prompt, "model": "sound", "response_format": self.rng.choice(["wav", "mp3"])})
+                            json={"prompt": prompt, "model": "sound",
+                                  "response_format": self.rng.choice(["wav", "mp3"])})
         elif kind == "audio_bad":
             bad = self.rng.choice([{"seconds": -1}, {"response_format": "aiff"}, {"model": "img"}, {"steps": 3}])
             await self.send(kind, "POST", "/v1/audio/generate", "/v1/audio/generate",
@@ -149,7 +150,8 @@ class Client:
             await self.send(kind, "POST", "/v1/videos/sync", "/v1/videos/sync", json={**VID, "prompt": prompt})
         elif kind == "video_bad":
             bad = self.rng.choice([{"size": "31x31"}, {"num_frames": 6}, {"fps": 0}, {"model": "sound"},
-                                   {"input_reference": "x"}, {"num_frames": 81, "size": "64x64", "num_inference_steps": 8}])
+                                   {"input_reference": "x"},
+                                   {"num_frames": 81, "size": "64x64", "num_inference_steps": 8}])
             path = self.rng.choice(["/v1/videos", "/v1/videos/sync"])
             await self.send(kind, "POST", path, path, json={**VID, "prompt": prompt, **bad})
         elif kind == "read":
@@ -158,7 +160,8 @@ class Client:
         elif kind == "garbage":
             choice = self.rng.randrange(4)
             if choice == 0:
-                await self.send(kind, "POST", img, img, content=b"{not json", headers={"content-type": "application/json"})
+                await self.send(kind, "POST", img, img, content=b"{not json",
+                                headers={"content-type": "application/json"})
             elif choice == 1:
                 await self.send(kind, "POST", img, img, content=b"[" + b"1," * (1 << 20) + b"1]",
                                 headers={"content-type": "application/json"})

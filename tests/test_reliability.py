@@ -115,6 +115,7 @@ def test_api_key_is_needed_on_every_route_but_health_and_the_page(reliability_se
     assert compared, "the key is compared with hmac.compare_digest (constant time)"
     assert client.get("/").status_code == 200 and client.get("/static/app.js").status_code == 200
     assert client.get("/static/../serve/app.py").status_code in (401, 404)
+    app.state.videos.close()
 
 
 def test_ids_are_128_bit_random_and_never_paths(reliability_server, tmp_path):
@@ -167,7 +168,7 @@ def test_in_flight_requests_per_client_are_bounded(reliability_server):
     """The fixture allows 6 POSTs in flight per client: of 12 sent at once some get 429 +
     Retry-After, and every one that got in finishes."""
     url = f"{reliability_server.url}/v1/images/generations"
-    body = {"prompt": "slow one", "model": "img", "size": "64x64", "num_inference_steps": 8}
+    body = {"prompt": "slow one", "model": "img", "size": "64x64", "num_inference_steps": 8, "n": 2}
     with cf.ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(lambda _: httpx.post(url, json=body, timeout=120), range(12)))
     limited = [r for r in answers if r.status_code == 429]
