@@ -122,3 +122,22 @@ def test_an_error_with_a_path_and_a_traceback_reaches_the_client_without_them(re
     err = assert_error(bad, 500, code="generation_failed")
     for leak in ("/home", "/opt/models", "runner.py", "Traceback", "line 3"):
         assert leak not in err["message"], err
+
+
+def test_a_stuck_decode_is_bounded_by_the_request_timeout(reliability_server, faults):
+    """A decode that hangs (here 3 s, on the engine's thread) does not hold the client past the
+    server's request timeout: it gets a 504 naming the timeout, and the engine serves again after."""
+    live = reliability_server
+    settings = live.app.state.settings
+    faults.arm("decode", prompt="stuck", error=lambda: time.sleep(3) or RuntimeError("decode gave up"))
+    old, settings.request_timeout_s = settings.request_timeout_s, 1.0
+    try:
+        start = time.monotonic()
+        (r,) = _images(live, ["stuck decode"])
+        waited = time.monotonic() - start
+    finally:
+        settings.request_timeout_s = old
+    assert_error(r, 504, code="request_timeout")
+    assert waited < 2.9, waited  # answered before the decode came back
+    faults.disarm()
+    assert _images(live, ["after the stall"])[0].status_code == 200
