@@ -62,7 +62,8 @@ max_response_time = {RESPONSE_LIMIT_S}
         if api_key:
             cmd += ["-H", f"Authorization: Bearer {api_key}"]
         start = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+        # run in the temporary folder: schemathesis keeps a cache (.schemathesis/) in its working directory
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=tmp,
                               env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_TELEMETRY": "false"})
         seconds = time.monotonic() - start
         cases, failures, operations = _count(report)
