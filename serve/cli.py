@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .quiet import quiet_third_party
+from .ray_flags import add_ray_args, ray_requested
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bytes of stored MP4s at most; more get 429 + Retry-After (default 256 MiB)")
     srv.add_argument("--video-ttl", type=float, default=3600.0,
                      help="seconds a finished video job and its file are kept (default 3600)")
+    srv.add_argument("--robot-deadline-ms", type=float, default=1000.0,
+                     help="robot WebSocket (/v1/realtime/robot/openpi): each observation's latency budget unless "
+                          "the connection (?deadline_ms=) or the frame sets one; 0: no deadline, bulk work "
+                          "(default 1000)")
+    srv.add_argument("--robot-idle-timeout", type=float, default=300.0,
+                     help="robot WebSocket: close a connection that sends no frame for this many seconds "
+                          "(default 300)")
+    srv.add_argument("--robot-max-frame-bytes", type=int, default=64 << 20,
+                     help="robot WebSocket: larger frames get an error text frame and close 1011 (default 64 MiB)")
     srv.add_argument("--max-file-bytes", type=int, default=256 << 20,
                      help="bytes of url images kept at most; the oldest go first, and a request whose PNGs could "
                           "exceed it is refused with 400 (default 256 MiB)")
@@ -106,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
     add_engine_args(srv)
+    add_ray_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     trn = sub.add_parser("train-default", help="retrain the embedded default model (about 10 minutes on 2 cores)")
@@ -113,6 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     trn.set_defaults(func=cmd_train_default)
 
+    tp = sub.add_parser("train-policy", help="retrain the embedded reaching policy (behaviour cloning; "
+                                             "about 10-15 minutes on 2 cores)")
+    tp.add_argument("out_dir")
+    tp.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tp.set_defaults(func=cmd_train_policy)
+
+    ep = sub.add_parser("run-episode", help="run the policy on one episode of the reaching task and save a GIF")
+    ep.add_argument("model", nargs="?", default=None, help="a policy folder (default: the embedded reaching policy)")
+    ep.add_argument("--seed", type=int, default=0, help="episode seed: target layout and instruction (default 0)")
+    ep.add_argument("--gif", default="episode.gif", help="output GIF (default episode.gif)")
+    ep.add_argument("--steps", type=int, default=None, help="denoising steps per chunk (default: the policy's, 10)")
+    ep.add_argument("--exec-horizon", type=int, default=8, help="actions executed per chunk before re-planning "
+                                                                "(default 8)")
+    ep.add_argument("--delay", type=int, default=0, help="simulated inference delay in control steps (default 0)")
+    ep.add_argument("--rtc", action="store_true", help="real-time chunking: continue the previous chunk through "
+                                                       "the delay")
+    ep.set_defaults(func=cmd_run_episode)
     tvd = sub.add_parser("train-video-default",
                          help="retrain the embedded video model, moving digits (about 20 minutes on 2 cores)")
     tvd.add_argument("out_dir")
@@ -155,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.set_defaults(func=cmd_quantize)
 
     rnd = sub.add_parser("make-random", help="write a random-weight checkpoint in diffusers format")
-    rnd.add_argument("family", help="flux, sd3, qwenimage, wan or stable-audio")
+    rnd.add_argument("family", help="flux, sd3, qwenimage, wan, stable-audio or pi0 (a robot policy)")
     rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
                                   "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder)")
     rnd.add_argument("out_dir")
@@ -295,11 +323,18 @@ def cmd_serve(args) -> int:
                              max_files=args.max_files, max_file_bytes=args.max_file_bytes,
                              request_timeout_s=args.request_timeout, video_dir=args.video_dir,
                              max_videos=args.max_videos, max_video_bytes=args.max_video_bytes,
-                             video_ttl_s=args.video_ttl, max_inflight_per_client=args.max_inflight_per_client,
+                             video_ttl_s=args.video_ttl, robot_deadline_ms=args.robot_deadline_ms or None,
+                             robot_idle_timeout_s=args.robot_idle_timeout,
+                             robot_max_frame_bytes=args.robot_max_frame_bytes,
+                             max_inflight_per_client=args.max_inflight_per_client,
                              max_pixel_steps=args.max_pixel_steps, max_steps=args.max_steps)
     options = engine_kwargs(args)
     if "policy" not in options:
         options["policy"] = default_policy(models.values())
+    if ray_requested(args):
+        from .ray_flags import serve_on_ray
+
+        return serve_on_ray(args, models, settings, options, args.shutdown_timeout)
     return serve(models, args.host, args.port, settings, args.shutdown_timeout, **options)
 
 
@@ -344,6 +379,31 @@ def cmd_train_default(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    return 0
+
+
+def cmd_train_policy(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_policy import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    return 0
+
+
+def cmd_run_episode(args) -> int:
+    from dit_core import Engine
+    from dit_core.eval.gif import save_gif
+    from dit_core.eval.policy import run_policy
+    from dit_core.zoo import default_policy
+
+    engine = Engine.from_pretrained(args.model or default_policy())
+    (episode,) = run_policy(engine, [args.seed], delay=args.delay, rtc=args.rtc, exec_horizon=args.exec_horizon,
+                            num_inference_steps=args.steps, record=True)
+    outcome = f"success in {episode.steps} steps" if episode.success else f"failed after {episode.steps} steps"
+    print(save_gif(episode.frames, args.gif, f"{episode.instruction}: {outcome}"))
+    print(f"{episode.instruction!r}: {outcome}")
     return 0
 
 

@@ -5,7 +5,25 @@ from __future__ import annotations
 
 import threading
 
+from dit_core.faults import NO_FAULTS
+
 from .errors import APIError, count_error, error_response
+
+
+def faults_of(state):
+    """The in-process engine's fault points (tests arm them); none on remote replicas."""
+    engine = getattr(state, "engine", None)
+    return engine.engine.faults if engine is not None else NO_FAULTS
+
+
+def check_model_work(state, model: str, params) -> None:
+    """``check_work`` on the request resolved by its model (an in-process engine); on remote replicas,
+    which resolve a request themselves, the step bound alone."""
+    engine = getattr(state, "engine", None)
+    if engine is not None:
+        check_work(state.settings, engine.engine.models[model].resolve(params))
+    else:
+        check_steps(state.settings, params.num_inference_steps)
 
 
 def request_work(params) -> int:

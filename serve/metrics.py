@@ -104,4 +104,5 @@ class HttpCountMiddleware:
             raise
         finally:
             route = getattr(scope.get("route"), "path", None) or "unrouted"
-            self.metrics.http.labels(scope.get("method", ""), route, status).inc()
+            if getattr(self.metrics, "http", None) is not None:  # merged replica metrics may lack it
+                self.metrics.http.labels(scope.get("method", ""), route, status).inc()

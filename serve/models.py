@@ -21,7 +21,7 @@ def model_kind(engine, name: str) -> str:
 def resolve_model(state, requested: str | None, kind: str) -> str:
     """The engine model name for ``requested`` (None: the only model of ``kind``); 404 for an
     unknown id, 400 for a model of another kind or an ambiguous omission."""
-    engine, ids = state.engine.engine, state.model_ids
+    engine, ids = state.client, state.model_ids
     of_kind = [public for public, name in ids.items() if model_kind(engine, name) == kind]
     if requested is None:
         if len(of_kind) == 1:

@@ -14,6 +14,12 @@ from dit_core import AsyncEngine, Engine
 from .app import ServeSettings, create_app
 
 
+def ws_options(settings: ServeSettings) -> dict:
+    """uvicorn's WebSocket limit: above the robot socket's own frame limit, so that an oversized
+    frame gets the socket's error text frame (frames over twice the limit are cut by uvicorn, 1009)."""
+    return {"ws_max_size": 2 * settings.robot_max_frame_bytes}
+
+
 def serve(models, host: str = "127.0.0.1", port: int = 8000, settings: ServeSettings | None = None,
           shutdown_timeout_s: float = 30.0, **engine_options) -> int:
     """Load ``models`` ({name: folder}, or one folder), serve them until SIGTERM/SIGINT, and return the
@@ -33,7 +39,7 @@ def serve(models, host: str = "127.0.0.1", port: int = 8000, settings: ServeSett
     # answer; so the engine aborts left-over requests at shutdown_timeout_s, and uvicorn gets a few seconds
     # more for those 503 answers to go out.
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout_s + ANSWER_GRACE_S,
-                            log_level="info", access_log=False)
+                            log_level="info", access_log=False, **ws_options(settings or ServeSettings()))
     server = _Server(config, engine, shutdown_timeout_s)
     # uvicorn handles SIGTERM/SIGINT itself (graceful shutdown), then re-raises the signal once it is
     # done; answering that re-raise with a no-op lets a clean stop exit 0 instead of dying by signal.

@@ -14,6 +14,7 @@ from ..params import SamplingParams
 from .base import Family, TextCond
 from .flux import FluxFamily
 from .image import DiffusersFamily, ImageFamily
+from .pi0 import Pi0Family
 from .qwenimage import QwenImageFamily
 from .sd3 import SD3Family
 from .speech import SpeechFamily
@@ -33,7 +34,7 @@ def register(cls: type[Family]) -> type[Family]:
     return cls
 
 
-for _cls in (FluxFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily):
+for _cls in (FluxFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily, Pi0Family):
     register(_cls)
 
 

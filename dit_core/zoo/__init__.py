@@ -1,5 +1,6 @@
 """Models shipped inside the package, by name. ``digits``: the embedded default (image) model;
-``digits_video``: the embedded video model ("moving digits", a Wan 2.1-shaped checkpoint).
+``digits_video``: the embedded video model ("moving digits", a Wan 2.1-shaped checkpoint);
+``reach``: the embedded robot policy for the reaching task (``reach_env``).
 
 Each entry maps a name (usable as ``omnidit serve --model NAME``) to its folder."""
 
@@ -10,7 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).parent
 DEFAULT_MODEL = ROOT / "digits"
 DEFAULT_VIDEO_MODEL = ROOT / "digits_video"
-EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL, "digits_video": DEFAULT_VIDEO_MODEL, "tts": ROOT / "tts"}
+DEFAULT_POLICY = ROOT / "reach"
+EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL, "digits_video": DEFAULT_VIDEO_MODEL, "tts": ROOT / "tts",
+                             "reach": DEFAULT_POLICY}
 
 
 def embedded_model(name: str) -> Path:
@@ -27,6 +30,11 @@ def embedded_model(name: str) -> Path:
 def default_model() -> Path:
     """The folder of the embedded default model (a diffusers-format Qwen-Image checkpoint)."""
     return embedded_model("digits")
+
+
+def default_policy() -> Path:
+    """The folder of the embedded reaching policy (a pi0-shaped policy checkpoint)."""
+    return embedded_model("reach")
 
 
 def default_video_model() -> Path:

@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.audio import content_type, encode
 
+from ..client import local_engine
 from ..errors import APIError
-from ..guards import check_prompts, check_steps
+from ..guards import check_prompts, check_steps, faults_of
 from .images import _until_final
 
 router = APIRouter()
@@ -44,7 +45,7 @@ def find_model(request: Request, name: str | None, kind: str, route: str, check=
     """The engine's name for the model a request names (None: the only model of ``kind``); 404 for
     an unknown model, 400 for one of another kind (or one ``check(family)`` rejects)."""
     state = request.app.state
-    models = state.engine.engine.models
+    models = local_engine(state, route).engine.models
     settings = state.settings
     if name is None:
         fitting = [n for n, f in models.items() if f.output_kind == kind and (check is None or check(f))]
@@ -67,7 +68,7 @@ def find_model(request: Request, name: str | None, kind: str, route: str, check=
 
 def check_queue(state) -> None:
     """429 + Retry-After when too many requests wait for admission (as the image API)."""
-    engine, settings = state.engine, state.settings
+    engine, settings = local_engine(state, "the audio API"), state.settings
     waiting = engine.num_unfinished - len(engine.engine.scheduler.running)
     if waiting >= settings.max_queue:
         raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
@@ -93,7 +94,7 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
                            "seconds", "invalid_value") from None
         raise
     event = await _until_final(state.engine, rid, events, request)
-    state.engine.engine.faults.hit("output_encoding", [body.prompt])
+    faults_of(state).hit("output_encoding", [body.prompt])
     audio = await asyncio.to_thread(encode, event.output.outputs[0], body.response_format)
     wave = event.output.outputs[0]
     return Response(content=audio, media_type=content_type(body.response_format),

@@ -19,7 +19,7 @@ from dit_core.request import EventKind, RequestOutput
 from ..errors import APIError, scrub
 from ..models import resolve_model
 from ..files import png_bound
-from ..guards import check_work
+from ..guards import check_model_work, faults_of
 from ..schemas import ImageData, ImageGenerationRequest, ImagesResponse
 
 router = APIRouter()
@@ -30,7 +30,7 @@ DISCONNECT_POLL_S = 0.2
 @router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True)
 async def create_image(body: ImageGenerationRequest, request: Request):
     state = request.app.state
-    settings, engine = state.settings, state.engine
+    settings, client = state.settings, state.client
     model = resolve_model(state, body.model, "image")
     for name in ("prompt", "negative_prompt"):
         text = getattr(body, name) or ""
@@ -38,22 +38,22 @@ async def create_image(body: ImageGenerationRequest, request: Request):
             raise APIError(400, f"{name} is {len(text)} characters; the limit is {settings.max_prompt_chars}",
                            "invalid_request_error", name, "prompt_too_long")
     params = body.sampling_params()
-    check_work(settings, engine.engine.models[model].resolve(params))
+    check_model_work(state, model, params)
     if body.response_format == "url":
-        _check_file_store_fits(engine, params, settings)
-    waiting = engine.num_unfinished - len(engine.engine.scheduler.running)
+        _check_file_store_fits(client, model, params, settings)
+    waiting = client.num_waiting()
     if waiting >= settings.max_queue:
         raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
                        None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
-    # validation tokenizes the prompt for some families: off the event loop
-    rid, events = await engine.submit_async(body.prompt, params, model=model)
+    # validation tokenizes the prompt for some families: off the event loop (or in a remote replica)
+    rid, events = await client.submit(body.prompt, params, model=model, progress=body.stream)
     base_url = str(request.base_url)
     deadline = time.monotonic() + settings.request_timeout_s if settings.request_timeout_s else None
     if body.stream:
         return StreamingResponse(_sse(state, rid, events, body, base_url, deadline), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-    event = await _until_final(engine, rid, events, request, deadline, settings.request_timeout_s)
-    data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, engine.engine.faults)
+    event = await _until_final(client, rid, events, request, deadline, settings.request_timeout_s)
+    data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, faults_of(state))
     _log(event.output)
     return ImagesResponse(created=int(time.time()), data=data)
 
@@ -67,12 +67,12 @@ async def get_file(file_id: str, request: Request):
     return Response(content=item[0], media_type=item[1])
 
 
-def _check_file_store_fits(engine, params, settings) -> None:
+def _check_file_store_fits(client, model: str, params, settings) -> None:
     """Refuse up front a url response whose images could not all be kept by the file store."""
-    resolved = engine.engine.family.resolve(params)
-    worst = resolved.num_outputs * png_bound(resolved.width, resolved.height)
+    count, width, height = client.output_size(model, params)
+    worst = count * png_bound(width, height)
     if worst > settings.max_file_bytes:
-        raise APIError(400, f"{resolved.num_outputs} image(s) of {resolved.width}x{resolved.height} can take up to "
+        raise APIError(400, f"{count} image(s) of {width}x{height} can take up to "
                             f"{worst} bytes as PNG, more than the url file store holds ({settings.max_file_bytes} "
                             "bytes): ask for response_format 'b64_json', or fewer or smaller images",
                        "invalid_request_error", "response_format", "response_too_large")
@@ -83,12 +83,13 @@ def _timeout_error(rid: str, seconds: float) -> APIError:
                          "was aborted", "server_error", None, "request_timeout")
 
 
-async def _until_final(engine, rid, events, request: Request, deadline: float | None = None, timeout_s: float = 0):
+async def _until_final(client, rid, events, request: Request, deadline: float | None = None, timeout_s: float = 0):
     """Wait for the request's final event; abort it if the client disconnects or ``deadline`` passes
-    first. (A dead engine loop fails every waiting request itself: see AsyncEngine.)"""
+    first. ``client``: an ``EngineClient`` (or an ``AsyncEngine``). (A dead engine loop fails every waiting
+    request itself: see AsyncEngine.)"""
 
     async def consume():
-        async for event in engine.events(rid, events):
+        async for event in client.events(rid, events):
             if event.kind.final:
                 return event
 
@@ -102,14 +103,14 @@ async def _until_final(engine, rid, events, request: Request, deadline: float | 
                 task.cancel()  # the stream's cleanup aborts the request in the engine
                 raise RequestAbortedError(rid, "client disconnected")
             if deadline is not None and time.monotonic() > deadline:
-                engine.abort(rid, f"the server's request timeout ({timeout_s:g} s) passed")
+                client.abort(rid, f"the server's request timeout ({timeout_s:g} s) passed")
                 task.cancel()
                 raise _timeout_error(rid, timeout_s)
     except asyncio.CancelledError:
         task.cancel()
         raise
     event = task.result()
-    if event.kind == EventKind.FAILED and engine.died is not None:
+    if event.kind == EventKind.FAILED and client.died is not None:
         raise EngineDeadError(event.error)  # not this request's fault: 503, like any unavailable engine
     if event.kind == EventKind.FAILED:
         raise RequestFailedError(rid, event.error)
@@ -134,7 +135,7 @@ async def _until_deadline(events, deadline: float | None):
 async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, deadline: float | None = None):
     """progress events, then one event per image, then [DONE]. Disconnecting aborts the request; so does
     the server's request timeout (an error event with code request_timeout)."""
-    stream = state.engine.events(rid, events)
+    stream = state.client.events(rid, events)
     try:
         async for event in _until_deadline(stream, deadline):
             for chunk in await _sse_event(state, rid, event, body, base_url):
@@ -144,6 +145,8 @@ async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, 
         err = _timeout_error(rid, state.settings.request_timeout_s)
         yield _sse_data({"type": "error", "id": rid, "error": {"message": err.message, "type": err.type,
                                                               "param": None, "code": err.code}})
+    except EngineDeadError as e:  # the engine serving it went away (e.g. a Ray Serve replica died)
+        yield _sse_data(_sse_error(rid, str(e), "engine_unavailable"))
     yield "data: [DONE]\n\n"
 
 
@@ -153,15 +156,19 @@ async def _sse_event(state, rid, event, body: ImageGenerationRequest, base_url: 
         return [_sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})]
     if event.kind == EventKind.FINISHED:
         out = [_sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})]
-        data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, state.engine.engine.faults)
+        data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, faults_of(state))
         out += [_sse_data({"type": "image", "id": rid, "index": i, **item.model_dump(exclude_none=True)})
                 for i, item in enumerate(data)]
         _log(event.output)
         return out
     if event.kind.final:
-        return [_sse_data({"type": "error", "id": rid, "error": {"message": scrub(event.error), "type": "server_error",
-                                                                "param": None, "code": event.kind.value}})]
+        return [_sse_data(_sse_error(rid, scrub(event.error), event.kind.value))]
     return []
+
+
+def _sse_error(rid: str, message: str, code: str) -> dict:
+    return {"type": "error", "id": rid, "error": {"message": message, "type": "server_error", "param": None,
+                                                  "code": code}}
 
 
 def _sse_data(payload: dict) -> str:

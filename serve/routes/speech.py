@@ -24,6 +24,7 @@ from dit_core import InvalidParamError, RequestAbortedError
 from dit_core.audio import StreamEncoder, Waveform, content_type, encode
 from dit_core.audio.service import SpeechService
 
+from ..client import local_engine
 from ..errors import APIError
 from ..guards import check_prompts, check_steps
 from .audio import check_queue, find_model
@@ -69,7 +70,7 @@ def _is_speech(family) -> bool:
 
 @router.get("/v1/audio/voices")
 async def list_voices(request: Request, model: str | None = None):
-    models = request.app.state.engine.engine.models
+    models = local_engine(request.app.state, "/v1/audio/voices").engine.models
     names = [find_model(request, model, "audio", "/v1/audio/voices", check=_is_speech)] if model else \
         [n for n, f in models.items() if _is_speech(f)]
     data = []

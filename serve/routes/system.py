@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -15,7 +17,7 @@ router = APIRouter()
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request):
     state = request.app.state
-    models = state.engine.engine.models
+    models = state.client.models
     return ModelList(data=[ModelCard(id=public, created=state.started, kind=models[name].output_kind)
                            for public, name in state.model_ids.items()])
 
@@ -27,7 +29,7 @@ async def describe_model(model_id: str, request: Request):
     if model_id not in state.model_ids:
         raise APIError(404, f"model {model_id!r} is not served here; this server serves {sorted(state.model_ids)}",
                        "invalid_request_error", "model", "model_not_found")
-    family = state.engine.engine.models[state.model_ids[model_id]]
+    family = state.client.models[state.model_ids[model_id]]
     details = family.describe()
     if "max_outputs" in details:  # what one HTTP request may ask for (``n``), not only what the engine allows
         details["max_outputs"] = min(details["max_outputs"], MAX_N)
@@ -36,11 +38,14 @@ async def describe_model(model_id: str, request: Request):
 
 @router.get("/health")
 async def health(request: Request):
-    if request.app.state.engine.is_alive:
+    if request.app.state.client.is_alive:
         return {"status": "ok"}
     return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
 
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    body = request.app.state.metrics.render()
+    if inspect.isawaitable(body):  # remote replicas are asked for their series
+        body = await body
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

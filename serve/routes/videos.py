@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
 
+from ..client import local_engine
 from ..errors import APIError
-from ..guards import check_prompts, check_work
+from ..guards import check_prompts, check_work, faults_of
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
 
@@ -109,7 +110,7 @@ def pick_model(request: Request, name: str | None) -> tuple[str, str]:
     """(the engine's model name, the name clients see) of a video model, or a 400/404 naming ``model``.
     None means the server's model (the first video model when it holds several)."""
     state = request.app.state
-    models = state.engine.engine.models
+    models = local_engine(state, "the Videos API").engine.models
     single = len(models) == 1
     if name is None:
         videos = [n for n, f in models.items() if f.output_kind == "video"]
@@ -191,7 +192,7 @@ async def create_video(request: Request):
         state.videos.delete(job.id)
         raise
     job.task = asyncio.ensure_future(run_job(state.videos, state.engine, job, events,
-                                                 _mp4(fps, state.engine.engine.faults, body.prompt)))
+                                                 _mp4(fps, faults_of(state), body.prompt)))
     return job.to_dict()
 
 
@@ -204,7 +205,7 @@ async def create_video_sync(request: Request):
     req = submit(request, body, name, params)
     rid, events = await state.engine.submit_async(body.prompt, req.params, model=name)
     event = await _until_final(state.engine, rid, events, request)
-    mp4 = await asyncio.to_thread(_mp4(fps, state.engine.engine.faults, body.prompt), event.output)
+    mp4 = await asyncio.to_thread(_mp4(fps, faults_of(state), body.prompt), event.output)
     p = req.params
     return Response(mp4, media_type="video/mp4", headers={
         "X-Request-Id": rid, "X-Num-Frames": str(p.num_frames), "X-Fps": str(fps), "X-Seed": str(p.seed)})

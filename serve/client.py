@@ -1,0 +1,112 @@
+"""What the HTTP routes need from an engine, whether it runs in this process or as remote replicas.
+
+The routes speak to ``app.state.client``, an ``EngineClient``. ``LocalEngineClient`` wraps the
+in-process ``AsyncEngine`` (the single-process server); ``serve.ray_app`` provides one that talks
+to Ray Serve engine replicas. This module never imports Ray.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, AsyncIterator
+
+from dit_core import AsyncEngine
+from dit_core.request import RequestEvent
+
+from .metrics import Metrics
+
+
+class EngineClient(abc.ABC):
+    """Submit requests, follow their events, abort them; describe the models served."""
+
+    models: dict[str, Any]  # engine model name -> an object with ``output_kind`` and ``describe()``
+
+    @property
+    @abc.abstractmethod
+    def is_alive(self) -> bool:
+        """Whether requests can be served now."""
+
+    @property
+    def died(self) -> str | None:
+        """Why the engine stopped serving, if it did (a failed request is then not the request's fault)."""
+        return None
+
+    @abc.abstractmethod
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet admitted to a batch (the 429 queue limit counts these)."""
+
+    @abc.abstractmethod
+    async def submit(self, prompt, params, model: str | None = None, progress: bool = True) -> tuple[str, Any]:
+        """Validate and queue a request; returns its id and a stream handle for ``events``.
+        Invalid input raises ``InvalidParamError`` here. ``progress=False`` lets a remote engine skip
+        the per-step events the caller does not need (the first step and the final event still come)."""
+
+    @abc.abstractmethod
+    def output_size(self, model: str, params) -> tuple[int, int, int]:
+        """(outputs, width, height) a request of ``params`` to ``model`` makes, before it is submitted."""
+
+    @abc.abstractmethod
+    def events(self, rid: str, stream) -> AsyncIterator[RequestEvent]:
+        """The request's events until its final one; leaving early aborts the request."""
+
+    @abc.abstractmethod
+    def abort(self, rid: str, reason: str = "aborted by client") -> None:
+        """Abort a live request at its engine's next step boundary."""
+
+    @abc.abstractmethod
+    def make_metrics(self):
+        """The app's metrics: an object with ``error(kind)`` and ``render()`` (bytes, or an awaitable of them)."""
+
+    @abc.abstractmethod
+    def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop serving (let in-flight requests finish for up to ``drain_timeout_s``)."""
+
+
+class LocalEngineClient(EngineClient):
+    """The single-process server: an ``AsyncEngine`` in this process."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.models = engine.engine.models
+
+    @property
+    def is_alive(self) -> bool:
+        return self.engine.is_alive
+
+    @property
+    def died(self) -> str | None:
+        return self.engine.died
+
+    def num_waiting(self) -> int:
+        return self.engine.num_unfinished - len(self.engine.engine.scheduler.running)
+
+    async def submit(self, prompt, params, model=None, progress=True):
+        return await self.engine.submit_async(prompt, params, model=model)
+
+    def output_size(self, model, params):
+        resolved = self.engine.engine.models[model].resolve(params)
+        return resolved.num_outputs, resolved.width, resolved.height
+
+    def events(self, rid, stream):
+        return self.engine.events(rid, stream)
+
+    def abort(self, rid, reason="aborted by client"):
+        self.engine.abort(rid, reason)
+
+    def make_metrics(self) -> Metrics:
+        return Metrics(self.engine)
+
+    def shutdown(self, drain_timeout_s=0.0):
+        self.engine.shutdown(drain_timeout_s=drain_timeout_s)
+
+
+def local_engine(state, feature: str) -> AsyncEngine:
+    """The in-process ``AsyncEngine`` a route needs, or a 501 naming ``feature`` when the app serves
+    remote engine replicas (``omnidit serve --replicas``), where that route is not available yet."""
+    if state.engine is None:
+        from .errors import APIError
+
+        raise APIError(501, f"{feature} is not available on engine replicas (omnidit serve --replicas) yet; "
+                            "run a single-process server (no --replicas) for it",
+                       "invalid_request_error", None, "not_available_on_replicas")
+    return state.engine

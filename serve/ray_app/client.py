@@ -1,0 +1,147 @@
+"""``RemoteEngineClient``: the ``EngineClient`` the ingress uses to reach engine replicas through a
+Ray Serve ``DeploymentHandle``.
+
+Each request is one streaming call (``handle.options(stream=True).generate``) carrying its routing
+key and this client's origin tag for the router. The stream's first item says whether the replica
+took the request (a rejection is re-raised here as the same typed error); then come its events.
+Leaving the stream early cancels the call, which aborts the request in the replica.
+
+When the replica serving a request dies, the request fails with ``EngineDeadError`` (HTTP 503)
+naming the replica; it is not retried here: with its seed, sending it again gives the same images.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from ray.exceptions import RayError, RayTaskError
+
+from dit_core import EngineDeadError
+from dit_core.request import EventKind, RequestEvent
+
+from ..client import EngineClient
+from .cluster_metrics import ClusterMetrics
+from .keys import route_key
+from .wire import Rejected
+
+STATS_TIMEOUT_S = 10.0
+
+
+@dataclass
+class RemoteModel:
+    """What the routes need of a model served by the replicas."""
+
+    output_kind: str
+    details: dict
+
+    def describe(self) -> dict:
+        return dict(self.details)
+
+
+@dataclass
+class _Stream:
+    gen: object  # the DeploymentResponseGenerator
+    replica: str
+    started: bool = False  # a step ran: the request is past the replica's queue
+
+
+class RemoteEngineClient(EngineClient):
+    def __init__(self, handle, described: dict, thinkers: dict | None = None):
+        self.handle = handle
+        self.models = {name: RemoteModel(d["kind"], d["details"]) for name, d in described.items()}
+        self.defaults = {name: d["route_defaults"] for name, d in described.items()}
+        self.thinkers = thinkers or {}
+        self.origin = uuid.uuid4().hex[:12]  # tells the routers which live requests this client sent
+        self._live: dict[str, _Stream] = {}
+        self._closed = False
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._closed
+
+    def num_waiting(self) -> int:
+        return sum(1 for s in self._live.values() if not s.started)
+
+    async def submit(self, prompt, params, model=None, progress=True):
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+        name = model if model is not None else next(iter(self.models)) if len(self.models) == 1 else None
+        key = route_key(name, params, self.defaults.get(name)) if name is not None else None
+        gen = self.handle.options(stream=True).generate.remote(prompt, params, model=model, route_key=key,
+                                                               origin=self.origin, progress=progress)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise EngineDeadError("the engine replica closed the request's stream before taking it") from None
+        except RayTaskError as e:
+            raise EngineDeadError(f"the engine replica failed to take the request: {e.cause!r}") from None
+        except RayError as e:
+            raise EngineDeadError(f"no engine replica could take the request: {type(e).__name__}") from None
+        if isinstance(first, Rejected):
+            raise first.error()
+        stream = _Stream(gen, first.replica)
+        self._live[first.request_id] = stream
+        return first.request_id, stream
+
+    async def events(self, rid, stream: _Stream):
+        final = False
+        try:
+            while not final:
+                try:
+                    event = await stream.gen.__anext__()
+                except StopAsyncIteration:
+                    raise EngineDeadError(f"engine replica {stream.replica} ended request {rid} without a "
+                                          "final event") from None
+                except RayTaskError as e:  # an error in the replica outside the engine's own handling
+                    event = RequestEvent(rid, EventKind.FAILED, error=f"engine replica error: {e.cause!r}")
+                except RayError as e:
+                    raise EngineDeadError(
+                        f"engine replica {stream.replica} died while serving request {rid} "
+                        f"({type(e).__name__}); the request was not completed: send it again (with the same "
+                        "seed it gives the same images)") from None
+                if event.kind == EventKind.STEP:
+                    stream.started = True
+                final = event.kind.final
+                yield event
+        finally:
+            self._live.pop(rid, None)
+            if not final:
+                stream.gen.cancel()  # the replica's stream is cancelled, which aborts the request there
+
+    def abort(self, rid, reason="aborted by client"):
+        stream = self._live.get(rid)
+        if stream is not None:
+            stream.gen.cancel()
+
+    def output_size(self, model, params):
+        """From the request and the model's defaults (the replica validates the request itself)."""
+        defaults = self.defaults.get(model) or {}
+        width = params.width if params.width is not None else defaults.get("width", 0)
+        height = params.height if params.height is not None else defaults.get("height", 0)
+        return params.num_outputs or 1, width, height
+
+    def make_metrics(self) -> ClusterMetrics:
+        return ClusterMetrics(self)
+
+    def shutdown(self, drain_timeout_s=0.0):
+        self._closed = True  # Ray Serve stops the replicas (gracefully) itself
+
+    # ---- the replicas ----
+
+    async def replica_metrics(self) -> list:
+        """(replica id, Prometheus text) of every live engine replica."""
+        results = await self.handle.broadcast("metrics_text").results_async(
+            timeout_s=STATS_TIMEOUT_S, return_exceptions=True)
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    async def replica_stats(self) -> dict:
+        """Every engine replica's ``stats()``, and every shared thinker stage's."""
+        engines = await self.handle.broadcast("stats").results_async(timeout_s=STATS_TIMEOUT_S,
+                                                                     return_exceptions=True)
+        thinkers = {}
+        for name, handle in self.thinkers.items():
+            found = await handle.broadcast("stats").results_async(timeout_s=STATS_TIMEOUT_S, return_exceptions=True)
+            thinkers[name] = [t for t in found if not isinstance(t, BaseException)]
+        return {"engines": sorted((e for e in engines if not isinstance(e, BaseException)),
+                                  key=lambda e: e["replica"]), "thinkers": thinkers}

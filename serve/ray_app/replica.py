@@ -1,0 +1,141 @@
+"""``EngineReplica``: one ``AsyncEngine`` as a Ray Serve replica.
+
+``generate`` streams a request's events back to the ingress (``handle.options(stream=True)``);
+cancelling that stream (the HTTP client went away) aborts the request in this engine. The replica
+reports its live requests by routing key, and its budget, to the routers (``record_routing_stats``),
+and answers ``describe`` / ``stats`` / ``metrics_text`` for the ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+
+import torch
+from ray import serve
+
+from dit_core import AsyncEngine, Engine, EngineConfig, OmniditError
+from dit_core.families import load_family
+from dit_core.quantize import apply_quant
+from dit_core.request import EventKind
+
+from ..metrics import Metrics
+from .keys import route_defaults, route_key
+from .options import ScaleOutConfig
+from .thinker import remote_thinker
+from .wire import Accepted, rejection
+
+
+class EngineReplica:
+    """Ray Serve deployment body. ``thinkers``: model name -> handle of its shared thinker stage."""
+
+    async def __init__(self, config: dict, thinkers: dict | None = None):
+        cfg = ScaleOutConfig(**config)
+        torch.set_num_threads(cfg.replica_threads())
+        remote = {}
+        for name, handle in (thinkers or {}).items():
+            info = await handle.info.remote()
+            remote[name] = remote_thinker(cfg.models[name], handle, info)
+        engine = await asyncio.to_thread(build_engine, cfg.models, cfg.engine, remote)
+        self.engine = AsyncEngine(engine)
+        self.metrics = Metrics(self.engine)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.shutdown_timeout_s = cfg.shutdown_timeout_s
+        self.live: dict[str, tuple[str, str | None]] = {}  # request id -> (routing key, origin)
+        self.accepted: collections.Counter = collections.Counter()  # routing key -> requests accepted
+        self.forwards = self.batched = 0  # forwards run, and requests summed over them
+        self.engine.step_listeners.append(self._on_step)
+
+    async def generate(self, prompt, params=None, model: str | None = None, route_key: str | None = None,
+                       origin: str | None = None, progress: bool = True):
+        """First an ``Accepted`` (or a rejection naming the bad field), then the request's events.
+        ``progress=False`` sends only the first step event and the final one."""
+        try:
+            rid, events = self.engine.submit(prompt, params, model=model)
+        except OmniditError as e:
+            yield rejection(e)
+            return
+        key = route_key or self._route_key(model, params)
+        self.live[rid] = (key, origin)
+        self.accepted[key] += 1
+        stepped = final = False
+        try:
+            yield Accepted(rid, self.replica_id)
+            async for event in self.engine.events(rid, events):
+                if event.kind == EventKind.QUEUED or (event.kind == EventKind.STEP and stepped and not progress):
+                    continue
+                stepped = stepped or event.kind == EventKind.STEP
+                final = event.kind.final
+                yield event
+        finally:  # the caller cancelled the stream (its HTTP client went away): abort the request here
+            self.live.pop(rid, None)
+            if not final:
+                self.engine.abort(rid, "client went away")
+
+    def describe(self) -> dict:
+        """Per model: its kind, ``describe()`` details and default size (for routing keys)."""
+        return {name: {"kind": f.output_kind, "details": f.describe(), "route_defaults": route_defaults(f)}
+                for name, f in self.engine.engine.models.items()}
+
+    def record_routing_stats(self) -> dict:
+        """Read by Ray Serve every ``routing_stats_period_s`` and handed to the routers."""
+        keys: dict = {}
+        for key, origin in list(self.live.values()):
+            per_origin = keys.setdefault(origin or "", {})
+            per_origin[key] = per_origin.get(key, 0) + 1
+        engine = self.engine.engine
+        budgets = {name: engine.scheduler.max_batch.get(name, engine.config.max_batch_size) for name in engine.models}
+        return {"keys": keys, "live": len(self.live), "budgets": budgets}
+
+    def stats(self) -> dict:
+        """What this replica has done: requests by routing key, forwards, the mean batch, its process."""
+        thinkers = {name: getattr(f, "thinker", None) for name, f in self.engine.engine.models.items()}
+        return {"replica": self.replica_id, "pid": os.getpid(), "threads": torch.get_num_threads(),
+                "accepted": dict(self.accepted), "live": len(self.live), "forwards": self.forwards,
+                "batched_requests": self.batched,
+                "mean_batch": self.batched / self.forwards if self.forwards else None,
+                "thinkers": {n: t.kind for n, t in thinkers.items() if t is not None},
+                "lm_parameters": sum(p.numel() for t in thinkers.values() if t is not None
+                                     for p in getattr(getattr(t, "model", None), "parameters", list)())}
+
+    def metrics_text(self) -> tuple[str, str]:
+        """(replica id, this replica's Prometheus text)."""
+        return self.replica_id, self.metrics.render().decode()
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive:
+            raise RuntimeError("the engine loop is not running")
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.is_alive:
+            engine.shutdown(drain_timeout_s=self.shutdown_timeout_s)
+
+    def _route_key(self, model: str | None, params) -> str:
+        """For callers that do not send one (the ingress does): from the resolved parameters."""
+        engine = self.engine.engine
+        name = engine.model_name(model)
+        return route_key(name, engine.models[name].resolve(params) if params is not None else None,
+                         route_defaults(engine.models[name]))
+
+    def _on_step(self, stats) -> None:
+        self.forwards += 1
+        self.batched += stats.batch_sizes[-1]
+
+
+def build_engine(models: dict[str, str], engine_options: dict, thinkers: dict) -> Engine:
+    """Load ``models`` into one engine; a model in ``thinkers`` uses that (shared) thinker."""
+    cfg = EngineConfig(**engine_options)
+    options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
+    families = {}
+    try:
+        for name, path in models.items():
+            families[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device),
+                                         thinkers.get(name, cfg.thinker), options)
+            apply_quant(families[name], cfg.quant)
+    except BaseException:
+        for family in families.values():
+            family.close()
+        raise
+    return Engine(families, cfg)

@@ -1,0 +1,50 @@
+"""What travels between the ingress and the engine replicas besides ``RequestEvent``s: the first
+item of every ``generate`` stream says whether the replica took the request. A rejection carries
+the error's fields, so the ingress raises the same typed error the single-process server would."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dit_core import EngineDeadError, InvalidParamError, OmniditError
+
+
+@dataclass
+class Accepted:
+    request_id: str
+    replica: str
+
+
+@dataclass
+class Rejected:
+    kind: str  # "invalid" | "dead" | "other"
+    message: str
+    field: str | None = None
+    value: object = None
+    allowed: str | None = None
+
+    def error(self) -> OmniditError:
+        if self.kind == "invalid":
+            e = InvalidParamError(self.field, self.value, self.allowed)
+            e.args = (self.message,)  # word for word what the replica said
+            return e
+        if self.kind == "dead":
+            return EngineDeadError(self.message)
+        return OmniditError(self.message)
+
+
+def rejection(e: OmniditError) -> Rejected:
+    if isinstance(e, InvalidParamError):
+        return Rejected("invalid", str(e), e.field, _plain(e.value), e.allowed)
+    if isinstance(e, EngineDeadError):
+        return Rejected("dead", str(e))
+    return Rejected("other", str(e))
+
+
+def _plain(value):
+    """Values that pickle anywhere (the error message only needs their repr)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    return repr(value)

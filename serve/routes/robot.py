@@ -1,0 +1,176 @@
+"""The OpenPI robot WebSocket (``/v1/realtime/robot/openpi``) and ``GET /healthz``.
+
+Speaks the protocol of openpi's policy server, so the stock ``openpi_client.websocket_client_policy.
+WebsocketClientPolicy`` works unchanged (give it ``host="ws://HOST:PORT/v1/realtime/robot/openpi"``):
+
+1. handshake: with an API key on the server, ``Authorization: Api-Key KEY`` (the client's
+   ``api_key=``) or ``Bearer KEY``, else HTTP 401. Query: ``model`` (a policy id; default the
+   only policy), ``deadline_ms``, ``seed``, ``rtc_delay``, ``exec_horizon`` (see
+   ``serve.robot_session``); a bad one refuses the handshake with 400 (404 for an unknown model),
+   the JSON error body naming the parameter (the client raises ``InvalidStatus``).
+2. the server sends one binary msgpack frame: the policy's metadata (observation keys, sizes,
+   chunk shape) and the session's settings.
+3. per observation frame (binary msgpack, numpy arrays tagged as openpi does) the server answers
+   ``{"actions": float32 [H, D], "server_timing": {...}}``. Each observation is one engine request
+   (kind actions) with the session's deadline, so it shares the step loop, and under ``edf`` gets
+   ahead of bulk image work.
+4. errors (a frame that is not msgpack or not a map, an oversized frame, a bad observation or
+   control field, a failed request): a text frame with the message (naming the field), then
+   close code 1011, as openpi's server does; the client raises it. Other connections carry on.
+5. an idle connection (no frame for ``robot_idle_timeout_s``) is closed with code 1000.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import numpy as np
+from fastapi import APIRouter, Request, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from dit_core import InvalidParamError, OmniditError
+
+from ..client import local_engine
+from ..errors import APIError, count_error, error_response
+from ..models import resolve_model
+from ..openpi_wire import WireError, pack, unpack
+from ..robot_session import RobotSession
+
+router = APIRouter()
+logger = logging.getLogger("omnidit.serve.robot")
+PATH = "/v1/realtime/robot/openpi"
+INTERNAL_ERROR = 1011  # what openpi's server closes with after an error text frame
+
+
+@router.get("/healthz")
+async def healthz(request: Request):
+    """Liveness for robot deployments (openpi's server answers this path)."""
+    if request.app.state.client.is_alive:
+        return {"status": "ok"}
+    return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
+
+
+def check_settings(settings) -> None:
+    """The robot socket's server settings, checked at startup (named by their ``omnidit serve`` flags)."""
+    d = settings.robot_deadline_ms
+    if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 3.6e6):
+        raise InvalidParamError("--robot-deadline-ms", d, "a number of milliseconds in (0, 3600000], or 0 for none")
+    if not settings.robot_idle_timeout_s > 0:
+        raise InvalidParamError("--robot-idle-timeout", settings.robot_idle_timeout_s, "a number of seconds > 0")
+    if isinstance(settings.robot_max_frame_bytes, bool) or not isinstance(settings.robot_max_frame_bytes, int) \
+            or settings.robot_max_frame_bytes < 1:
+        raise InvalidParamError("--robot-max-frame-bytes", settings.robot_max_frame_bytes, "an integer >= 1")
+
+
+def _authorized(ws: WebSocket, api_key: str | None) -> bool:
+    if not api_key:
+        return True
+    given = ws.headers.get("authorization", "").encode()
+    return any(hmac.compare_digest(given, f"{scheme} {api_key}".encode()) for scheme in ("Api-Key", "Bearer"))
+
+
+@router.websocket(PATH)
+async def robot_socket(ws: WebSocket):
+    state, settings = ws.app.state, ws.app.state.settings
+    if not _authorized(ws, settings.api_key):
+        count_error(ws.app, "invalid_api_key")
+        await _deny(ws, APIError(401, "missing or invalid API key (send 'Authorization: Api-Key KEY')",
+                                 "invalid_request_error", None, "invalid_api_key"))
+        return
+    try:
+        local_engine(state, "the robot WebSocket")
+        session = _open_session(ws)
+    except APIError as e:
+        count_error(ws.app, e.code or str(e.status))
+        await _deny(ws, e)
+        return
+    except InvalidParamError as e:
+        count_error(ws.app, "invalid_value")
+        await _deny(ws, APIError(400, str(e), "invalid_request_error", e.field, "invalid_value"))
+        return
+    await ws.accept()
+    family = state.engine.engine.models[session.model]
+    public = next(p for p, n in state.model_ids.items() if n == session.model)
+    await ws.send_bytes(pack({**family.metadata, "model": public, "session": session.describe()}))
+    previous_end = None
+    while True:
+        try:
+            message = await asyncio.wait_for(ws.receive(), timeout=settings.robot_idle_timeout_s)
+        except asyncio.TimeoutError:
+            await ws.close(code=1000, reason="idle timeout")
+            return
+        if message["type"] == "websocket.disconnect":
+            return
+        received = time.perf_counter()
+        try:
+            reply = await _answer(state, session, message)
+        except (WireError, InvalidParamError, OmniditError) as e:
+            count_error(ws.app, "robot_bad_frame")
+            await _fail(ws, _message(e))
+            return
+        if "actions" in reply:
+            now = time.perf_counter()
+            reply["server_timing"]["infer_ms"] = (now - received) * 1e3
+            if previous_end is not None:
+                reply["server_timing"]["prev_total_ms"] = (now - previous_end) * 1e3
+            previous_end = now
+        try:
+            await ws.send_bytes(pack(reply))
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the robot went away meanwhile
+            return
+
+
+def _open_session(ws: WebSocket) -> RobotSession:
+    state = ws.app.state
+    name = resolve_model(state, ws.query_params.get("model"), "actions")
+    family = state.engine.engine.models[name]
+    return RobotSession.from_query(dict(ws.query_params), name, family.cfg.action_horizon,
+                                   state.settings.robot_deadline_ms)
+
+
+async def _answer(state, session: RobotSession, message: dict) -> dict:
+    """The reply to one received frame (raises for a bad one)."""
+    data = message.get("bytes")
+    if data is None:
+        raise WireError("expected a binary msgpack frame, got a text frame")
+    limit = state.settings.robot_max_frame_bytes
+    if len(data) > limit:
+        raise WireError(f"frame of {len(data)} bytes is larger than the limit of {limit} bytes")
+    frame = unpack(data)
+    if session.is_reset(frame):
+        session.reset()
+        return {"reset": True}
+    obs, params = session.request(frame)
+    output = await state.engine.generate(obs, params, model=session.model)
+    actions = np.asarray(output.actions, dtype=np.float32)
+    session.answered(actions)
+    m = output.metrics
+    return {"actions": actions,
+            "server_timing": {"queue_ms": m.get("queue_ms"), "engine_ms": m.get("e2e_ms"),
+                              "deadline_ms": m.get("deadline_ms"), "deadline_met": m.get("deadline_met"),
+                              "steps": len(m.get("step_ms") or [])}}
+
+
+async def _deny(ws: WebSocket, e: APIError) -> None:
+    """Refuse the handshake with the HTTP error (status and JSON body as the HTTP routes give);
+    servers without the denial-response extension send a bare 403."""
+    try:
+        await ws.send_denial_response(error_response(e.status, e.message, e.type, e.param, e.code))
+    except RuntimeError:
+        await ws.close(code=1008)
+
+
+def _message(e: Exception) -> str:
+    return e.message if isinstance(e, APIError) else str(e)
+
+
+async def _fail(ws: WebSocket, text: str) -> None:
+    """The error text frame and the 1011 close; the client may already be gone."""
+    try:
+        await ws.send_text(text)
+        await ws.close(code=INTERNAL_ERROR, reason=text.encode()[:120].decode(errors="ignore"))
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        pass

@@ -1,0 +1,146 @@
+"""serve/ray_app pieces that need no Ray cluster: the batch-aware ranking, routing keys, the merged
+/metrics exposition, the scale-out options, and that the single-process server never imports Ray."""
+
+import asyncio
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from dit_core import InvalidParamError, SamplingParams
+from serve.ray_app.cluster_metrics import merge
+from serve.ray_app.keys import route_key
+from serve.ray_app.options import ScaleOutConfig
+from serve.ray_app.router import BatchAwareRouter
+
+A, B = "digits|32x32x1", "digits|48x48x1"
+LOOP = asyncio.new_event_loop()  # the routers' loop in these tests
+
+
+def replica(name: str, stats: dict | None = None):
+    return SimpleNamespace(replica_id=name, routing_stats=stats or {})
+
+
+def pending(iid: str, key: str, origin: str = "me"):
+    return SimpleNamespace(kwargs={"route_key": key, "origin": origin},
+                           metadata=SimpleNamespace(internal_request_id=iid),
+                           routing_context=SimpleNamespace(should_backoff=False), future=LOOP.create_future())
+
+
+@pytest.fixture
+def router():
+    r = BatchAwareRouter.__new__(BatchAwareRouter)  # the ranking only; Ray Serve builds real ones
+    r.initialize_state(budget=4)
+    return r
+
+
+def route(router, replicas, key, iid, origin="me"):
+    ranks = LOOP.run_until_complete(router.choose_replicas(replicas, pending(iid, key, origin)))
+    return ranks[0][0].replica_id
+
+
+def test_same_key_fills_one_replica_to_its_budget_then_spreads(router):
+    reps = [replica("r1"), replica("r2")]
+    first = [route(router, reps, A, f"a{i}") for i in range(4)]
+    assert len(set(first)) == 1  # one batch, up to the budget
+    fifth = route(router, reps, A, "a4")
+    assert fifth != first[0]
+    assert route(router, reps, A, "a5") == fifth  # and the second replica's batch grows next
+    assert router.decisions == {"open": 2, "joined": 4}
+
+
+def test_a_new_key_goes_to_the_least_loaded_replica_and_completion_frees_room(router):
+    reps = [replica("r1"), replica("r2")]
+    x = {route(router, reps, A, f"a{i}") for i in range(3)}.pop()
+    y = route(router, reps, B, "b0")
+    assert y != x  # a new key: the least loaded replica
+    for i in range(3):
+        router.on_request_completed(x, f"a{i}")
+    assert route(router, reps, B, "b1") == y  # joins the live B batch although x is idle now
+    assert route(router, reps, A, "a3") == x  # no live A batch: the least loaded
+
+
+def test_reported_budgets_and_other_routers_requests_count(router):
+    # r1 reports 2 live requests of key A sent by another ingress and a budget of 2: it has no room
+    r1 = replica("r1", {"keys": {"other": {A: 2}}, "budgets": {"digits": 2}})
+    r2 = replica("r2", {"keys": {"me": {A: 3}}, "budgets": {"digits": 2}})  # "me": already counted locally
+    ranked, decision = router.rank([r1, r2], A, "me")
+    assert [r.replica_id for r in ranked] == ["r2", "r1"] and decision == "open"
+    r1.routing_stats = {"keys": {"other": {A: 1}}, "budgets": {"digits": 4}}
+    assert route(router, [r1, r2], A, "x") == "r1"  # joins the other ingress's batch, which has room
+
+
+def test_cancelled_unsent_requests_are_forgotten(router):
+    reps = [replica("r1"), replica("r2")]
+    pr = pending("gone", A)
+    LOOP.run_until_complete(router.choose_replicas(reps, pr))
+    pr.future.cancel()
+    LOOP.run_until_complete(router.choose_replicas(reps, pending("next", B)))
+    assert "gone" not in router.inflight
+
+
+def test_route_keys_fill_in_the_model_defaults():
+    defaults = {"height": 32, "width": 32}
+    assert route_key("digits", SamplingParams(), defaults) == A
+    assert route_key("digits", SamplingParams(height=48, width=48), defaults) == B
+    assert route_key("digits", SamplingParams(height=48, width=32), defaults) == "digits|48x32x1"
+
+
+def test_merged_metrics_label_every_series_with_its_replica():
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    texts = []
+    for rid, n in (("r1", 1), ("r2", 2)):
+        reg = CollectorRegistry()
+        Counter("omnidit_requests", "finished requests", ["outcome"], registry=reg).labels("finished").inc(n)
+        Histogram("omnidit_batch_size", "requests per forward", buckets=(1, 2), registry=reg).observe(n)
+        Counter("omnidit_errors", "errors", ["kind"], registry=reg)
+        texts.append((rid, generate_latest(reg).decode()))
+    text = merge(texts).decode()
+    assert 'omnidit_requests_total{outcome="finished",replica="r1"} 1.0' in text
+    assert 'omnidit_requests_total{outcome="finished",replica="r2"} 2.0' in text
+    assert 'omnidit_batch_size_count{replica="r2"} 1.0' in text
+    assert text.count("# TYPE omnidit_batch_size histogram") == 1 and "omnidit_errors" not in text
+
+
+def test_scale_out_options_are_validated_naming_the_field():
+    cfg = ScaleOutConfig(models=["digits"], replicas=2, max_replicas=4, engine={"max_batch_size": 6})
+    options = cfg.deployment_options()
+    assert options["autoscaling_config"] == {"min_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 6}
+    assert options["max_ongoing_requests"] == 12 and cfg.shared_thinker == []
+    assert ScaleOutConfig(models={"d": "digits"}, shared_thinker=True).shared_thinker == ["d"]
+    for bad, field in [(dict(replicas=0), "replicas"), (dict(router="random"), "router"),
+                       (dict(autoscaling={"upscale_delay": 1}), "autoscaling"),
+                       (dict(shared_thinker=["nope"]), "shared_thinker"),
+                       (dict(engine={"max_batch_size": 0}), "max_batch_size")]:
+        with pytest.raises(InvalidParamError) as e:
+            ScaleOutConfig(models={"digits": "digits"}, **bad)
+        assert e.value.field == field
+    with pytest.raises(InvalidParamError, match="args"):
+        ScaleOutConfig.from_args({"models": {"digits": "digits"}, "replica": 2})
+
+
+def test_the_single_process_server_never_imports_ray():
+    code = ("import sys; from serve.cli import build_parser; from serve.app import create_app; import serve.server; "
+            "build_parser().parse_args(['serve', '--port', '1']); "
+            "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_build_app_takes_serve_run_style_string_args():
+    # what `serve run serve.ray_app:build_app models=digits replicas=2 ...` and config files call
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+
+    from serve.ray_app import build_app
+
+    app = call_user_app_builder_with_args_if_necessary(build_app, {
+        "models": "digits", "replicas": "3", "engine": '{"max_batch_size": 5}', "shared_thinker": "true"})
+    assert isinstance(app, Application)
+    cfg = ScaleOutConfig.from_args({"models": "a=digits,b=digits", "max_replicas": "4", "replicas": "1",
+                                    "target_ongoing_requests": "6", "shared_thinker": "b"})
+    assert sorted(cfg.models) == ["a", "b"] and cfg.shared_thinker == ["b"]
+    assert cfg.deployment_options()["autoscaling_config"]["target_ongoing_requests"] == 6.0
+    with pytest.raises(InvalidParamError, match="replicas"):
+        ScaleOutConfig.from_args({"models": "digits", "replicas": "two"})

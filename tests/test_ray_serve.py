@@ -1,0 +1,272 @@
+"""serve/ray_app: `omnidit serve --replicas` on Ray Serve, end to end, on one Ray cluster for the module.
+
+The cluster is the CLI itself (``omnidit serve --replicas 1 --max-replicas 2 ...`` in a subprocess,
+the embedded digits model, its thinker as a shared stage, batch-aware routing with a budget of 4
+requests per forward). The first fixture loads it until the autoscaler adds the second replica;
+every later test runs against 2 replicas; the last stops it with SIGTERM and checks, by pid, that
+no Ray process is left.
+"""
+
+import base64
+import concurrent.futures
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+import numpy as np
+import openai
+import psutil
+import pytest
+import torch
+from PIL import Image
+
+from dit_core.zoo import default_model
+from serve.app import ServeSettings
+from serve.server import free_port
+from serve_helpers import assert_error, live_server
+
+KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BUDGET = 4  # --max-batch-size: the router's per-replica budget
+# Ray Serve's autoscaler hears about load every 10 s by default; the test cluster reports faster.
+FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0"}
+AUTOSCALING = {"upscale_delay_s": 0, "downscale_delay_s": 3600, "look_back_period_s": 1, "metrics_interval_s": 0.5}
+
+
+def post(url, body, timeout=180, **kw):
+    return httpx.post(f"{url}/v1/images/generations", json=body, headers=AUTH, timeout=timeout, **kw)
+
+
+def replicas(url) -> dict:
+    r = httpx.get(f"{url}/v1/replicas", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def accepted(url) -> dict:
+    """replica id -> {routing key: requests accepted}."""
+    return {e["replica"]: e["accepted"] for e in replicas(url)["engines"]}
+
+
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@contextmanager
+def cli_cluster():
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.cli", "serve", "--model", "digits", "--port", str(port), "--api-key", KEY,
+           "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
+           "--autoscaling", json.dumps(AUTOSCALING), "--replica-threads", "1", "--replica-cpus", "0.5",
+           "--max-batch-size", str(BUDGET), "--shared-thinker", "--shutdown-timeout", "5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **FAST_METRICS, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy():
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, 600, "the Ray Serve app to come up")  # a loaded 2-core machine starts Ray slowly
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            left = descendants(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            for p in alive(left):  # never leave a Ray process behind, even when a test failed
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with cli_cluster() as (proc, url):
+        yield proc, url
+
+
+@pytest.fixture(scope="module")
+def scaled(cluster):
+    """Load the one-replica app past its autoscaling target until Ray Serve adds the second replica."""
+    proc, url = cluster
+    before = len(replicas(url)["engines"])
+    body = {"prompt": "digit 7", "num_inference_steps": 200}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        load = [pool.submit(post, url, {**body, "seed": i}) for i in range(6)]
+        start = time.monotonic()
+        engines = wait_for(lambda: len(replicas(url)["engines"]) == 2 and replicas(url)["engines"], 300,
+                           "a second engine replica", poll_s=1)
+        seconds = time.monotonic() - start
+        statuses = [f.result().status_code for f in load]
+    return dict(url=url, proc=proc, before=before, after=len(engines), seconds=seconds, statuses=statuses)
+
+
+def test_autoscaling_adds_a_replica_under_load(scaled):
+    assert scaled["before"] == 1 and scaled["after"] == 2
+    assert scaled["statuses"] == [200] * 6
+
+
+def png_pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))), dtype=np.int16)
+
+
+def test_same_images_as_the_single_process_server(scaled):
+    url = scaled["url"]
+    requests = [dict(prompt=p, size=s, seed=seed, num_inference_steps=6)
+                for p, s, seed in [("digit 1", "32x32", 1), ("digit 2", "32x32", 2), ("digit 3", "48x48", 3),
+                                   ("digit 4", "48x48", 4)]]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+
+    def generate(c, r):
+        extra = {k: r[k] for k in ("seed", "num_inference_steps")}
+        return c.images.generate(prompt=r["prompt"], size=r["size"], response_format="b64_json", extra_body=extra)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        remote = list(pool.map(lambda r: generate(client, r).data[0].b64_json, requests))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each replica runs: same kernels, same sums
+    try:
+        with live_server(default_model(), ServeSettings(model_name="digits")) as srv:
+            local_client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+            local = [generate(local_client, r).data[0].b64_json for r in requests]
+    finally:
+        torch.set_num_threads(threads)
+    for r, a, b in zip(requests, remote, local):
+        diff = np.abs(png_pixels(a) - png_pixels(b)).max()
+        # A row's result does not depend on its batchmates within 1e-6 (fp32); after 8-bit quantization
+        # that can flip one level at most.
+        assert diff <= 1, (r, diff)
+    assert sum(a == b for a, b in zip(remote, local)) >= 3  # and the PNGs are almost always byte-identical
+
+
+def test_streaming_errors_models_and_api_key(scaled):
+    url = scaled["url"]
+    body = {"prompt": "digit 5", "num_inference_steps": 4, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/images/generations", json=body, headers=AUTH, timeout=120) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(x) for x in lines[:-1]]
+    assert lines[-1] == "[DONE]"
+    assert [(e["step"], e["total"]) for e in events if e["type"] == "progress"][0] == (1, 4)
+    assert [e["type"] for e in events].count("image") == 1
+    # validated in a replica, answered like the single-process server
+    assert_error(post(url, {"prompt": "x", "size": "30x32"}), 400, "width", "invalid_value")
+    assert_error(post(url, {"prompt": "x", "colour": "red"}), 400, "colour")
+    assert_error(post(url, {"prompt": "x", "model": "sdxl"}), 404, "model", "model_not_found")
+    assert_error(httpx.post(f"{url}/v1/images/generations", json={"prompt": "x"}), 401, code="invalid_api_key")
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
+    assert [(m["id"], m["kind"]) for m in models["data"]] == [("digits", "image")]
+    detail = httpx.get(f"{url}/v1/models/digits", headers=AUTH).json()
+    assert detail["details"]["defaults"]["height"] == 32
+    # routes that still need the in-process engine say so, naming themselves
+    for path, body in (("/v1/videos", {"prompt": "x"}), ("/v1/audio/generate", {"prompt": "x"})):
+        err = assert_error(httpx.post(f"{url}{path}", json=body, headers=AUTH), 501, code="not_available_on_replicas")
+        assert "--replicas" in err["message"]
+
+
+def test_metrics_expose_one_series_per_replica(scaled):
+    url = scaled["url"]
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    assert re.search(r"^omnidit_replicas 2\.0$", text, re.M)
+    ids = {e["replica"] for e in replicas(url)["engines"]}
+    counted = set(re.findall(r'^omnidit_batch_size_count\{replica="(\w+)"\} ', text, re.M))
+    assert counted == ids
+    finished = re.findall(r'^omnidit_requests_total\{outcome="finished",replica="\w+"\} (\S+)', text, re.M)
+    assert sum(float(v) for v in finished) >= 6
+    assert re.search(r'^omnidit_errors_total\{kind="invalid_api_key"\} ', text, re.M)  # counted at the ingress
+
+
+def routed(url, size: str, n: int, steps: int = 80) -> dict:
+    """Send ``n`` concurrent requests of one routing key; requests each replica accepted."""
+    before = accepted(url)
+    body = {"prompt": "digit 8", "size": size, "num_inference_steps": steps}
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda i: post(url, {**body, "seed": i}), range(n)))
+    assert [r.status_code for r in results] == [200] * n, [r.text for r in results]
+    key = f"digits|{size.split('x')[1]}x{size.split('x')[0]}x1"
+    return {rid: keys.get(key, 0) - before.get(rid, {}).get(key, 0) for rid, keys in accepted(url).items()}
+
+
+def test_batch_aware_routing_keeps_a_key_together_then_spreads(scaled):
+    url = scaled["url"]
+    together = routed(url, "40x40", BUDGET - 1)
+    assert sorted(together.values()) == [0, BUDGET - 1], together  # all on one replica: one batch
+    spread = routed(url, "56x56", BUDGET + 2)
+    assert sorted(spread.values()) == [2, BUDGET], spread  # the batch filled its budget, the rest went on
+
+
+def test_the_thinker_runs_once_as_a_shared_stage(scaled):
+    stats = replicas(scaled["url"])
+    assert all(e["thinkers"] == {"digits": "remote"} and e["lm_parameters"] == 0 for e in stats["engines"])
+    (stage,) = stats["thinkers"]["digits"]
+    assert stage["kind"] == "hf" and stage["calls"] >= 1
+    assert stage["cache"]["hits"] >= 1  # a prompt encoded for one replica served another from the cache
+
+
+def test_client_disconnect_aborts_the_request_in_its_replica(scaled):
+    url = scaled["url"]
+    forwards = {e["replica"]: e["forwards"] for e in replicas(url)["engines"]}
+    with pytest.raises(httpx.ReadTimeout):
+        post(url, {"prompt": "slow", "num_inference_steps": 1000}, timeout=httpx.Timeout(2.0, connect=10))
+    wait_for(lambda: all(e["live"] == 0 for e in replicas(url)["engines"]), 30, "the request to be aborted")
+    ran = sum(e["forwards"] - forwards.get(e["replica"], 0) for e in replicas(url)["engines"])
+    assert ran < 1000  # it stopped well before its 1000 steps
+
+
+def test_killing_a_replica_fails_its_requests_clearly_and_the_survivor_serves(scaled):
+    url = scaled["url"]
+    body = {"prompt": "digit 9", "num_inference_steps": 1000}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        inflight = [pool.submit(post, url, {**body, "seed": i}) for i in range(2)]
+        busy = wait_for(lambda: [e for e in replicas(url)["engines"] if e["live"] == 2], 60, "the requests to start")
+        victim = busy[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        for f in inflight:
+            err = assert_error(f.result(), 503, code="engine_unavailable")
+            assert f"engine replica {victim['replica']} died while serving request" in err["message"]
+    after = post(url, {"prompt": "digit 0", "num_inference_steps": 3, "seed": 1})
+    assert after.status_code == 200, after.text
+    restarted = wait_for(lambda: [e for e in replicas(url)["engines"] if e["pid"] != victim["pid"]]
+                         if len(replicas(url)["engines"]) == 2 else None, 300, "Ray Serve to restart the replica")
+    assert victim["pid"] not in {e["pid"] for e in restarted} and not psutil.pid_exists(victim["pid"])
+
+
+def test_sigterm_stops_everything_and_leaves_no_ray_process(scaled):
+    proc = scaled["proc"]
+    ray_procs = descendants(proc.pid)
+    pids = {p.pid for p in ray_procs}
+    assert {e["pid"] for e in replicas(scaled["url"])["engines"]} <= pids  # the replicas are among them
+    assert len(pids) >= 5  # GCS, raylet, Serve controller, proxy, ingress, engines, thinker, ...
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    wait_for(lambda: not alive(ray_procs), 30, f"Ray processes {[p.pid for p in alive(ray_procs)]} to exit")
