@@ -84,7 +84,7 @@ def _statuses(method: str, path: str, op: dict, open_paths: tuple) -> list[int]:
         codes += [429, 503]
         if path != "/v1/videos":  # a video job answers at once; its timeout shows in the job
             codes.append(504)
-    if path == "/health":
+    if path in ("/health", "/healthz"):  # liveness: 200, or 503 when the engine loop is down
         codes = [503]
     return sorted(set(codes))
 

@@ -17,6 +17,7 @@ from serve.files import FileStore
 from serve.video_jobs import VideoJobStore
 from serve_helpers import assert_error
 
+OPEN = ("/health", "/healthz")  # liveness needs no key
 GENERATION = ("/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/audio/generate", "/v1/audio/speech")
 
 
@@ -31,11 +32,11 @@ def test_schema_documents_errors_not_422(schema):
     for path, ops in schema["paths"].items():
         for method, op in ops.items():
             assert "422" not in op["responses"], (method, path)
-            assert "500" in op["responses"] or path == "/health"
+            assert "500" in op["responses"] or path in OPEN
             for code, response in op["responses"].items():
                 if code != "200":
                     assert response["content"]["application/json"]["schema"] == error_ref, (method, path, code)
-            if path != "/health":
+            if path not in OPEN:
                 assert "401" in op["responses"], (method, path)
     for path in GENERATION:
         codes = set(schema["paths"][path]["post"]["responses"])
@@ -93,7 +94,7 @@ def test_schemathesis_finds_nothing(reliability_server):
     assert result["failures"] == 0 and result["returncode"] == 0, result["output"]
 
 
-def test_api_key_is_needed_on_every_route_but_health_and_the_page(reliability_server, monkeypatch):
+def test_api_key_is_needed_on_every_http_route_but_health_and_the_page(reliability_server, monkeypatch):
     live = reliability_server
     app = create_app(live.engine, ServeSettings(api_key="s3cret"), owns_engine=False)
     compared = []
@@ -106,7 +107,7 @@ def test_api_key_is_needed_on_every_route_but_health_and_the_page(reliability_se
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = client.request(method, path, headers=headers, json={})
-            if path == "/health":
+            if path in OPEN:
                 assert r.status_code == 200
             else:
                 assert_error(r, 401, code="invalid_api_key")
