@@ -249,7 +249,11 @@ def main(argv=None) -> int:
         stores: list = []
         before = server_counts(live)
         log = asyncio.run(stream(live.url, n, args.concurrency, args.seed, on_progress))
-        time.sleep(1.0)  # let the last cut streams' handlers finish and be counted
+        # a cut stream's handler ends (and is counted) when it next writes and finds the client gone: wait
+        # up to 60 s for the server to have counted every request sent, then account
+        settle = time.monotonic() + 60
+        while sum((server_counts(live) - before).values()) < len(log) and time.monotonic() < settle:
+            time.sleep(0.2)
         engine = live.engine
         deadline = time.monotonic() + 60
         while engine.num_unfinished and time.monotonic() < deadline:
