@@ -16,6 +16,10 @@ the per-round ratios, spreads (max - min) / median. Every round sends fresh prom
 sees a prompt twice) and the engines run with the prompt cache off, so no cache answers for the
 engine what diffusers re-encodes; the prompt cache's own gain is measured separately (same prompts
 again, cache on, against cache off). Outputs of the two sides are compared request by request.
+Then the dtype / compile comparison (benchmarks.speed; skip with ``--no-speed``): engine fp32,
+bf16, ``dtype="auto"`` and fp32 + compile against diffusers fp32, bf16 and fp32 + torch.compile at
+``--speed-sizes``, torch.mm bf16/fp32 at the transformer's main shape, a per-op profile of bf16 vs
+fp32 (results/profile_bf16.json), and ``omnidit generate``'s time to its first image.
 Writes results/engine_throughput.json and results/engine_throughput.png.
 """
 
@@ -241,9 +245,12 @@ def main(argv=None):
     ap.add_argument("--load", type=float, default=1.5,
                     help="Poisson arrival rate as a multiple of the sequential pipeline's capacity")
     ap.add_argument("--model", default=None, help="a FLUX folder (default: build the small random one)")
+    ap.add_argument("--no-speed", action="store_true", help="skip the dtype / compile comparison (benchmarks.speed)")
+    ap.add_argument("--speed-sizes", default="64,256", help="image sizes of the dtype / compile comparison")
+    ap.add_argument("--speed-requests", type=int, default=16, help="requests per round there (quick: 4)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.sizes, args.sweep = 8, "64", "1"
+        args.requests, args.sizes, args.sweep, args.speed_requests = 8, "64", "1", 4
 
     from diffusers import FluxPipeline
 
@@ -279,6 +286,20 @@ def main(argv=None):
             results.append(poisson)
     cache = prompt_cache_gain(model, args, args.repeats)
 
+    speed = None
+    if not args.no_speed:
+        from argparse import Namespace
+
+        from benchmarks import speed as speed_bench
+
+        sargs = Namespace(**{**vars(args), "requests": args.speed_requests,
+                             "steps": 4 if args.quick else args.steps, "repeats": 1 if args.quick else args.repeats})
+        speed = speed_bench.dtype_compile(model, sargs, [int(s) for s in args.speed_sizes.split(",")], texts[0])
+        speed["profile"] = str(speed_bench.profile_and_write(model, max(int(s) for s in args.speed_sizes.split(",")),
+                                                             texts[0]))
+        speed["summary"]["cli_first_image_s"] = speed_bench.cli_first_image()
+        print(f"omnidit generate, first image: {speed['summary']['cli_first_image_s']:.1f} s", flush=True)
+
     main_result = results[0]
     default_text = next(r for r in results if r["size"] == main_result["size"] and r["text_tokens"] == 512
                         and r["scenario"].endswith("together")) if 512 in texts else None
@@ -296,12 +317,14 @@ def main(argv=None):
         "throughput_ratio_spread_by_scenario": {r["scenario"]: r["throughput_ratio_spread"] for r in results},
         "p95_ratio_by_scenario": {r["scenario"]: r["p95_ratio"] for r in results},
         "prompt_cache_gain": cache["speedup"],
+        **(speed["summary"] if speed else {}),
         "repeats": args.repeats,
         "method": "interleaved rounds, fresh prompts every round, engine prompt cache off; median of per-round "
                   "ratios",
     }
     payload = {"benchmark": "engine_throughput", "machine": machine(), "args": vars(args),
-               "summary": summary, "scenarios": results, "prompt_cache": cache}
+               "summary": summary, "scenarios": results, "prompt_cache": cache,
+               "dtype_compile": speed and {"by_size": speed["by_size"], "profile": speed["profile"]}}
     path = write_json("engine_throughput", payload)
     png = plot(results, main_label)
     default = "" if default_text is None else f", x{default_text['throughput_ratio']:.2f} at {default_text['scenario']}"

@@ -46,6 +46,12 @@ class EngineConfig:
     quant: weight quantization of the transformer (or the components named with ``,components=``):
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.
+    dtype: ``float32``, ``bfloat16``, ``float16`` (not on CPU) or ``auto``: measured once per machine
+        and model, see ``dit_core.dtype_auto`` (``Engine.from_models`` resolves it before loading).
+    compile: ``torch.compile`` (inductor) on the transformer blocks, dynamic batch dimension; see
+        ``dit_core.compile`` (which combinations stay eager). Compile time is spent at engine start.
+    compile_warmup: image sizes the start-up warm-up compiles for, ``"32x32,64x64"`` or a list
+        (``None``: each model's default size); ``Engine.compile_warmup_s`` reports the seconds.
     """
 
     dtype: str = "float32"
@@ -62,6 +68,8 @@ class EngineConfig:
     thinker_memory_utilization: float = 0.1
     prompt_cache_bytes: int = 256 << 20
     quant: str | None = None
+    compile: bool = False
+    compile_warmup: str | list | None = None
 
     def __post_init__(self):
         if self.thinker is None:
@@ -79,8 +87,8 @@ class EngineConfig:
             raise InvalidParamError("attention_per_role", self.attention_per_role, str(e)) from None
         if isinstance(self.dtype, torch.dtype):
             self.dtype = next((k for k, v in DTYPES.items() if v == self.dtype), str(self.dtype))
-        if self.dtype not in DTYPES:
-            raise InvalidParamError("dtype", self.dtype, f"one of {list(DTYPES)}")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise InvalidParamError("dtype", self.dtype, f"one of {list(DTYPES) + ['auto']}")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):
@@ -102,6 +110,11 @@ class EngineConfig:
         if isinstance(self.edf_bulk_every, bool) or not isinstance(self.edf_bulk_every, int) \
                 or self.edf_bulk_every < 1:
             raise InvalidParamError("edf_bulk_every", self.edf_bulk_every, "an integer >= 1")
+        if not isinstance(self.compile, bool):
+            raise InvalidParamError("compile", self.compile, "True or False")
+        from .compile import parse_shapes
+
+        parse_shapes(self.compile_warmup)
         from .quantize import validate_quant
 
         self.quant = validate_quant(self.quant, self.device)

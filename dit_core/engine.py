@@ -74,6 +74,8 @@ class Engine:
         if not models:
             raise InvalidParamError("models", models, "at least one model")
         self.config = config = dataclasses.replace(config)  # ours to adjust; the caller's stays as given
+        if config.dtype == "auto":  # families loaded already: their dtype is the answer
+            config.dtype = str(next(iter(models.values())).dtype).replace("torch.", "")
         self.models: dict[str, Family] = dict(models)
         self.prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         max_batch = {}
@@ -105,6 +107,16 @@ class Engine:
         self._seq = itertools.count()
         self._pending: list[RequestEvent] = []
         self._live: dict[str, Request] = {}
+        self.compile_info: dict = {}  # model -> dit_core.compile.CompileInfo when config.compile
+        if config.compile:
+            from .compile import setup
+
+            self.compile_info = setup(self)
+
+    @property
+    def compile_warmup_s(self) -> float:
+        """Seconds the start-up compile warm-up took (0 without ``compile``)."""
+        return sum(info.warmup_s for info in self.compile_info.values())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, name: str | None = None, **config) -> "Engine":
@@ -119,6 +131,10 @@ class Engine:
         if not isinstance(paths, dict) or not paths:
             raise InvalidParamError("models", paths, "a non-empty {name: model folder} mapping")
         cfg = EngineConfig(**config)
+        if cfg.dtype == "auto":  # measured once per machine and model (dit_core.dtype_auto)
+            from .dtype_auto import resolve
+
+            cfg.dtype = resolve(paths, config)
         options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
         models = {}
         try:

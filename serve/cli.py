@@ -18,6 +18,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "verbose", True):
         quiet_third_party()  # before torch / transformers / diffusers / vLLM are imported
+    import logging
+
+    for name in ("dit_core.dtype_auto", "dit_core.compile"):  # the start-up choices, one line each
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(logging.StreamHandler(sys.stderr))
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
     from dit_core.errors import OmniditError
 
     try:
@@ -196,7 +204,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="show third-party logs, warnings and progress bars (transformers, diffusers, vLLM); "
                         "by default only omnidit's own output and errors are shown")
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default float32)")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16 or auto: a short measurement of this model in both, once per machine "
+                        "(cached under ~/.cache/omnidit or $OMNIDIT_CACHE_DIR), picks the faster; logged in one "
+                        "line (default auto)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (inductor) the transformer blocks, dynamic batch; compiles at start "
+                        "(minutes on a small CPU) and logs the time (default off)")
+    p.add_argument("--compile-warmup", default=None,
+                   help="image sizes the --compile warm-up covers, e.g. 32x32,64x64 (default: the model's size)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward (default 8)")
     p.add_argument("--max-tokens-per-step", type=int, default=65536,
@@ -236,6 +252,7 @@ def engine_kwargs(args) -> dict:
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
                 thinker_memory_utilization=args.thinker_memory_utilization,
                 prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant,
+                compile=args.compile, compile_warmup=args.compile_warmup,
                 **({"policy": args.policy} if args.policy else {}))
 
 

@@ -7,6 +7,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMNIDIT_THINKER", "hf")
 # vLLM's legacy KV-cache variable, set as a user might have it: the engines' own kv_cache_gb must win
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# dtype="auto" (the CLI default) caches its per-machine measurement: a fresh cache per session, so
+# no test depends on what an earlier run (or the user) left in ~/.cache/omnidit
+import tempfile  # noqa: E402
+
+os.environ.setdefault("OMNIDIT_CACHE_DIR", tempfile.mkdtemp(prefix="omnidit-cache-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,84 +1,41 @@
 """The playground page at ``/`` in a real browser (playwright driving Debian's chromium, headless)
-against a real ``omnidit serve`` process with the embedded default model, shared by the module as
-is the browser; the API-key test uses the same app with a key, served from this process."""
+against a real ``omnidit serve`` process with an image, a video and two audio models, shared by the
+module as is the browser; the API-key test uses the embedded default model with a key, served from
+this process."""
 
 import math
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
+from dit_core import random_models
 from dit_core.zoo import default_model
 from serve.app import ServeSettings
+from tests.browser_support import (CHROMIUM, CHROMIUM_ARGS, WAIT_MS, Visit, metric, start_server, stop_server,
+                                   wait_ready)
 from tests.test_serve import live_server
 
-CHROMIUM = os.environ.get("OMNIDIT_CHROMIUM", "/usr/bin/chromium")
-# headless, and nothing of chromium's own that reaches out (updates, sync, safe browsing, metrics)
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-default-apps", "--disable-extensions", "--no-first-run", "--metrics-recording-only",
-                 "--disable-features=Translate,MediaRouter,OptimizationHints"]
 API_KEY = "sesame-7f3a"
 SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "playground.png"
-WAIT_MS = 120_000  # generous: the test machine is shared and slow
 expect.set_options(timeout=WAIT_MS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(tmp: Path, *args: str) -> SimpleNamespace:
-    port = free_port()
-    log = open(tmp / f"serve-{port}.log", "w+")
-    cmd = [sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--max-batch-size", "8",
-           "--shutdown-timeout", "5", *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
-    return SimpleNamespace(url=f"http://127.0.0.1:{port}", proc=proc, log=log, port=port)
-
-
-def wait_ready(server: SimpleNamespace, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            server.log.seek(0)
-            raise RuntimeError(f"omnidit serve exited with {server.proc.returncode}:\n{server.log.read()[-3000:]}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("omnidit serve did not become ready")
-
-
-def stop_server(server: SimpleNamespace) -> None:
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        server.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
-    server.log.close()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A real ``omnidit serve`` process with the embedded default model, on a free port."""
-    server = start_server(tmp_path_factory.mktemp("playground"))
+    """A real ``omnidit serve`` process on a free port with a model of each kind the page has a tab
+    for: the embedded default (image) and TTS (audio) models, a tiny random Wan (video) and a tiny
+    random Stable Audio (audio) checkpoint."""
+    tmp = tmp_path_factory.mktemp("playground")
+    wan = random_models.build("wan", "tiny", tmp / "wan", seed=0)
+    sound = random_models.build("stable-audio", "tiny", tmp / "sound", seed=0)
+    server = start_server(tmp, "--model", "digits", "--model", "tts", "--model", f"vid={wan}",
+                          "--model", f"sound={sound}")
     try:
         wait_ready(server)
         yield server
@@ -101,38 +58,6 @@ def browser(server):  # on the server, so that it closes (and drops its connecti
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield browser
         browser.close()
-
-
-class Visit:
-    """A fresh browser context on one server: its page, console errors, and every request the page
-    made (anything for another host is recorded and blocked)."""
-
-    def __init__(self, browser, base_url: str):
-        self.base = base_url
-        self.origin = urlsplit(base_url)[:2]
-        self.requests, self.foreign, self.errors = [], [], []
-        self.context = browser.new_context(viewport={"width": 1180, "height": 820})
-        self.context.route("**/*", self._route)
-        self.page = self.context.new_page()
-        self.page.set_default_timeout(WAIT_MS)
-        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
-
-    def _route(self, route):
-        url = route.request.url
-        self.requests.append(url)
-        if urlsplit(url)[:2] == self.origin or url.startswith("data:"):
-            route.continue_()
-        else:
-            self.foreign.append(url)
-            route.abort()
-
-    def open(self):
-        self.page.goto(self.base + "/")
-        return self.page
-
-    def close(self):
-        self.context.close()
 
 
 @pytest.fixture
@@ -168,16 +93,13 @@ def record_progress(page):
     }""")
 
 
-def metric(server, name: str, labels: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
 def test_page_generates_an_image_of_the_requested_size_with_progress_in_order(visit, server, tmp_path):
     page = ready_form(visit.open())
     expect(page.locator("#tab-image")).to_have_attribute("aria-selected", "true")
-    expect(page.locator("#server-status")).to_contain_text("Connected: 1 model")
+    expect(page.locator("#server-status")).to_contain_text("Connected: 4 models")
+    # one tab per output kind among the served models, in the order /v1/models lists them
+    expect(page.locator("[role=tab]")).to_have_text(["Image", "Audio", "Video"])
+    expect(page.locator("#image-model option")).to_have_text(["digits"])
     unlabelled = page.evaluate("[...document.querySelectorAll('input, select, textarea')]"
                                ".filter(e => !e.labels.length).map(e => e.id)")
     assert unlabelled == []
@@ -327,6 +249,7 @@ def test_api_key_is_asked_for_and_sent_never_embedded(browser, keyed_server):
         page.keyboard.press("Enter")
         ready_form(page)
         expect(page.locator("#key-form")).to_be_hidden()
+        expect(page.locator("[role=tab]")).to_have_text(["Image"])  # no tab for kinds this server lacks
         fill(page, "the digit 9", steps=2)
         page.click("button:has-text('Generate')")
         expect(page.locator(".job").first).to_have_attribute("data-state", "done")
@@ -335,3 +258,142 @@ def test_api_key_is_asked_for_and_sent_never_embedded(browser, keyed_server):
         assert v.foreign == []
     finally:
         v.close()
+
+
+# ---- the video and audio tabs ----
+
+def open_tab(visit, kind: str, ready: str):
+    """Open the page on the ``kind`` tab, once ``ready`` (a form control) has its model's value."""
+    page = visit.open()
+    page.click(f"#tab-{kind}")
+    expect(page.locator(f"#panel-{kind}")).to_be_visible()
+    expect(page.locator(ready)).not_to_have_value("")
+    return page
+
+
+def played(page, selector: str) -> dict:
+    """Wait until the media element ``selector`` has loaded its metadata; what the browser read."""
+    page.wait_for_function(f"() => {{ const m = document.querySelector({selector!r});"
+                           " return m && m.readyState >= 1 && m.duration > 0 && isFinite(m.duration); }")
+    return page.locator(selector).evaluate(
+        "m => ({duration: m.duration, readyState: m.readyState, error: m.error && m.error.code,"
+        " width: m.videoWidth, height: m.videoHeight})")
+
+
+def test_the_page_ships_one_module_per_tab(server):
+    # every static/tabs/KIND.js is a tab the page may load; static/tabs/_PART.js are parts of one
+    assert 'data-tabs="audio,image,video"' in httpx.get(f"{server.url}/", timeout=10).text
+    for part in ("tabs/_speech.js", "tabs/_sound.js", "media.js"):
+        assert httpx.get(f"{server.url}/static/{part}", timeout=10).status_code == 200
+
+
+def test_video_tab_plays_the_generated_mp4(visit, server):
+    page = open_tab(visit, "video", "#video-width")
+    expect(page.locator("#video-model option")).to_have_text(["vid"])  # video models only
+    expect(page.locator("#video-frames-hint")).to_contain_text("4 k + 1 frames")
+    page.fill("#video-prompt", "a 3 moving left")
+    for sel, value in (("#video-width", 48), ("#video-height", 32), ("#video-frames", 9), ("#video-fps", 8),
+                       ("#video-steps", 3), ("#video-guidance", 1), ("#video-seed", 1)):
+        page.fill(sel, str(value))
+    page.click("#panel-video button[type=submit]")
+    job = page.locator("#panel-video .job").first
+    expect(job).to_have_attribute("data-state", "done")
+    expect(job.locator(".job-state")).to_have_text("done: 9 frames at 8 fps")
+    got = played(page, "#panel-video video")
+    assert (got["width"], got["height"]) == (48, 32) and got["error"] is None, got
+    assert abs(got["duration"] - 9 / 8) < 0.05, got  # 9 frames at 8 fps
+    assert job.locator("a[download]").get_attribute("download").endswith(".mp4")
+    assert visit.errors == [] and visit.foreign == [], (visit.errors, visit.foreign)
+
+
+def test_video_tab_shows_progress_and_cancel_deletes_the_job(visit, server):
+    page = open_tab(visit, "video", "#video-width")
+    before = metric(server, "omnidit_requests_total", 'outcome="aborted"')
+    page.fill("#video-prompt", "a 5 moving up")
+    for sel, value in (("#video-width", 32), ("#video-height", 32), ("#video-frames", 5), ("#video-steps", 1000)):
+        page.fill(sel, str(value))
+    page.focus("#video-prompt")
+    page.keyboard.press("Control+Enter")
+    job = page.locator("#panel-video .job").first
+    expect(job.locator(".job-steps")).to_have_text(re.compile(r"^[1-9]\d?% of 1000 steps$"))
+    expect(job).to_have_attribute("data-state", "running")
+    jobs = httpx.get(f"{server.url}/v1/videos", timeout=10).json()["data"]
+    running = [j for j in jobs if j["status"] == "in_progress"]
+    assert len(running) == 1 and running[0]["prompt"] == "a 5 moving up", jobs
+    job.locator("button", has_text="Cancel").click()
+    expect(job).to_have_attribute("data-state", "cancelled")
+    assert httpx.get(f"{server.url}/v1/videos/{running[0]['id']}", timeout=10).status_code == 404
+    deadline = time.monotonic() + 30
+    while metric(server, "omnidit_requests_total", 'outcome="aborted"') < before + 1:
+        assert time.monotonic() < deadline, "the engine did not abort the deleted video job"
+        time.sleep(0.1)
+
+
+def test_audio_tab_speaks_the_text(visit, server):
+    page = open_tab(visit, "audio", "#speech-voice")
+    expect(page.locator("#speech-model option")).to_have_text(["tts"])  # speech models only
+    expect(page.locator("#sound-model option")).to_have_text(["sound"])  # other audio models
+    expect(page.locator("#speech-text-hint")).to_contain_text("hello")
+    page.fill("#speech-text", "three one four")
+    page.select_option("#speech-voice", "eve")
+    page.select_option("#speech-speed", "1.25")
+    page.fill("#speech-seed", "2")
+    page.click("#panel-audio .speech-form button[type=submit]")
+    job = page.locator(".speech-form + .jobs .job").first
+    expect(job).to_have_attribute("data-state", "done")
+    got = played(page, ".speech-form + .jobs audio")
+    # the same request through the API: the page played all of the speech the server made
+    body = {"model": "tts", "input": "three one four", "voice": "eve", "speed": 1.25, "seed": 2,
+            "response_format": "pcm"}
+    pcm = httpx.post(f"{server.url}/v1/audio/speech", json=body, timeout=WAIT_MS / 1e3).content
+    assert abs(got["duration"] - len(pcm) / 2 / 8000) < 1e-3, (got, len(pcm))
+    expect(job.locator(".job-state")).to_have_text(f"done: {len(pcm) / 2 / 8000:.2f} s, voice eve")
+    assert visit.errors == [] and visit.foreign == [], (visit.errors, visit.foreign)
+
+
+def test_audio_tab_generates_with_a_text_to_audio_model(visit, server):
+    page = open_tab(visit, "audio", "#sound-seconds")
+    expect(page.locator("#sound-seconds")).to_have_value("0.128")  # the model's longest clip
+    page.fill("#sound-prompt", "rain on a roof")
+    page.fill("#sound-seconds", "0.1")
+    page.fill("#sound-steps", "3")
+    page.fill("#sound-seed", "1")
+    page.click("#panel-audio .sound-form button[type=submit]")
+    job = page.locator(".sound-form + .jobs .job").first
+    expect(job).to_have_attribute("data-state", "done")
+    expect(job.locator(".job-state")).to_have_text("done: 8000 Hz, 2 channel(s)")
+    got = played(page, ".sound-form + .jobs audio")
+    assert abs(got["duration"] - 0.1) < 1e-3, got
+    assert visit.errors == [] and visit.foreign == [], (visit.errors, visit.foreign)
+
+
+MEDIA_BAD_INPUT = {  # case: (tab, ready, fills, submit, route, body, field, error line, words)
+    "video size": ("video", "#video-width", {"#video-prompt": "a 3", "#video-width": 40, "#video-height": 32,
+                                              "#video-frames": 5, "#video-steps": 2},
+                   "#panel-video button[type=submit]", "/v1/videos",
+                   {"model": "vid", "prompt": "a 3", "size": "40x32", "num_frames": 5, "num_inference_steps": 2},
+                   "#video-width", "#video-size-error", ["size", "multiple of 16"]),
+    "speech word": ("audio", "#speech-voice", {"#speech-text": "three bananas"},
+                    "#panel-audio .speech-form button[type=submit]", "/v1/audio/speech",
+                    {"model": "tts", "input": "three bananas", "voice": "adam"},
+                    "#speech-text", "#speech-text-error", ["bananas"]),
+    "sound seconds": ("audio", "#sound-seconds", {"#sound-prompt": "rain", "#sound-seconds": 5, "#sound-steps": 2},
+                      "#panel-audio .sound-form button[type=submit]", "/v1/audio/generate",
+                      {"model": "sound", "prompt": "rain", "seconds": 5, "num_inference_steps": 2},
+                      "#sound-seconds", "#sound-seconds-error", ["seconds", "0.128"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MEDIA_BAD_INPUT))
+def test_media_tabs_show_the_servers_error_next_to_the_field(visit, server, case):
+    kind, ready, fills, submit, route, body, field, error, words = MEDIA_BAD_INPUT[case]
+    page = open_tab(visit, kind, ready)
+    for sel, value in fills.items():
+        page.fill(sel, str(value))
+    expected = httpx.post(f"{server.url}{route}", json=body, timeout=30).json()["error"]["message"]
+    page.click(submit)
+    expect(page.locator(error)).to_have_text(expected)
+    expect(page.locator(field)).to_have_attribute("aria-invalid", "true")
+    assert page.locator(f"#panel-{kind} .job").count() == 0
+    for word in words:  # in words a person understands: the field and what is allowed
+        assert word in expected, expected

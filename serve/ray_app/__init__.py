@@ -49,7 +49,9 @@ def _thinker_deployment(cfg: ScaleOutConfig, name: str):
     options = {"kv_cache_gb": engine.thinker_kv_cache_gb, "memory_utilization": engine.thinker_memory_utilization}
     stage = serve.deployment(ThinkerStage, name=f"Thinker_{name}", num_replicas=cfg.thinker_replicas,
                              ray_actor_options={"num_cpus": cfg.thinker_cpus}, max_ongoing_requests=64)
-    return stage.bind(cfg.models[name], engine.thinker, engine.dtype, engine.device, options,
+    # dtype auto is a measurement of the DiT's shapes; the shared thinker stays in fp32 then
+    dtype = "float32" if engine.dtype == "auto" else engine.dtype
+    return stage.bind(cfg.models[name], engine.thinker, dtype, engine.device, options,
                       engine.prompt_cache_bytes, cfg.thinker_threads)
 
 

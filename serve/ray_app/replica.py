@@ -127,6 +127,10 @@ class EngineReplica:
 def build_engine(models: dict[str, str], engine_options: dict, thinkers: dict) -> Engine:
     """Load ``models`` into one engine; a model in ``thinkers`` uses that (shared) thinker."""
     cfg = EngineConfig(**engine_options)
+    if cfg.dtype == "auto":  # as Engine.from_models: measured once per machine and model (dit_core.dtype_auto)
+        from dit_core.dtype_auto import resolve
+
+        cfg.dtype = resolve(models, engine_options)
     options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
     families = {}
     try:

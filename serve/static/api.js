@@ -60,20 +60,26 @@ export class Api {
     return (await this.fetch(path, options)).json();
   }
 
+  /** POST ``body`` as JSON; resolves to the Response once the server accepted it (else its ApiError). */
+  async post(path, body, signal, accept = "application/json") {
+    return this.fetch(path, {
+      method: "POST",
+      body: JSON.stringify(body),
+      headers: { "Content-Type": "application/json", Accept: accept },
+      signal,
+    });
+  }
+
   /** POST ``body`` with ``stream: true``; resolves once the server accepted the request (or throws
    * its ApiError), to an async iterator of the stream's events (parsed JSON) up to ``[DONE]``. */
   async stream(path, body, signal) {
-    const response = await this.fetch(path, {
-      method: "POST",
-      body: JSON.stringify({ ...body, stream: true }),
-      headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
-      signal,
-    });
-    return sseEvents(response.body.getReader());
+    return sseEvents(await this.post(path, { ...body, stream: true }, signal, "text/event-stream"));
   }
 }
 
-async function* sseEvents(reader) {
+/** The events (parsed JSON) of a Server-Sent Events response, up to ``[DONE]`` or its end. */
+export async function* sseEvents(response) {
+  const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
   try {

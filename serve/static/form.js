@@ -45,3 +45,26 @@ export class FormErrors {
     }
   }
 }
+
+/** Run ``submit`` when ``form`` is submitted or Ctrl+Enter (Cmd+Enter) is pressed inside it. */
+export function onSubmit(form, submit) {
+  form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    submit();
+  });
+  form.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
+      e.preventDefault();
+      submit();
+    }
+  });
+}
+
+/** Fill the ``select`` with ``options`` ([value, text] pairs), keeping its value when still offered. */
+export function setOptions(select, options, preferred) {
+  const keep = select.value;
+  select.replaceChildren(...options.map(([value, text]) => el("option", { value, text })));
+  const values = options.map(([value]) => String(value));
+  const want = [keep, preferred].map((v) => (v === undefined || v === null ? "" : String(v)));
+  select.value = want.find((v) => values.includes(v)) ?? values[0] ?? "";
+}

@@ -55,11 +55,19 @@ export class Job {
     return shown;
   }
 
-  progress(step, total) {
+  /** Move the bar to ``step`` of ``total``; ``text`` says it in words (default "step k of n"). */
+  progress(step, total, text = `step ${step} of ${total}`) {
     this.bar.max = total;
     this.bar.value = step;
-    this.steps.textContent = `step ${step} of ${total}`;
+    this.steps.textContent = text;
     this.set("running", step < total ? "denoising" : "finishing");
+  }
+
+  /** Running with no measurable progress (an indeterminate bar); ``text`` says what is known. */
+  busy(words, text = "") {
+    this.bar.removeAttribute("value");
+    if (this.steps.textContent !== text) this.steps.textContent = text;
+    this.set("running", words);
   }
 
   output(node) {
@@ -67,12 +75,18 @@ export class Job {
   }
 
   done(text = "done") {
+    if (!this.bar.hasAttribute("value")) this.bar.value = this.bar.max; // a finished bar is full
     this.end("done", text);
   }
 
   fail(message) {
     this.end("failed", "failed");
     this.outputs.append(el("p", { class: "job-error", role: "alert", text: message }));
+  }
+
+  /** Remove the card (the server refused the request: its error shows by the form instead). */
+  discard() {
+    this.root.remove();
   }
 
   cancelled() {

@@ -1,8 +1,9 @@
 // The tab registry. A tab is one ES module, static/tabs/KIND.js, whose default export is
 //   { kind: "image", label: "Image", mount(panel, ctx) }
-// mount() builds the tab's content inside ``panel``; ctx = { api, models } where ``models`` are the
+// mount() builds the tab's content inside ``panel``; ctx = { api, models, onAuthError } where ``models`` are the
 // server's models of that kind ({id, kind, ...} from /v1/models). The server lists the tab modules
-// it ships in <body data-tabs>, so a new output kind needs a new module and nothing else.
+// it ships in <body data-tabs>, so a new output kind needs a new module and nothing else. A tab
+// made of several modules names its parts static/tabs/_PART.js: those are not tabs themselves.
 
 import { el } from "./dom.js";
 

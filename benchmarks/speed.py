@@ -1,0 +1,196 @@
+"""The dtype / compile part of ``benchmarks.engine_throughput`` (issue 21), in its own module.
+
+Per image size, in one interleaved comparison (benchmarks.common.interleaved): the engine in fp32,
+bf16, ``dtype="auto"`` and fp32 + ``compile``; diffusers' FluxPipeline in fp32, bf16, and fp32 with
+``torch.compile`` on its transformer (what an experienced user runs instead). Besides: ``torch.mm``
+at the transformer's main shape (the MLP's up projection, batch 8) in fp32 and bf16 in the same
+run; a torch.profiler per-op table of one transformer forward in bf16 against fp32
+(results/profile_bf16.json); and one default-model image through ``omnidit generate`` timed from
+process start to the file written.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import interleaved, write_json
+
+BATCH = 8
+
+
+def main_shape(tr, size: int, text: int) -> tuple[int, int, int]:
+    """(M, K, N) of the transformer's largest GEMM family at batch 8: the MLP up projection."""
+    inner = tr.config.num_attention_heads * tr.config.attention_head_dim
+    tokens = (size // 16) ** 2 + text
+    return BATCH * tokens, inner, 4 * inner
+
+
+def mm_ratio(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3) -> dict:
+    """GFLOP/s of torch.mm at ``shape`` in fp32 and bf16, interleaved; bf16/fp32 speed ratio."""
+    m, k, n = shape
+    mats = {d: (torch.randn(m, k, dtype=d), torch.randn(k, n, dtype=d)) for d in (torch.float32, torch.bfloat16)}
+
+    def side(dtype):
+        a, b = mats[dtype]
+
+        def call(_round):
+            torch.mm(a, b)
+            runs, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                torch.mm(a, b)
+                runs += 1
+            return {"gflops": 2 * m * k * n * runs / (time.perf_counter() - start) / 1e9}
+
+        return call
+
+    cmp = interleaved({"fp32": side(torch.float32), "bf16": side(torch.bfloat16)}, max(repeats, 3))
+    return {"shape": list(shape), "fp32_gflops": cmp.median("fp32", "gflops"),
+            "bf16_gflops": cmp.median("bf16", "gflops"), "bf16_over_fp32": cmp.ratio("bf16", "fp32", "gflops"),
+            "spread": cmp.ratio_spread("bf16", "fp32", "gflops")}
+
+
+def profile_ops(model: str, size: int, text: int, top: int = 15) -> dict:
+    """Per-op self CPU time of one batch-8 transformer forward, fp32 against bf16 (torch.profiler)."""
+    from diffusers import FluxTransformer2DModel
+    from torch.profiler import ProfilerActivity, profile
+
+    from dit_core.families.flux import image_ids
+
+    tables = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        tr = FluxTransformer2DModel.from_pretrained(Path(model) / "transformer", torch_dtype=dtype).eval()
+        side = size // 16
+        g = torch.Generator().manual_seed(0)
+        inputs = dict(hidden_states=torch.randn(BATCH, side * side, tr.config.in_channels, generator=g).to(dtype),
+                      timestep=torch.full((BATCH,), 0.5, dtype=dtype),
+                      guidance=torch.full((BATCH,), 3.5, dtype=dtype) if tr.config.guidance_embeds else None,
+                      pooled_projections=torch.randn(BATCH, tr.config.pooled_projection_dim, generator=g).to(dtype),
+                      encoder_hidden_states=torch.randn(BATCH, text, tr.config.joint_attention_dim,
+                                                        generator=g).to(dtype),
+                      txt_ids=torch.zeros(text, 3, dtype=dtype), img_ids=image_ids(side, side).to(dtype),
+                      return_dict=False)
+        with torch.no_grad():
+            for _ in range(2):
+                tr(**inputs)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    tr(**inputs)
+        ops = {}
+        for ev in prof.key_averages():
+            ops[ev.key] = ops.get(ev.key, 0.0) + ev.self_cpu_time_total / 3 / 1e3  # ms per forward
+        tables[name] = ops
+    total = {k: sum(v.values()) for k, v in tables.items()}
+    names = sorted(set(tables["fp32"]) | set(tables["bf16"]),
+                   key=lambda k: -max(tables["fp32"].get(k, 0), tables["bf16"].get(k, 0)))[:top]
+    rows = [{"op": k, "fp32_ms": tables["fp32"].get(k, 0.0), "bf16_ms": tables["bf16"].get(k, 0.0),
+             "bf16_over_fp32_time": tables["bf16"].get(k, 0.0) / tables["fp32"][k] if tables["fp32"].get(k) else None}
+            for k in names]
+    return {"size": size, "text_tokens": text, "batch": BATCH, "total_ms": total, "ops": rows}
+
+
+def cli_first_image(timeout: float = 600) -> float:
+    """Seconds from starting ``omnidit generate "the number seven"`` to its PNG on disk (defaults)."""
+    out = Path(tempfile.mkdtemp()) / "seven.png"
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "serve.cli", "generate", "the number seven", "-o", str(out)],
+                   check=True, timeout=timeout, capture_output=True, env={**os.environ, "OMNIDIT_THINKER": ""})
+    if not out.is_file():
+        raise RuntimeError("omnidit generate wrote no image")
+    return time.perf_counter() - start
+
+
+def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
+    """The dtype / compile comparison per size; returns the summary keys and the per-size details."""
+    from diffusers import FluxPipeline
+
+    from benchmarks.engine_throughput import Scenario, run_engine, run_pipeline, transformer_flops_per_row
+    from dit_core import Engine, dtype_auto
+
+    b = args.max_batch_size
+    start = time.perf_counter()
+    compiled = Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0, compile=True,
+                                      compile_warmup=",".join(f"{s}x{s}" for s in sizes))
+    compile_warmup_s = compiled.compile_warmup_s
+    print(f"engine compile: warm-up {compile_warmup_s:.1f} s ({time.perf_counter() - start:.1f} s with loading)",
+          flush=True)
+    auto_dtype, auto_reason = dtype_auto.choose(model, "cpu", lambda: dtype_auto.measure_forward(model, {}))
+    engines = {"engine fp32": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0),
+               "engine bf16": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0, dtype="bfloat16"),
+               "engine auto": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0,
+                                                     dtype=auto_dtype),
+               "engine fp32 compile": compiled}
+    pipes = {"diffusers fp32": FluxPipeline.from_pretrained(model),
+             "diffusers bf16": FluxPipeline.from_pretrained(model, torch_dtype=torch.bfloat16),
+             "diffusers fp32 compile": FluxPipeline.from_pretrained(model)}
+    pipes["diffusers fp32 compile"].transformer = torch.compile(pipes["diffusers fp32 compile"].transformer)
+    for pipe in pipes.values():
+        pipe.set_progress_bar_config(disable=True)
+    mm = {}
+    results = {}
+    for size in sizes:
+        shape = main_shape(engines["engine fp32"].family.transformer, size, text)
+        mm[size] = mm_ratio(shape, args.repeats)
+        flops = transformer_flops_per_row(engines["engine fp32"], size, text)
+        sc = Scenario(f"{size}x{size} {text} tokens dtype/compile", size, text, args, [0.0] * args.requests, flops,
+                      mm[size]["fp32_gflops"])
+        sides = {k: sc.side(k, run_pipeline, p) for k, p in pipes.items()}
+        sides.update({k: sc.side(k, run_engine, e) for k, e in engines.items()})
+        t = time.perf_counter()
+        cmp = interleaved(sides, args.repeats)
+        tput = {k: cmp.median(k, "throughput_img_s") for k in sides}
+        engine_sides = [k for k in sides if k.startswith("engine")]
+        best = max(engine_sides, key=lambda k: tput[k])
+        r = {"size": size, "text_tokens": text, "requests": args.requests, "main_shape": shape, "mm": mm[size],
+             "sides": {k: cmp.stats(k) for k in sides}, "round_orders": cmp.order, "best_engine": best,
+             "bf16_over_fp32_speed": cmp.ratio("engine bf16", "engine fp32", "throughput_img_s"),
+             "bf16_over_fp32_spread": cmp.ratio_spread("engine bf16", "engine fp32", "throughput_img_s"),
+             "auto_over_slower": tput["engine auto"] / min(tput["engine fp32"], tput["engine bf16"]),
+             "best_over_diffusers_fp32": cmp.ratio(best, "diffusers fp32", "throughput_img_s"),
+             "best_over_compiled_diffusers_fp32": cmp.ratio(best, "diffusers fp32 compile", "throughput_img_s"),
+             "compiled_over_eager_engine": cmp.ratio("engine fp32 compile", "engine fp32", "throughput_img_s"),
+             "compiled_max_abs_diff_vs_diffusers": sc.max_diff("engine fp32 compile", "diffusers fp32"),
+             "bf16_gflops_over_mm_bf16": cmp.median("engine bf16", "transformer_gflops") / mm[size]["bf16_gflops"],
+             "seconds": time.perf_counter() - t}
+        results[size] = r
+        print(f"{size}x{size} dtype/compile: " + ", ".join(f"{k} {v:.2f}" for k, v in tput.items()) + " img/s", flush=True)
+        print(f"  engine bf16/fp32 x{r['bf16_over_fp32_speed']:.2f} vs torch.mm bf16/fp32 "
+              f"x{mm[size]['bf16_over_fp32']:.2f} at {shape}; best {best}: x{r['best_over_diffusers_fp32']:.2f} "
+              f"over diffusers fp32, x{r['best_over_compiled_diffusers_fp32']:.2f} over compiled diffusers fp32; "
+              f"compiled engine vs diffusers max diff {r['compiled_max_abs_diff_vs_diffusers']:.1e}", flush=True)
+    big = results[max(sizes)]
+    summary = {
+        "bf16_over_fp32_speed": min(r["bf16_over_fp32_speed"] for r in results.values()),
+        "mm_bf16_over_fp32_speed": min(m["bf16_over_fp32"] for m in mm.values()),
+        "auto_dtype_choice": auto_dtype,
+        "auto_dtype_reason": auto_reason,
+        "auto_over_slower_dtype": min(r["auto_over_slower"] for r in results.values()),
+        f"throughput_ratio_{max(sizes)}": big["best_over_diffusers_fp32"],
+        f"throughput_ratio_{max(sizes)}_vs_compiled_diffusers": big["best_over_compiled_diffusers_fp32"],
+        f"best_engine_{max(sizes)}": big["best_engine"],
+        "gflops_ratio_bf16": results[min(sizes)]["bf16_gflops_over_mm_bf16"],
+        "compile_warmup_s": compile_warmup_s,
+        "compiled_over_eager_engine_by_size": {s: r["compiled_over_eager_engine"] for s, r in results.items()},
+    }
+    return {"summary": summary, "by_size": results}
+
+
+def profile_and_write(model: str, size: int, text: int) -> Path:
+    table = {"benchmark": "profile_bf16", "model": "small FLUX (random weights)",
+             "note": "self CPU ms per transformer forward (batch 8), torch.profiler, fp32 vs bf16",
+             "profiles": [profile_ops(model, s, text) for s in sorted({64, size})]}
+    from benchmarks.common import machine
+
+    table["machine"] = machine()
+    for p in table["profiles"]:
+        print(f"profile {p['size']}x{p['size']}: total fp32 {p['total_ms']['fp32']:.1f} ms, bf16 "
+              f"{p['total_ms']['bf16']:.1f} ms; " + "; ".join(
+                  f"{o['op']} {o['fp32_ms']:.1f}->{o['bf16_ms']:.1f}" for o in p["ops"][:6]), flush=True)
+    return write_json("profile_bf16", table)
+

@@ -1,0 +1,151 @@
+"""Compiled execution (``EngineConfig.compile``): ``torch.compile`` on each transformer block.
+
+Only the blocks are compiled, not the engine's Python step loop nor the transformer's own
+forward: the blocks hold nearly all the FLOPs, the same compiled block serves the plain forward
+and the per-row step caches (which call the blocks one by one), and a block's graph is shared
+by every block of its class (parameters are graph inputs), so a FLUX model compiles two graphs.
+``dynamic=True`` makes the batch dimension (and the token counts) symbolic, so requests joining
+and leaving do not recompile; batch 1 is specialised by dynamo, so the warm-up runs one forward
+of one row and one of several rows per configured image size.
+
+Which combinations run eager (``CompileInfo.eager_reason`` says why, and it is logged):
+- a model whose transformer has no ``transformer_blocks`` list (none of the image families);
+- a model with the request-level step cache (``cache-dit``): it counts block evaluations with
+  Python forward pre-hooks on the blocks, which a compiled block would trace into its graph;
+- families in ``EAGER_FAMILIES``: Qwen-Image pads each batch's text and its attention packs the
+  valid tokens (varlen) or masks them, decided from the data: traced, that is a graph break at
+  every block and a recompile for each new text length (measured: 4 -> 38 graphs over one
+  continuously batched run, outputs still within 1e-6), slower than eager. It stays eager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+# family name -> why its blocks stay eager under ``compile``
+EAGER_FAMILIES = {
+    "qwenimage": "padded text makes its attention pack/mask by data-dependent lengths (graph breaks, "
+                 "a recompile per text length)",
+}
+
+
+@dataclasses.dataclass
+class CompileInfo:
+    """What compilation did for one model: blocks compiled, warm-up seconds, or why it stayed eager."""
+
+    compiled_blocks: int = 0
+    warmup_s: float = 0.0
+    warmup_shapes: list = dataclasses.field(default_factory=list)
+    eager_reason: str | None = None
+
+    @property
+    def compiled(self) -> bool:
+        return self.compiled_blocks > 0
+
+
+def parse_shapes(value) -> list[tuple[int, int]] | None:
+    """``"32x32,64x64"`` / ``[(32, 32)]`` / ``[32]`` -> [(h, w), ...]; None/"" -> None (the model's default size)."""
+    from .errors import InvalidParamError
+
+    if value is None or value == "" or value == []:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    shapes = []
+    for item in items:
+        try:
+            if isinstance(item, str):
+                h, _, w = item.strip().lower().partition("x")
+                shape = (int(h), int(w or h))
+            elif isinstance(item, int):
+                shape = (item, item)
+            else:
+                shape = (int(item[0]), int(item[1]))
+        except (TypeError, ValueError, IndexError):
+            raise InvalidParamError("compile_warmup", value, "image sizes such as '32x32,64x64'") from None
+        if min(shape) < 1:
+            raise InvalidParamError("compile_warmup", value, "positive image sizes such as '32x32'")
+        shapes.append(shape)
+    return shapes
+
+
+def transformer_blocks(family) -> list[torch.nn.Module]:
+    """The transformer blocks of a family's denoiser, in order (empty if it has none)."""
+    tr = getattr(family, "transformer", None)
+    return [b for name in BLOCK_LISTS for b in (getattr(tr, name, None) or [])] if tr is not None else []
+
+
+def compile_family(family, name: str = "") -> CompileInfo:
+    """Compile every transformer block of ``family`` in place (``Module.compile``, inductor,
+    ``dynamic=True``); returns what was done. Compilation itself happens on first use (warm-up)."""
+    step_cache = getattr(family, "step_cache", None)
+    blocks = transformer_blocks(family)
+    reason = None
+    if not blocks:
+        reason = f"{type(family).__name__} has no transformer blocks to compile"
+    elif getattr(family, "name", None) in EAGER_FAMILIES:
+        reason = EAGER_FAMILIES[family.name]
+    elif step_cache is not None and step_cache.request_level:
+        reason = "the request-level step cache (cache-dit) hooks the blocks in Python"
+    if reason:
+        logger.info("compile: model %s runs eager: %s", name, reason)
+        return CompileInfo(eager_reason=reason)
+    # Every compiled module's graphs hang off one code object (Module._call_impl), so the default
+    # limit of 8 cached graphs per code object would send a second model (or Qwen-Image's graph
+    # breaks) back to eager: allow more.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for block in blocks:
+        block.compile(backend="inductor", dynamic=True)
+    return CompileInfo(compiled_blocks=len(blocks))
+
+
+def warm_up(engine, model: str, shapes: list[tuple[int, int]] | None) -> float:
+    """Run short requests through ``engine`` so every compiled graph the configured shapes need is
+    built now: per (height, width) one forward of one row and one of several rows (two prompts,
+    with and without the family's CFG). Returns the seconds spent. Engine stats are left as found."""
+    from .params import SamplingParams
+
+    family = engine.models[model]
+    if shapes is None:
+        shapes = [(None, None)]
+    stats, step_times = engine.stats, engine.step_times
+    start = time.perf_counter()
+    for h, w in shapes:
+        base = SamplingParams(height=h, width=w, num_inference_steps=2, output_type="latent", seed=0)
+        resolved = family.resolve(base)
+        variants = [base]
+        cfg_field = getattr(family, "cfg_param", None)
+        if family.uses_cfg(resolved) and cfg_field:  # one row only without CFG
+            variants.insert(0, dataclasses.replace(base, **{cfg_field: 1.0}))
+        for params in variants:
+            engine.generate(["warm-up"], params, model=model)  # one request alone
+            engine.generate(["warm-up a", "warm-up b"], params, model=model)  # several rows
+    seconds = time.perf_counter() - start
+    engine.stats, engine.step_times = stats, step_times
+    return seconds
+
+
+def setup(engine) -> dict[str, CompileInfo]:
+    """Compile every model of ``engine`` and warm it up for ``engine.config.compile_warmup``;
+    logs the compile time in one line per model. Returns model -> CompileInfo."""
+    from .engine import EngineStats
+    from .step_times import StepTimes
+
+    shapes = parse_shapes(engine.config.compile_warmup)
+    infos = {}
+    for name, family in engine.models.items():
+        info = compile_family(family, name)
+        if info.compiled and family.output_kind == "image":
+            engine.stats, engine.step_times = EngineStats(), StepTimes()
+            info.warmup_s = warm_up(engine, name, shapes)
+            info.warmup_shapes = shapes or ["default"]
+            logger.info("compile: model %s, %d blocks compiled (inductor, dynamic batch), warm-up %.1f s for %s",
+                        name, info.compiled_blocks, info.warmup_s, info.warmup_shapes)
+        infos[name] = info
+    engine.stats, engine.step_times = EngineStats(), StepTimes()
+    return infos

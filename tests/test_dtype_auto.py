@@ -1,0 +1,71 @@
+"""dtype="auto": the decision from measured times, the per-machine cache, and an engine that uses it."""
+
+import json
+
+import pytest
+import torch
+
+from dit_core import Engine, EngineConfig, InvalidParamError
+from dit_core import dtype_auto
+from dit_core.families import load_family
+from dit_core.zoo import default_model
+
+
+def test_decision_needs_bf16_to_win_by_the_margin():
+    assert dtype_auto.decide({"float32": 1.0, "bfloat16": 0.5})[0] == "bfloat16"
+    assert dtype_auto.decide({"float32": 1.0, "bfloat16": 0.96})[0] == "float32"  # within the margin: fp32
+    dtype, reason = dtype_auto.decide({"float32": 1.0, "bfloat16": 2.0})
+    assert dtype == "float32" and "x0.50" in reason
+
+
+def test_choice_is_cached_per_machine_and_model(tmp_path, tiny_models):
+    cache = tmp_path / "dtype_auto.json"
+    calls = []
+
+    def fast_bf16():
+        calls.append(1)
+        return {"float32": 0.02, "bfloat16": 0.01}
+
+    def must_not_run():
+        raise AssertionError("measured although the cache holds the answer")
+
+    assert dtype_auto.choose(tiny_models["flux"], "cpu", fast_bf16, cache)[0] == "bfloat16"
+    dtype, reason = dtype_auto.choose(tiny_models["flux"], "cpu", must_not_run, cache)
+    assert dtype == "bfloat16" and "cached" in reason and calls == [1]
+    entry = json.loads(cache.read_text())[dtype_auto.model_key(tiny_models["flux"], "cpu")]
+    assert entry["seconds"] == {"float32": 0.02, "bfloat16": 0.01}
+    # another model's shapes are another key: measured again
+    assert dtype_auto.choose(tiny_models["sd3"], "cpu", lambda: {"float32": 0.01, "bfloat16": 0.02},
+                             cache)[0] == "float32"
+    assert len(json.loads(cache.read_text())) == 2
+    # CUDA: bf16 without a measurement
+    assert dtype_auto.choose(tiny_models["flux"], "cuda", must_not_run, cache)[0] == "bfloat16"
+
+
+def test_engine_measures_once_then_reads_the_cache(tmp_path, monkeypatch, caplog):
+    """On the default model (what the CLI runs with --dtype auto): 32x32, so the measurement is short."""
+    monkeypatch.setenv("OMNIDIT_CACHE_DIR", str(tmp_path))
+    with caplog.at_level("INFO", logger="dit_core.dtype_auto"):
+        engine = Engine.from_pretrained(default_model(), dtype="auto")
+    assert engine.config.dtype in ("float32", "bfloat16")
+    assert engine.family.transformer.dtype == engine.config.torch_dtype
+    lines = [r.getMessage() for r in caplog.records if r.name == "dit_core.dtype_auto"]
+    assert len(lines) == 1 and "measured now" in lines[0] and engine.config.dtype in lines[0]
+    (entry,) = json.loads((tmp_path / "dtype_auto.json").read_text()).values()
+    assert entry["dtype"] == engine.config.dtype and min(entry["seconds"].values()) > 0
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dit_core.dtype_auto"):
+        again = Engine.from_pretrained(default_model(), dtype="auto")
+    assert again.config.dtype == engine.config.dtype
+    assert "cached" in caplog.records[-1].getMessage()
+    assert len(again.generate("the number three", None)) == 1
+
+
+def test_auto_with_families_loaded_takes_their_dtype(tiny_models):
+    family = load_family(tiny_models["flux"], torch.bfloat16, torch.device("cpu"))
+    assert Engine(family, EngineConfig(dtype="auto")).config.dtype == "bfloat16"
+
+
+def test_unknown_dtype_names_auto():
+    with pytest.raises(InvalidParamError, match="auto"):
+        EngineConfig(dtype="float8")
