@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import random
-import uuid
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from .offloading import apply_offload, offload_loader, release_offload
 from .params import SamplingParams
 from .quantize import apply_quant
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
+from .faults import Faults
 from .runner import Runner
 from .scheduler import StepScheduler
 from .step_times import StepTimes
@@ -99,6 +100,9 @@ class Engine:
         if len(max_batch) == len(self.models):
             config.max_batch_size = 1
         self.scheduler = StepScheduler(config, max_batch)
+        self.faults = Faults()  # fault-injection points, armed by tests only (dit_core/faults.py)
+        for family in self.models.values():
+            family.faults = self.faults
         self.runners = {name: Runner(family) for name, family in self.models.items()}
         self.parallel = None  # the parallel executor (dit_core.parallel) when a degree is > 1
         if config.parallel.enabled:
@@ -214,7 +218,7 @@ class Engine:
                 f"at most max_tokens_per_step={self.config.max_tokens_per_step} tokens per request",
             )
         req = Request(
-            id=request_id or uuid.uuid4().hex, prompt=text, params=params, seq=next(self._seq),
+            id=request_id or secrets.token_hex(16), prompt=text, params=params, seq=next(self._seq),
             key=(name,) + family.batch_key(params), rows=rows, tokens=tokens, cfg=cfg, model=name,
             kind=family.output_kind, inputs=inputs,
         )

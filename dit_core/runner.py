@@ -30,7 +30,7 @@ class Runner:
         cache = self.family.step_cache
         if cache is not None:
             cache.last = {}
-        preds = self._isolated(self.family.predict, live, out.failed)
+        preds = self._isolated(self._forward, live, out.failed)
         out.cache = cache.last if cache is not None and cache.last else None
         stepped = {}
         for req in (r for r in live if r.id in preds):  # one at a time: a sampler step mutates state
@@ -40,17 +40,27 @@ class Runner:
             req.metrics.step_ms.append(out.step_ms)
             req.metrics.batch_sizes.append(len(live))
         done = [r for r in live if r.id in stepped and r.step_index >= r.total_steps]
-        out.finished = self._isolated(self.family.decode, done, out.failed)
+        out.finished = self._isolated(self._decode, done, out.failed)
         return out
 
     def _admit(self, requests: list[Request]) -> list[None]:
+        self.family.faults.hit("encode", requests)
         self.family.encode(requests)
         for req in requests:
             self.family.prepare(req)
         return [None] * len(requests)
 
+    def _forward(self, requests: list[Request]):
+        self.family.faults.hit("forward", requests)
+        return self.family.predict(requests)
+
+    def _decode(self, requests: list[Request]):
+        self.family.faults.hit("decode", requests)
+        return self.family.decode(requests)
+
     def _advance(self, requests: list[Request], preds: dict) -> list[None]:
         (req,) = requests
+        self.family.faults.hit("sampler_step", requests)
         self.family.advance(req, self.family.guide(req, *preds[req.id]))
         return [None]
 

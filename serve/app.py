@@ -12,11 +12,13 @@ from fastapi import FastAPI
 
 from dit_core import AsyncEngine
 
-from . import playground
+from . import openapi, playground
 from .client import EngineClient, LocalEngineClient
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
+from .guards import ClientLimitMiddleware, faults_of
 from .live_stats import LiveStats
+from .metrics import HttpCountMiddleware
 from .models import served_models
 from .routes import audio, images, robot, speech, stats, system, videos
 from .video_jobs import VideoJobStore
@@ -42,6 +44,11 @@ class ServeSettings:
     max_videos: int = 64
     max_video_bytes: int = 256 << 20
     video_ttl_s: float = 3600.0
+    # reliability bounds (serve/guards.py): POSTs in flight per client address (0: no limit), and the work
+    # one request may ask: outputs x width x height x frames x steps (0: no limit), and its steps
+    max_inflight_per_client: int = 64
+    max_pixel_steps: int = 1 << 42
+    max_steps: int = 1000  # num_inference_steps a request may ask (every route)
     # the OpenPI robot WebSocket (serve.routes.robot): default latency budget per observation
     # (None: bulk work), idle close, largest frame accepted
     robot_deadline_ms: float | None = 1000.0
@@ -76,6 +83,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.state.live_stats = LiveStats(engine) if isinstance(engine, AsyncEngine) else None
     app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,
                                      settings.video_ttl_s)
+    app.state.videos.faults = faults_of(app.state)
     app.state.started = int(time.time())
     app.state.model_ids = served_models(client, settings)
     app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
@@ -89,8 +97,13 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.include_router(videos.router)
     app.include_router(robot.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.max_inflight_per_client:
+        app.add_middleware(ClientLimitMiddleware, max_inflight=settings.max_inflight_per_client,
+                           retry_after_s=settings.retry_after_s)
+    openapi.install(app, ApiKeyMiddleware.open_paths)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(HttpCountMiddleware, metrics=app.state.metrics)  # outermost: counts 401s and 413s too
     return app
 
 

@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests waiting for admission before 429 + Retry-After (default 64)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
     srv.add_argument("--max-prompt-chars", type=int, default=4000, help="longer prompts get 400 (default 4000)")
+    srv.add_argument("--max-inflight-per-client", type=int, default=64,
+                     help="POST requests one client address may have in flight before 429 (default 64; 0: no limit)")
+    srv.add_argument("--max-pixel-steps", type=int, default=1 << 42,
+                     help="work one request may ask: outputs x width x height x frames x steps; more is a 400 "
+                          "(default 2^42; 0: no limit)")
+    srv.add_argument("--max-steps", type=int, default=1000,
+                     help="num_inference_steps a request may ask on any route; more is a 400 (default 1000)")
     srv.add_argument("--file-ttl", type=float, default=3600.0,
                      help="seconds a response_format=url image stays downloadable (default 3600)")
     srv.add_argument("--max-files", type=int, default=256, help="url images kept at most (default 256)")
@@ -380,7 +387,9 @@ def cmd_serve(args) -> int:
                              max_videos=args.max_videos, max_video_bytes=args.max_video_bytes,
                              video_ttl_s=args.video_ttl, robot_deadline_ms=args.robot_deadline_ms or None,
                              robot_idle_timeout_s=args.robot_idle_timeout,
-                             robot_max_frame_bytes=args.robot_max_frame_bytes)
+                             robot_max_frame_bytes=args.robot_max_frame_bytes,
+                             max_inflight_per_client=args.max_inflight_per_client,
+                             max_pixel_steps=args.max_pixel_steps, max_steps=args.max_steps)
     options = engine_kwargs(args)
     if "policy" not in options:
         options["policy"] = default_policy(models.values())

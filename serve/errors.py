@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from dit_core import EngineDeadError, InvalidParamError, RequestAbortedError, RequestFailedError
 
@@ -22,8 +24,20 @@ class APIError(Exception):
         self.headers = headers
 
 
+# an absolute local path (two components or more); API routes (/v1/..., /static/...) are left alone
+_PATH = re.compile(r"(?<![\w.:/])/(?!v1/|static/)[\w.@+-]+(?:/[\w.@+-]*)+")
+_TRACE = re.compile(r"Traceback \(most recent call last\):.*", re.S)
+
+
+def scrub(message: str) -> str:
+    """A message fit for a client: no stack trace, no local file path (both stay in the server log)."""
+    message = _TRACE.sub("(details in the server log)", str(message))
+    message = re.sub(r'File "[^"]*"', 'File "<path>"', message)
+    return _PATH.sub("<path>", message)
+
+
 def error_response(status: int, message: str, type: str, param=None, code=None, headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    body = {"error": {"message": scrub(message), "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -37,6 +51,15 @@ def count_error(app, code: str) -> None:
     metrics = getattr(getattr(app, "state", None), "metrics", None)
     if metrics is not None:
         metrics.error(code)
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method some route of the app answers at this request's path."""
+    matching = [r for r in request.app.router.routes
+                if getattr(r, "methods", None) and r.matches(request.scope)[0] != Match.NONE]
+    # a fixed path (/v1/videos/sync) is its own resource, not an id of a templated one (/v1/videos/{id})
+    exact = [r for r in matching if getattr(r, "path", None) == request.url.path]
+    return ", ".join(sorted(set().union(*(r.methods for r in exact or matching))))
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -74,7 +97,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return respond(request, e.status_code, str(e.detail), kind, None, None)
+        headers = e.headers
+        if e.status_code == 405:  # Starlette's Allow names one route's methods; a path may have several routes
+            headers = {**(headers or {}), "Allow": allowed_methods(request)}
+        return respond(request, e.status_code, str(e.detail), kind, None, None, headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):

@@ -27,6 +27,9 @@ class Metrics:
                                          buckets=TIME_BUCKETS, registry=r)
         self.requests = Counter("omnidit_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.errors = Counter("omnidit_errors", "errors by kind", ["kind"], registry=r)
+        self.http = Counter("omnidit_http_responses", "HTTP requests by route template and answer status "
+                            "(status 'disconnected': the client left before an answer started)",
+                            ["method", "route", "status"], registry=r)
         self.deadlines = Counter("omnidit_deadlines", "finished requests with a deadline_ms, by model and "
                                  "whether it was met", ["model", "outcome"], registry=r)
         self.cache_rows = Counter("omnidit_cache_rows", "forward rows by step-cache decision", ["decision"],
@@ -73,3 +76,33 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class HttpCountMiddleware:
+    """Counts every HTTP request once, when it ends, by method, route template (``unrouted`` for paths no
+    route matched, so a fuzzer cannot grow the label set) and the status its answer started with."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = "disconnected"
+
+        async def counted_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        except BaseException:
+            if status == "disconnected":
+                status = "500"
+            raise
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unrouted"
+            if getattr(self.metrics, "http", None) is not None:  # merged replica metrics may lack it
+                self.metrics.http.labels(scope.get("method", ""), route, status).inc()

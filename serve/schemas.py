@@ -14,7 +14,8 @@ MAX_N = 10  # images per HTTP request (the engine allows more; GET /v1/models/{i
 class ImageGenerationRequest(BaseModel):
     """OpenAI's images.generate body, plus omnidit's extension fields. Unknown fields are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1)
     model: str | None = None

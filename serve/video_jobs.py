@@ -11,6 +11,7 @@ refuses new jobs (429 + Retry-After) instead of growing. Files live in a private
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -22,7 +23,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dit_core.faults import NO_FAULTS
 from dit_core.request import EventKind
+
+from .errors import scrub
 
 logger = logging.getLogger("omnidit.serve")
 
@@ -83,6 +87,7 @@ class VideoJobStore:
         self._jobs: dict[str, VideoJob] = {}
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        self.faults = NO_FAULTS  # the engine's fault-injection points (the app sets them)
 
     @property
     def used_bytes(self) -> int:
@@ -103,7 +108,7 @@ class VideoJobStore:
             if self.used_bytes >= self.max_bytes:
                 raise StoreFullError(f"the video store holds its maximum of {self.max_bytes} bytes; delete finished "
                                      "ones or retry later", self.retry_after_s)
-            job = VideoJob(id="video_" + secrets.token_hex(12), seq=next(self._seq), **fields)
+            job = VideoJob(id="video_" + secrets.token_hex(16), seq=next(self._seq), **fields)
             self._jobs[job.id] = job
             return job
 
@@ -134,13 +139,22 @@ class VideoJobStore:
                     f"the finished video ({len(mp4)} bytes) does not fit the store's {self.max_bytes} bytes")})
                 return
             path = self.dir / f"{job.id}.mp4"
-            path.write_bytes(mp4)
+            try:
+                self.faults.hit("file_store", [job.prompt])
+                path.write_bytes(mp4)
+            except OSError as e:  # a full or failing disk fails this job, not the server
+                logger.error("video job %s: writing its MP4 failed: %r", job.id, e)
+                path.unlink(missing_ok=True)
+                self._finish(job, "failed", error={"code": "storage_full" if e.errno == errno.ENOSPC else
+                                                   "storage_error", "message": "the video could not be stored: "
+                                                   f"{os.strerror(e.errno) if e.errno else 'write failed'}"})
+                return
             job.path, job.size_bytes, job.progress = path, len(mp4), 100
             self._finish(job, "completed")
 
     def fail(self, job: VideoJob, code: str, message: str) -> None:
         with self._lock:
-            self._finish(job, "failed", error={"code": code, "message": message})
+            self._finish(job, "failed", error={"code": code, "message": scrub(message)})
 
     def delete(self, job_id: str) -> VideoJob | None:
         with self._lock:

@@ -78,3 +78,14 @@ def wan_tiny(tmp_path_factory):
 def tiny_audio(tmp_path_factory):
     """The tiny random Stable Audio checkpoint (8 kHz stereo, at most 0.128 s), built once per session."""
     return build("stable-audio", "tiny", tmp_path_factory.mktemp("models") / "stable-audio")
+
+
+@pytest.fixture(scope="session")
+def reliability_server(tmp_path_factory):
+    """A live server with one tiny model of every HTTP kind (img, vid, sound, tts) and small bounds
+    (benchmarks.live), shared by the fuzz, fault-injection and security tests. Tests disarm what they arm."""
+    from benchmarks.live import build_models, live_server, reliability_settings
+
+    models = build_models(tmp_path_factory.mktemp("reliability"))
+    with live_server(models, reliability_settings(max_inflight_per_client=6, max_queue=256)) as live:
+        yield live

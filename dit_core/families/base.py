@@ -23,6 +23,7 @@ import torch
 from ..errors import InvalidParamError
 from ..params import SamplingParams
 from ..request import Request
+from ..faults import NO_FAULTS, Faults
 
 # SamplingParams fields every family accepts.
 COMMON_PARAMS = frozenset({"num_inference_steps", "seed", "num_outputs", "output_type", "use_cache",
@@ -68,6 +69,7 @@ class Family(abc.ABC):
     params_used: ClassVar[frozenset[str]] = frozenset()
     supports_step_cache: ClassVar[bool] = False  # True: exposes the block loop below
     thinker_component: ClassVar[str | None] = None  # the AR language model component, if any
+    faults: Faults = NO_FAULTS  # the engine's fault-injection points (dit_core/faults.py); set by Engine
 
     def __init__(self, dtype: torch.dtype, device: torch.device, checkpoint: dict | None = None):
         checkpoint = checkpoint or {}

@@ -75,6 +75,7 @@ class QwenImageFamily(PackedFlowFamily):
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
         """The thinker's last hidden states of the templated prompts, template prefix dropped."""
+        self.faults.hit("thinker", prompts)
         encoded = self.thinker.encode([TEMPLATE.format(p) for p in prompts])
         return [TextCond(e.hidden[TEMPLATE_PREFIX_TOKENS:][: params.max_sequence_length].to(self.device, self.dtype))
                 for e in encoded]

@@ -18,6 +18,7 @@ from dit_core.audio import content_type, encode
 
 from ..client import local_engine
 from ..errors import APIError
+from ..guards import check_prompts, check_steps, faults_of
 from .images import _until_final
 
 router = APIRouter()
@@ -27,7 +28,8 @@ AUDIO_FORMATS = ("wav", "flac", "mp3", "opus", "pcm")
 class AudioGenerateRequest(BaseModel):
     """A text-to-audio request. Unknown fields are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1)
     model: str | None = None
@@ -78,9 +80,8 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
     state = request.app.state
     name = find_model(request, body.model, "audio", "/v1/audio/generate",
                       check=lambda f: getattr(f, "pipeline_class", "") != "OmniditSpeechPipeline")
-    if len(body.prompt) > state.settings.max_prompt_chars:
-        raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {state.settings.max_prompt_chars}",
-                       "invalid_request_error", "prompt", "prompt_too_long")
+    check_prompts(state.settings, body)
+    check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
     try:
         params = SamplingParams(negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
@@ -93,6 +94,7 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
                            "seconds", "invalid_value") from None
         raise
     event = await _until_final(state.engine, rid, events, request)
+    faults_of(state).hit("output_encoding", [body.prompt])
     audio = await asyncio.to_thread(encode, event.output.outputs[0], body.response_format)
     wave = event.output.outputs[0]
     return Response(content=audio, media_type=content_type(body.response_format),

@@ -13,11 +13,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from dit_core import EngineDeadError, RequestAbortedError, RequestFailedError
+from dit_core.faults import NO_FAULTS
 from dit_core.request import EventKind, RequestOutput
 
-from ..errors import APIError
+from ..errors import APIError, scrub
 from ..models import resolve_model
 from ..files import png_bound
+from ..guards import check_model_work, faults_of
 from ..schemas import ImageData, ImageGenerationRequest, ImagesResponse
 
 router = APIRouter()
@@ -36,6 +38,7 @@ async def create_image(body: ImageGenerationRequest, request: Request):
             raise APIError(400, f"{name} is {len(text)} characters; the limit is {settings.max_prompt_chars}",
                            "invalid_request_error", name, "prompt_too_long")
     params = body.sampling_params()
+    check_model_work(state, model, params)
     if body.response_format == "url":
         _check_file_store_fits(client, model, params, settings)
     waiting = client.num_waiting()
@@ -50,7 +53,7 @@ async def create_image(body: ImageGenerationRequest, request: Request):
         return StreamingResponse(_sse(state, rid, events, body, base_url, deadline), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
     event = await _until_final(client, rid, events, request, deadline, settings.request_timeout_s)
-    data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url)
+    data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, faults_of(state))
     _log(event.output)
     return ImagesResponse(created=int(time.time()), data=data)
 
@@ -153,13 +156,13 @@ async def _sse_event(state, rid, event, body: ImageGenerationRequest, base_url: 
         return [_sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})]
     if event.kind == EventKind.FINISHED:
         out = [_sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})]
-        data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url)
+        data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, faults_of(state))
         out += [_sse_data({"type": "image", "id": rid, "index": i, **item.model_dump(exclude_none=True)})
                 for i, item in enumerate(data)]
         _log(event.output)
         return out
     if event.kind.final:
-        return [_sse_data(_sse_error(rid, event.error, event.kind.value))]
+        return [_sse_data(_sse_error(rid, scrub(event.error), event.kind.value))]
     return []
 
 
@@ -172,13 +175,16 @@ def _sse_data(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _encode(output: RequestOutput, body: ImageGenerationRequest, files, base_url: str) -> list[ImageData]:
+def _encode(output: RequestOutput, body: ImageGenerationRequest, files, base_url: str,
+            faults=NO_FAULTS) -> list[ImageData]:
     data = []
     for image in output.images:
+        faults.hit("output_encoding", [body.prompt])
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         png = buf.getvalue()
         if body.response_format == "url":
+            faults.hit("file_store", [body.prompt])
             data.append(ImageData(url=f"{base_url}v1/files/{files.put(png)}", revised_prompt=body.prompt))
         else:
             data.append(ImageData(b64_json=base64.b64encode(png).decode(), revised_prompt=body.prompt))

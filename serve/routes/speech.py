@@ -26,6 +26,7 @@ from dit_core.audio.service import SpeechService
 
 from ..client import local_engine
 from ..errors import APIError
+from ..guards import check_prompts, check_steps
 from .audio import check_queue, find_model
 
 router = APIRouter()
@@ -35,7 +36,8 @@ DISCONNECT_POLL_S = 0.2
 class SpeechRequestBody(BaseModel):
     """OpenAI's audio.speech.create body (``seed`` and ``num_inference_steps`` are extensions)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     input: str = Field(min_length=1)
@@ -89,6 +91,8 @@ async def create_speech(body: SpeechRequestBody, request: Request):
     if body.response_format == "flac" and body.stream_format == "sse":
         raise APIError(400, "response_format=flac cannot be streamed as sse (its header carries the length); use "
                             "wav, mp3, opus or pcm", "invalid_request_error", "response_format", "unsupported")
+    check_prompts(state.settings, body, ("input",))
+    check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
     service = speech_service(request, name)
     req = service.request(body.input, body.voice_name(), body.speed, body.seed, steps=body.num_inference_steps)

@@ -22,6 +22,7 @@ from dit_core.video import as_uint8, encode_mp4
 
 from ..client import local_engine
 from ..errors import APIError
+from ..guards import check_prompts, check_work, faults_of
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
 
@@ -79,12 +80,14 @@ async def read_body(request: Request) -> VideoCreateRequest:
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
         form = await request.form()
         data = {}
+        is_form = True
         for key, value in form.multi_items():
             if not isinstance(value, str):
                 raise InvalidParamError(key, getattr(value, "filename", "a file"),
                                         "no file: omnidit makes videos from text only")
             data[key] = value
     else:
+        is_form = False
         try:
             data = await request.json()
         except ValueError:
@@ -95,8 +98,8 @@ async def read_body(request: Request) -> VideoCreateRequest:
     if data.get("input_reference") not in (None, ""):
         raise InvalidParamError("input_reference", "given", "absent: omnidit makes videos from text only")
     data.pop("input_reference", None)
-    try:
-        return VideoCreateRequest(**data)
+    try:  # a JSON body is strict (0 is not false); a form's values are all strings, so it is not
+        return VideoCreateRequest.model_validate(data, strict=not is_form)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err.get("loc", ())) or None
@@ -131,9 +134,7 @@ def pick_model(request: Request, name: str | None) -> tuple[str, str]:
 def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, SamplingParams, int]:
     """Check a create body against the model: (engine model, public model, params, fps)."""
     settings, engine = request.app.state.settings, request.app.state.engine
-    if len(body.prompt) > settings.max_prompt_chars:
-        raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {settings.max_prompt_chars}",
-                       "invalid_request_error", "prompt", "prompt_too_long")
+    check_prompts(settings, body)
     name, public = pick_model(request, body.model)
     family = engine.engine.models[name]
     fps = body.fps or getattr(family, "fps", 16)
@@ -161,11 +162,15 @@ def submit(request: Request, body: VideoCreateRequest, name: str, params: Sampli
         if e.field in ("height", "width") and body.size is not None:
             raise InvalidParamError("size", body.size, f"{e.field} {e.allowed}") from None
         raise
+    check_work(state.settings, request_obj.params)
     return request_obj
 
 
-def _mp4(fps: int):
-    return lambda output: encode_mp4(as_uint8(output.outputs[0]), fps=fps)
+def _mp4(fps: int, faults, prompt: str):
+    def encode(output):
+        faults.hit("output_encoding", [prompt])
+        return encode_mp4(as_uint8(output.outputs[0]), fps=fps)
+    return encode
 
 
 @router.post("/v1/videos")
@@ -186,7 +191,8 @@ async def create_video(request: Request):
     except BaseException:
         state.videos.delete(job.id)
         raise
-    job.task = asyncio.ensure_future(run_job(state.videos, state.engine, job, events, _mp4(fps)))
+    job.task = asyncio.ensure_future(run_job(state.videos, state.engine, job, events,
+                                                 _mp4(fps, faults_of(state), body.prompt)))
     return job.to_dict()
 
 
@@ -199,7 +205,7 @@ async def create_video_sync(request: Request):
     req = submit(request, body, name, params)
     rid, events = await state.engine.submit_async(body.prompt, req.params, model=name)
     event = await _until_final(state.engine, rid, events, request)
-    mp4 = await asyncio.to_thread(_mp4(fps), event.output)
+    mp4 = await asyncio.to_thread(_mp4(fps, faults_of(state), body.prompt), event.output)
     p = req.params
     return Response(mp4, media_type="video/mp4", headers={
         "X-Request-Id": rid, "X-Num-Frames": str(p.num_frames), "X-Fps": str(fps), "X-Seed": str(p.seed)})

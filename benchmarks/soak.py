@@ -1,0 +1,313 @@
+"""Soak: a bounded, mixed stream of requests against one live server (loopback), then a fuzz run.
+
+    python -m benchmarks.soak [--requests 2000] [--concurrency 8] [--quick] [--fuzz-examples 20]
+
+The stream (seeded) mixes valid and invalid requests of every HTTP kind the server serves: images
+(JSON, url, SSE), SSE streams cut after the first event, clients that give up before the answer,
+text-to-audio, speech streams (whole and cut half-way), video jobs run to the end, downloaded and
+deleted, video jobs deleted while running, synchronous videos, and malformed / oversized / unknown-model
+requests. (The OpenPI WebSocket is not part of this branch; a ``ws`` kind slots into ``KINDS``.)
+
+Measured:
+* ``requests``: the stream's items (an item may be several HTTP requests: a video job's create, polls,
+  download and delete); ``http_requests``: all of them;
+* accounting: every HTTP request the clients sent is counted exactly once by the server's own counter
+  (``omnidit_http_responses_total``, by route and status); per status the server's count equals the
+  clients' except for the requests the clients cut, whose answers the clients never read.
+  ``lost`` = |sent - counted| + statuses the server counted fewer of than the clients saw.
+  After the stream the engine holds no request (nothing stuck);
+* resident memory and open descriptors of the process after warm-up (the first 20% of the stream)
+  against the end: ``rss_growth``, ``fd_growth`` (fractions);
+* the file and video stores within their bounds; ``server_errors``: 5xx answers that no injected
+  fault caused (there are none injected here);
+* latency per kind over time (a plot), and a schemathesis run at ``--fuzz-examples`` per operation.
+
+Writes results/soak.json (summary: requests, lost, rss_growth, fd_growth, server_errors, fuzz_cases,
+fuzz_failures) and results/soak.png. The server runs in this process (its stores are inspected directly),
+so the memory figure includes the load generator's: an upper bound on the server's growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import tempfile
+import time
+
+import httpx
+
+from benchmarks.common import machine, percentiles, save_plot, write_json
+from benchmarks.fuzz import run_fuzz
+from benchmarks.live import build_models, live_server, reliability_settings
+
+IMG = {"model": "img", "size": "32x32", "num_inference_steps": 2}
+VID = {"model": "vid", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+# kind -> weight in the stream
+KINDS = {"image": 20, "image_url": 6, "image_sse": 6, "image_sse_cut": 6, "image_give_up": 6, "image_bad": 10,
+         "audio": 7, "audio_bad": 3, "speech": 5, "speech_cut": 4, "video_job": 5, "video_delete_running": 5,
+         "video_sync": 3, "video_bad": 5, "read": 5, "garbage": 4}
+CUT = {"image_sse_cut", "image_give_up", "speech_cut"}  # the client never reads the whole answer
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class Client:
+    """One worker's requests; records (kind, method, route, status or 'cut', seconds, end time)."""
+
+    def __init__(self, url: str, http: httpx.AsyncClient, rng: random.Random, log: list):
+        self.url, self.http, self.rng, self.log = url, http, rng, log
+
+    async def send(self, kind: str, method: str, route: str, path: str, **kw) -> httpx.Response:
+        start = time.monotonic()
+        r = await self.http.request(method, self.url + path, **kw)
+        self.log.append((kind, method, route, str(r.status_code), time.monotonic() - start, time.monotonic()))
+        return r
+
+    async def cut(self, kind: str, route: str, path: str, body: dict, after_bytes: int) -> None:
+        """POST, read ``after_bytes`` of the streamed answer, then drop the connection."""
+        start = time.monotonic()
+        async with httpx.AsyncClient(timeout=120) as own:  # its own connection, closed when we leave
+            async with own.stream("POST", self.url + path, json=body) as r:
+                seen = 0
+                async for chunk in r.aiter_raw():
+                    seen += len(chunk)
+                    if seen >= after_bytes:
+                        break
+        self.log.append((kind, "POST", route, "cut", time.monotonic() - start, time.monotonic()))
+
+    async def give_up(self, kind: str, route: str, path: str, body: dict, after_s: float) -> None:
+        start = time.monotonic()
+        try:
+            async with httpx.AsyncClient(timeout=after_s) as own:
+                r = await own.post(self.url + path, json=body)
+            status = str(r.status_code)  # it answered in time after all
+        except httpx.TimeoutException:
+            status = "cut"
+        self.log.append((kind, "POST", route, status, time.monotonic() - start, time.monotonic()))
+
+    async def run(self, kind: str, i: int) -> None:
+        prompt = f"soak {i} {self.rng.choice(['lake', 'door', 'cat', 'street'])}"
+        img = "/v1/images/generations"
+        if kind == "image":
+            await self.send(kind, "POST", img, img, json={**IMG, "prompt": prompt})
+        elif kind == "image_url":
+            r = await self.send(kind, "POST", img, img, json={**IMG, "prompt": prompt, "response_format": "url"})
+            if r.status_code == 200:
+                path = httpx.URL(r.json()["data"][0]["url"]).path
+                await self.send(kind, "GET", "/v1/files/{file_id}", path)
+        elif kind == "image_sse":
+            await self.send(kind, "POST", img, img, json={**IMG, "prompt": prompt, "stream": True})
+        elif kind == "image_sse_cut":
+            await self.cut(kind, img, img, {**IMG, "prompt": prompt, "stream": True, "num_inference_steps": 6}, 40)
+        elif kind == "image_give_up":
+            await self.give_up(kind, img, img, {**IMG, "prompt": prompt, "num_inference_steps": 8}, 0.05)
+        elif kind == "image_bad":
+            bad = self.rng.choice([{"size": "33x7"}, {"n": 0}, {"model": "nope"}, {"prompt": "x" * 600},
+                                   {"colour": "red"}, {"num_inference_steps": 9}, {"model": "vid"},
+                                   {"size": "256x256", "n": 8}])
+            await self.send(kind, "POST", img, img, json={**IMG, "prompt": prompt, **bad})
+        elif kind == "audio":
+            await self.send(kind, "POST", "/v1/audio/generate", "/v1/audio/generate",
+                            json={"prompt": prompt, "model": "sound",
+                                  "response_format": self.rng.choice(["wav", "mp3"])})
+        elif kind == "audio_bad":
+            bad = self.rng.choice([{"seconds": -1}, {"response_format": "aiff"}, {"model": "img"}, {"steps": 3}])
+            await self.send(kind, "POST", "/v1/audio/generate", "/v1/audio/generate",
+                            json={"prompt": prompt, "model": "sound", **bad})
+        elif kind == "speech":
+            await self.send(kind, "POST", "/v1/audio/speech", "/v1/audio/speech",
+                            json={"input": "one two three", "voice": "adam", "model": "tts", "response_format": "wav"})
+        elif kind == "speech_cut":
+            await self.cut(kind, "/v1/audio/speech", "/v1/audio/speech",
+                           {"input": "one two three four five six seven eight", "voice": "eve", "model": "tts",
+                            "response_format": "pcm"}, 64)
+        elif kind in ("video_job", "video_delete_running"):
+            r = await self.send(kind, "POST", "/v1/videos", "/v1/videos",
+                                json={**VID, "prompt": prompt, "num_inference_steps": 2 if kind == "video_job" else 8})
+            if r.status_code != 200:
+                return
+            vid = r.json()["id"]
+            if kind == "video_job":
+                for _ in range(600):
+                    job = (await self.send(kind, "GET", "/v1/videos/{video_id}", f"/v1/videos/{vid}")).json()
+                    if job["status"] in ("completed", "failed"):
+                        break
+                    await asyncio.sleep(0.1)
+                await self.send(kind, "GET", "/v1/videos/{video_id}/content", f"/v1/videos/{vid}/content")
+            await self.send(kind, "DELETE", "/v1/videos/{video_id}", f"/v1/videos/{vid}")
+        elif kind == "video_sync":
+            await self.send(kind, "POST", "/v1/videos/sync", "/v1/videos/sync", json={**VID, "prompt": prompt})
+        elif kind == "video_bad":
+            bad = self.rng.choice([{"size": "31x31"}, {"num_frames": 6}, {"fps": 0}, {"model": "sound"},
+                                   {"input_reference": "x"},
+                                   {"num_frames": 81, "size": "64x64", "num_inference_steps": 8}])
+            path = self.rng.choice(["/v1/videos", "/v1/videos/sync"])
+            await self.send(kind, "POST", path, path, json={**VID, "prompt": prompt, **bad})
+        elif kind == "read":
+            route = self.rng.choice(["/v1/models", "/v1/engine/stats", "/metrics", "/health", "/v1/videos"])
+            await self.send(kind, "GET", route, route)
+        elif kind == "garbage":
+            choice = self.rng.randrange(4)
+            if choice == 0:
+                await self.send(kind, "POST", img, img, content=b"{not json",
+                                headers={"content-type": "application/json"})
+            elif choice == 1:
+                await self.send(kind, "POST", img, img, content=b"[" + b"1," * (1 << 20) + b"1]",
+                                headers={"content-type": "application/json"})
+            elif choice == 2:
+                await self.send(kind, "GET", "/v1/files/{file_id}", f"/v1/files/file-{self.rng.getrandbits(64):x}")
+            else:
+                await self.send(kind, "PUT", "/v1/models", "/v1/models")
+
+
+async def stream(url: str, n: int, concurrency: int, seed: int, on_progress) -> list:
+    rng = random.Random(seed)
+    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=n)
+    log: list = []
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, kind in enumerate(kinds):
+        queue.put_nowait((i, kind))
+
+    async def worker(w: int):
+        async with httpx.AsyncClient(timeout=120) as http:
+            client = Client(url, http, random.Random(seed * 1000 + w), log)
+            while not queue.empty():
+                i, kind = queue.get_nowait()
+                await client.run(kind, i)
+                on_progress(i)
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return log
+
+
+def server_counts(live) -> collections.Counter:
+    """(method, route, status) -> count, from the server's own counter."""
+    counts = collections.Counter()
+    for metric in live.app.state.metrics.registry.collect():
+        if metric.name == "omnidit_http_responses":
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    labels = sample.labels
+                    counts[(labels["method"], labels["route"], labels["status"])] += int(sample.value)
+    return counts
+
+
+def account(log: list, before: collections.Counter, after: collections.Counter) -> dict:
+    """Client outcomes against the server's counter, by method and status (a body refused before routing,
+    e.g. a 413, is counted by the server as ``unrouted``, so routes are not compared)."""
+    server = collections.Counter()
+    for (m, _r, s), n in (after - before).items():
+        server[(m, s)] += n
+    client = collections.Counter((m, s) for _, m, _r, s, _, _ in log if s != "cut")
+    cut = collections.Counter(m for _, m, _r, s, _, _ in log if s == "cut")
+    sent, counted = len(log), sum(server.values())
+    short = sum(max(0, n - server[key]) for key, n in client.items())  # answers the server never counted
+    # what the server counted beyond the answers the clients read must be the requests they cut
+    extra = collections.Counter()
+    for (m, s), n in server.items():
+        extra[m] += n - client[(m, s)]
+    unexplained = sum(abs(extra[m] - cut[m]) for m in set(extra) | set(cut))
+    return {"sent": sent, "counted": counted, "cut": sum(cut.values()), "lost": abs(sent - counted) + short,
+            "unexplained": unexplained, "server_statuses": {f"{m} {s}": n for (m, s), n in sorted(server.items())}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fuzz-examples", type=int, default=20, help="schemathesis examples per operation")
+    parser.add_argument("--quick", action="store_true", help="300 requests and a smaller fuzz run")
+    args = parser.parse_args(argv)
+    n = 300 if args.quick else args.requests
+    fuzz_examples, fuzz_phases = (5, "fuzzing,stateful") if args.quick else (args.fuzz_examples, None)
+    settings = reliability_settings(max_files=32, max_videos=16, max_queue=256)
+    with tempfile.TemporaryDirectory() as tmp, live_server(build_models(tmp), settings) as live:
+        samples = []  # (requests done, seconds, rss, fds)
+        done = [0]
+        t0 = time.monotonic()
+
+        def on_progress(_i):
+            done[0] += 1
+            if done[0] % 10 == 0:
+                samples.append((done[0], time.monotonic() - t0, rss_bytes(), open_fds()))
+                stores.append((len(live.app.state.files), len(live.app.state.videos)))
+            if done[0] % 100 == 0:
+                print(f"{done[0]}/{n} requests, rss {rss_bytes() / 2**20:.0f} MiB, fds {open_fds()}", flush=True)
+
+        stores: list = []
+        before = server_counts(live)
+        log = asyncio.run(stream(live.url, n, args.concurrency, args.seed, on_progress))
+        # a cut stream's handler ends (and is counted) when it next writes and finds the client gone: wait
+        # up to 60 s for the server to have counted every request sent, then account
+        settle = time.monotonic() + 60
+        while sum((server_counts(live) - before).values()) < len(log) and time.monotonic() < settle:
+            time.sleep(0.2)
+        engine = live.engine
+        deadline = time.monotonic() + 60
+        while engine.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stuck = engine.num_unfinished
+        counts = account(log, before, server_counts(live))
+        seconds = time.monotonic() - t0
+        warm = next(s for s in samples if s[0] >= n // 5)
+        end = samples[-1]
+        fuzz = run_fuzz(live.url, fuzz_examples, args.seed + 1, phases=fuzz_phases) if fuzz_examples else \
+            {"cases": 0, "failures": 0, "failed": []}
+    fives = [e for e in log if e[3].startswith("5")]
+    summary = {
+        "requests": n, "http_requests": counts["sent"], "lost": counts["lost"] + counts["unexplained"] + stuck,
+        "rss_growth": round((end[2] - warm[2]) / warm[2], 4), "fd_growth": round((end[3] - warm[3]) / warm[3], 4),
+        "server_errors": len(fives), "fuzz_cases": fuzz["cases"], "fuzz_failures": fuzz["failures"],
+        "cut": counts["cut"], "stuck": stuck, "seconds": round(seconds, 1),
+        "max_files_held": max(f for f, _ in stores), "max_files": settings.max_files,
+        "max_videos_held": max(v for _, v in stores), "max_videos": settings.max_videos,
+        "rss_mib": [round(warm[2] / 2**20), round(end[2] / 2**20)], "fds": [warm[3], end[3]],
+    }
+    by_kind = {}
+    for kind in KINDS:
+        lat = [e[4] for e in log if e[0] == kind]
+        if lat:
+            by_kind[kind] = {"n": len(lat), **{k: round(v, 3) for k, v in percentiles(lat).items()},
+                             "statuses": dict(collections.Counter(e[3] for e in log if e[0] == kind))}
+    print(json.dumps(summary, indent=1))
+    write_json("soak", {"summary": summary, "machine": machine(), "by_kind": by_kind, "accounting": counts,
+                        "five_xx": [e[:4] for e in fives][:50], "fuzz_failed": fuzz["failed"][:50],
+                        "args": vars(args)})
+    _plot(log, samples, t0)
+    ok = summary["lost"] == 0 and summary["server_errors"] == 0 and summary["fuzz_failures"] == 0
+    return 0 if ok else 1
+
+
+def _plot(log, samples, t0) -> None:
+    """p50/p95 latency of the POSTs per 30-second window, and memory and descriptors over time."""
+    posts = sorted((e[5] - t0, e[4]) for e in log if e[1] == "POST" and e[3] != "cut")
+    window = 30.0
+    buckets = collections.defaultdict(list)
+    for t, lat in posts:
+        buckets[int(t // window)].append(lat)
+    xs = sorted(buckets)
+    p = [percentiles(buckets[x]) for x in xs]
+    mid = [(x + 0.5) * window for x in xs]
+    save_plot("soak", "soak: latency and resources over time", [
+        {"xlabel": "time (s)", "ylabel": "POST latency (s)", "title": "latency per 30 s window",
+         "series": {"p50": (mid, [q["p50"] for q in p]), "p95": (mid, [q["p95"] for q in p])}},
+        {"xlabel": "time (s)", "ylabel": "MiB / count", "title": "RSS and open fds",
+         "series": {"RSS (MiB)": ([s[1] for s in samples], [s[2] / 2**20 for s in samples]),
+                    "fds": ([s[1] for s in samples], [s[3] for s in samples])}},
+    ])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""Bounds that keep one client from taking the server: in-flight requests per client and work per
+request (outputs x pixels x frames x steps). Body size and the API key are in serve/app.py."""
+
+from __future__ import annotations
+
+import threading
+
+from dit_core.faults import NO_FAULTS
+
+from .errors import APIError, count_error, error_response
+
+
+def faults_of(state):
+    """The in-process engine's fault points (tests arm them); none on remote replicas."""
+    engine = getattr(state, "engine", None)
+    return engine.engine.faults if engine is not None else NO_FAULTS
+
+
+def check_model_work(state, model: str, params) -> None:
+    """``check_work`` on the request resolved by its model (an in-process engine); on remote replicas,
+    which resolve a request themselves, the step bound alone."""
+    engine = getattr(state, "engine", None)
+    if engine is not None:
+        check_work(state.settings, engine.engine.models[model].resolve(params))
+    else:
+        check_steps(state.settings, params.num_inference_steps)
+
+
+def request_work(params) -> int:
+    """Pixel-steps of a resolved request: outputs x width x height x frames x steps."""
+    frames = params.num_frames or 1
+    return params.num_outputs * (params.width or 0) * (params.height or 0) * frames * params.num_inference_steps
+
+
+def check_prompts(settings, body, names=("prompt", "negative_prompt")) -> None:
+    """400 naming the field when a prompt-like field is longer than ``max_prompt_chars``."""
+    for name in names:
+        text = getattr(body, name, None) or ""
+        if len(text) > settings.max_prompt_chars:
+            raise APIError(400, f"{name} is {len(text)} characters; the limit is {settings.max_prompt_chars}",
+                           "invalid_request_error", name, "prompt_too_long")
+
+
+def check_steps(settings, steps: int | None) -> None:
+    """400 naming ``num_inference_steps`` past the server's ``max_steps``."""
+    if steps is not None and settings.max_steps and steps > settings.max_steps:
+        raise APIError(400, f"num_inference_steps={steps} is more than this server allows ({settings.max_steps})",
+                       "invalid_request_error", "num_inference_steps", "invalid_value")
+
+
+def check_work(settings, params) -> None:
+    """400 naming ``num_inference_steps`` when a resolved request asks more steps than ``max_steps`` or more
+    pixel-steps than ``max_pixel_steps``."""
+    check_steps(settings, params.num_inference_steps)
+    limit = settings.max_pixel_steps
+    work = request_work(params)
+    if limit and work > limit:
+        raise APIError(400, f"the request asks for {work:.3g} pixel-steps (outputs x width x height x frames x "
+                            f"num_inference_steps = {params.num_outputs} x {params.width} x {params.height} x "
+                            f"{params.num_frames or 1} x {params.num_inference_steps}); this server allows at most "
+                            f"{limit:.3g}: ask for fewer steps, outputs or frames, or a smaller size",
+                       "invalid_request_error", "num_inference_steps", "request_too_large")
+
+
+class ClientLimitMiddleware:
+    """429 ``too_many_requests`` when one client (by address) already has ``max_inflight`` POSTs
+    in flight. A request counts until its answer, streamed or not, has been sent."""
+
+    def __init__(self, app, max_inflight: int, retry_after_s: int = 1):
+        self.app, self.max_inflight, self.retry_after_s = app, max_inflight, retry_after_s
+        self.inflight: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        client = (scope.get("client") or ("unknown", 0))[0]
+        with self._lock:
+            n = self.inflight.get(client, 0)
+            if n < self.max_inflight:
+                self.inflight[client] = n + 1
+        if n >= self.max_inflight:
+            count_error(scope.get("app"), "too_many_requests")
+            response = error_response(429, f"this client already has {n} requests in flight (the limit is "
+                                           f"{self.max_inflight}); wait for one to finish", "rate_limit_error",
+                                      None, "too_many_requests", {"Retry-After": str(self.retry_after_s)})
+            return await response(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            with self._lock:
+                left = self.inflight[client] - 1
+                if left:
+                    self.inflight[client] = left
+                else:
+                    del self.inflight[client]

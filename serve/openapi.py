@@ -1,0 +1,186 @@
+"""An OpenAPI schema that says what the server really answers.
+
+FastAPI's generated schema documents a 422 the server never sends (validation errors are OpenAI's
+400 body, see serve/errors.py), nothing about 401/404/413/429/5xx, and ``application/json`` for
+every 200 even where the answer is a PNG, an MP4, audio or Prometheus text. ``install(app)``
+replaces ``app.openapi`` with one that post-processes FastAPI's schema:
+
+* every error status a route can answer, each with the OpenAI error body (``ErrorResponse``);
+* the real media types of non-JSON answers (``MEDIA``);
+* request bodies of routes that read their body themselves (the video routes take JSON or a form);
+* the server's own limits where a field carries one (the prompt length).
+
+A route added later (e.g. a WebSocket, which OpenAPI does not describe) gets the generic rules from
+``_statuses``; a non-JSON one adds a line to ``MEDIA``.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .routes.videos import VideoCreateRequest
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+    }},
+}
+ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+REASONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or invalid API key",
+           404: "Unknown model, file, job or route", 405: "Method not allowed (see the Allow header)",
+           413: "Request body too large", 429: "Queue, store or per-client limit full (see Retry-After)",
+           500: "The generation failed", 503: "Engine unavailable or request aborted",
+           504: "The server's request timeout passed"}
+AUDIO = ("audio/wav", "audio/flac", "audio/mpeg", "audio/ogg", "audio/pcm")
+BINARY = {"type": "string", "format": "binary"}
+SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"},
+                                              "id": {"type": "string"}, "retry": {"type": "integer"}}}
+# (method, path) -> media types of the 200 answer besides / instead of JSON
+MEDIA = {
+    ("get", "/metrics"): ("text/plain",),
+    ("get", "/v1/files/{file_id}"): ("image/png",),
+    ("post", "/v1/videos/sync"): ("video/mp4",),
+    ("get", "/v1/videos/{video_id}/content"): ("video/mp4",),
+    ("post", "/v1/audio/generate"): AUDIO,
+    ("post", "/v1/audio/speech"): (*AUDIO, "text/event-stream"),
+    ("post", "/v1/images/generations"): ("application/json", "text/event-stream"),
+}
+GENERATION = {"/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/audio/generate", "/v1/audio/speech"}
+# links for stateful testing and for readers: (method, path) of a creating operation -> the operations
+# that take the id it answers with, and the path parameter that id fills
+LINKS = {("post", "/v1/videos"): [("get", "/v1/videos/{video_id}"), ("get", "/v1/videos/{video_id}/content"),
+                                  ("delete", "/v1/videos/{video_id}")]}
+# routes that read and validate their body themselves: path -> pydantic model of the JSON body
+MANUAL_BODIES: dict[str, type] = {"/v1/videos": VideoCreateRequest, "/v1/videos/sync": VideoCreateRequest}
+
+
+def _media_schema(media_type: str) -> dict:
+    if media_type == "text/event-stream":  # each event, as a client parses it
+        return SSE_EVENT
+    if media_type.startswith("text/"):
+        return {"type": "string"}
+    return BINARY
+
+
+def _statuses(method: str, path: str, op: dict, open_paths: tuple) -> list[int]:
+    """The error statuses an operation can answer."""
+    codes = [500]
+    if path not in open_paths:
+        codes.append(401)
+    has_input = bool(op.get("parameters")) or "requestBody" in op
+    if has_input:
+        codes.append(400)
+    if "{" in path or path in GENERATION or path.startswith("/v1/audio/voices"):
+        codes.append(404)  # an unknown id, or a model that is not served
+    if method in ("post", "put", "patch"):
+        codes.append(413)
+    if path in GENERATION and method == "post":
+        codes += [429, 503]
+        if path != "/v1/videos":  # a video job answers at once; its timeout shows in the job
+            codes.append(504)
+    if path in ("/health", "/healthz"):  # liveness: 200, or 503 when the engine loop is down
+        codes = [503]
+    return sorted(set(codes))
+
+
+def build_schema(app: FastAPI, open_paths: tuple = ("/health",)) -> dict:
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description="omnidit: OpenAI-compatible image, video and audio generation")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["ErrorResponse"] = ERROR_SCHEMA
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for model in MANUAL_BODIES.values():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+    paths = schema.get("paths", {})
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            _document(method, path, op, open_paths)
+    for (method, path), targets in LINKS.items():
+        ok = paths.get(path, {}).get(method, {}).get("responses", {}).get("200")
+        if ok is None:
+            continue
+        links = ok.setdefault("links", {})
+        for t_method, t_path in targets:
+            target = paths.get(t_path, {}).get(t_method)
+            if target is not None and "operationId" in target:
+                param = t_path[t_path.index("{") + 1:t_path.index("}")]
+                links[target["operationId"]] = {"operationId": target["operationId"],
+                                                "parameters": {param: "$response.body#/id"}}
+    return schema
+
+
+def _document(method: str, path: str, op: dict, open_paths: tuple) -> None:
+    if path in MANUAL_BODIES and method == "post":
+        ref = {"$ref": f"#/components/schemas/{MANUAL_BODIES[path].__name__}"}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref},
+                                                           "application/x-www-form-urlencoded": {"schema": ref}}}
+    responses = op.setdefault("responses", {})
+    responses.pop("422", None)
+    media = MEDIA.get((method, path))
+    if media:
+        ok = responses.setdefault("200", {"description": "Successful Response"})
+        json_schema = ok.get("content", {}).get("application/json", {"schema": {}})
+        ok["content"] = {m: json_schema if m == "application/json" else {"schema": _media_schema(m)} for m in media}
+    for code in _statuses(method, path, op, open_paths):
+        entry = {"description": REASONS[code], "content": {"application/json": {"schema": ERROR_REF}}}
+        if code in (429,):
+            entry["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds to wait"}}
+        responses.setdefault(str(code), entry)
+
+
+def _limit_components(schema: dict, settings) -> None:
+    """State the server's own limits (prompt length, steps) on the request bodies' fields."""
+    for component in schema.get("components", {}).get("schemas", {}).values():
+        props = component.get("properties", {})
+        for name in ("prompt", "negative_prompt", "input"):
+            if name in props:
+                _set_bound(props[name], "string", "maxLength", settings.max_prompt_chars)
+        if "num_inference_steps" in props and settings.max_steps:
+            _set_bound(props["num_inference_steps"], "integer", "minimum", 1)
+            _set_bound(props["num_inference_steps"], "integer", "maximum", settings.max_steps)
+
+
+def _set_bound(prop: dict, kind: str, key: str, value: int) -> None:
+    """``key: value`` on a property of type ``kind``, also inside ``anyOf`` (an optional field)."""
+    if prop.get("type") == kind:
+        prop[key] = value
+    for option in prop.get("anyOf", ()):
+        if option.get("type") == kind:
+            option[key] = value
+
+
+def _list_voices(schema: dict, app: FastAPI) -> None:
+    """The speech body's ``voice`` names one of the served speech models' voices."""
+    engine = getattr(app.state, "engine", None)
+    body = schema.get("components", {}).get("schemas", {}).get("SpeechRequestBody")
+    if engine is None or body is None:
+        return
+    voices = sorted({v for f in engine.engine.models.values() for v in getattr(getattr(f, "text", None), "voices", ())})
+    for option in body.get("properties", {}).get("voice", {}).get("anyOf", ()):
+        if voices and option.get("type") == "string":
+            option["enum"] = voices
+
+
+def install(app: FastAPI, open_paths: tuple = ("/health",)) -> None:
+    """Make ``app.openapi()`` (and ``/openapi.json``) return the documented schema."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build_schema(app, open_paths)
+            settings = getattr(app.state, "settings", None)
+            if settings is not None:
+                _limit_components(schema, settings)
+            _list_voices(schema, app)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
