@@ -78,8 +78,9 @@ class DiffusersFamily(Family):
         the prompt cache, the rest go to the local encoders one prompt per call. Encoding prompts
         together would make an embedding depend (in its last bits: GEMM blocking follows the batch size)
         on the prompts it was encoded with, and the prompt cache would carry that into later requests;
-        text encoding is a small part of a request's cost. A thinker (an AR stage, e.g. vLLM) gets all
-        missing prompts in one call: batching is what it is for."""
+        text encoding is a small part of a request's cost. A transformers thinker is local too (padding
+        a batch changes its numerics). A vLLM thinker gets all missing prompts in one call: batching is
+        what that stage is for, and its engine batches them with whatever else it runs anyway."""
         params = requests[0].params
         prompts = [r.prompt for r in requests] + [r.params.negative_prompt or "" for r in requests if r.cfg]
         keys = [self.prompt_key(p, params) for p in prompts]
@@ -87,7 +88,7 @@ class DiffusersFamily(Family):
         found = {k: cache.get(k) for k in dict.fromkeys(keys)} if cache is not None else {}
         missing = [k for k in dict.fromkeys(keys) if found.get(k) is None]
         if missing:
-            if self.thinker is not None:  # an AR stage batches by design: one call for all missing prompts
+            if getattr(self.thinker, "kind", None) == "vllm":  # a vLLM stage batches by design: one call
                 fresh = self.encode_prompts([k[-2] for k in missing], params)
             else:
                 fresh = [self.encode_prompts([k[-2]], params)[0] for k in missing]
