@@ -5,7 +5,6 @@ console errors and blocks (and lists) any request for another host."""
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from serve.server import free_port
+
 CHROMIUM = os.environ.get("OMNIDIT_CHROMIUM", "/usr/bin/chromium")
 # headless, and nothing of chromium's own that reaches out (updates, sync, safe browsing, metrics)
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -22,12 +23,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-s
                  "--disable-default-apps", "--disable-extensions", "--no-first-run", "--metrics-recording-only",
                  "--disable-features=Translate,MediaRouter,OptimizationHints"]
 WAIT_MS = 120_000  # generous: the test machine is shared and slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(tmp: Path, *args: str) -> SimpleNamespace:

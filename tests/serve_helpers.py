@@ -21,8 +21,10 @@ from serve.server import free_port
 
 @contextmanager
 def live_server(model, settings: ServeSettings, **engine_options):
-    """A server on a free port in this process; ``model`` is a folder or a {name: folder} dict."""
-    if isinstance(model, dict):
+    """A server on a free port in this process; ``model`` is a folder, a {name: folder} dict or an Engine."""
+    if isinstance(model, Engine):
+        engine = AsyncEngine(model)
+    elif isinstance(model, dict):
         engine = AsyncEngine(Engine.from_models(model, **engine_options))
     else:
         engine = AsyncEngine(Engine.from_pretrained(model, **engine_options))

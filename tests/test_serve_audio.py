@@ -1,47 +1,18 @@
 """The audio API on a live server: /v1/audio/generate (text-to-audio)."""
 
 import io
-import socket
-import threading
-import time
 import warnings
-from contextlib import contextmanager
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-import uvicorn
 
-from dit_core import AsyncEngine, Engine
-from serve.app import ServeSettings, create_app
+from dit_core import Engine
+from serve.app import ServeSettings
+from serve_helpers import live_server  # noqa: F401  (test_serve_speech imports it from here too)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Should have")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def live_server(engine: Engine, settings: ServeSettings):
-    app = create_app(AsyncEngine(engine), settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    try:
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", app=app)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
