@@ -6,10 +6,10 @@ WebsocketClientPolicy`` works unchanged (give it ``host="ws://HOST:PORT/v1/realt
 1. handshake: with an API key on the server, ``Authorization: Api-Key KEY`` (the client's
    ``api_key=``) or ``Bearer KEY``, else HTTP 401. Browsers cannot set headers on a WebSocket, so
    the key may come as the subprotocol ``omnidit.key.<base64url of the key>`` instead, offered
-   beside ``omnidit.openpi`` (the one the server then accepts; the playground's robot tab does this). Query: ``model`` (a policy id; default the
-   only policy), ``deadline_ms``, ``seed``, ``rtc_delay``, ``exec_horizon`` (see
-   ``serve.robot_session``); a bad one refuses the handshake with 400 (404 for an unknown model),
-   the JSON error body naming the parameter (the client raises ``InvalidStatus``).
+   beside ``omnidit.openpi`` (the one the server then accepts; the playground's robot tab does this).
+   Query: ``model`` (a policy id; default the only policy), ``deadline_ms``, ``seed``, ``rtc_delay``,
+   ``exec_horizon`` (see ``serve.robot_session``); a bad one refuses the handshake with 400 (404 for
+   an unknown model), the JSON error body naming the parameter (the client raises ``InvalidStatus``).
 2. the server sends one binary msgpack frame: the policy's metadata (observation keys, sizes,
    chunk shape) and the session's settings.
 3. per observation frame (binary msgpack, numpy arrays tagged as openpi does) the server answers

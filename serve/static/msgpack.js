@@ -213,7 +213,9 @@ class Reader {
   }
 }
 
-const bigToNumber = (b) => (b >= BigInt(Number.MIN_SAFE_INTEGER) && b <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(b) : b);
+// 64-bit integers: a Number when exact, else a BigInt
+const bigToNumber = (b) => (b >= BigInt(Number.MIN_SAFE_INTEGER) && b <= BigInt(Number.MAX_SAFE_INTEGER)
+  ? Number(b) : b);
 
 function readMap(r, n) {
   const out = {};

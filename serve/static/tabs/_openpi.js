@@ -97,7 +97,8 @@ export class PolicySocket {
     } else if (e.code === 1000) {
       words = `The server closed the robot connection${e.reason ? ` (${e.reason})` : ""}.`;
     } else {
-      words = `The connection to the server was lost (WebSocket close code ${e.code}${e.reason ? `: ${e.reason}` : ""}). `
+      const why = `WebSocket close code ${e.code}${e.reason ? `: ${e.reason}` : ""}`;
+      words = `The connection to the server was lost (${why}). `
         + "Is `omnidit serve` still running?";
     }
     this.fail(new RobotError(words));

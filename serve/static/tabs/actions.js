@@ -43,7 +43,8 @@ class RobotTab {
       model: field("robot-model", "Policy", "select"),
       seed: field("robot-seed", "Episode seed", "input", number({ min: "0", max: String(MAX_SEED), value: "0" })),
       steps: field("robot-steps", "Denoising steps per chunk", "input", number({ min: "1" })),
-      rate: field("robot-rate", "Control rate (steps per second)", "input", number({ min: "1", max: "1000", value: "10" })),
+      rate: field("robot-rate", "Control rate (steps per second)", "input",
+        number({ min: "1", max: "1000", value: "10" })),
     });
     for (const m of models) f.model.input.append(el("option", { value: m.id, text: m.id }));
     f.model.input.addEventListener("change", () => this.loadModel());
@@ -164,7 +165,9 @@ class RobotTab {
   async episode(form, run) {
     // the policy must still be served (a 404 here says so in words) before the socket opens
     const details = (await this.api.json(`v1/models/${encodeURIComponent(form.model)}`)).details;
-    if (details.kind !== "actions") throw new RobotError(`${form.model} is not a robot policy (its kind is ${details.kind}).`);
+    if (details.kind !== "actions") {
+      throw new RobotError(`${form.model} is not a robot policy (its kind is ${details.kind}).`);
+    }
     const sim = new ReachSim(form.seed);
     this.begin(sim);
     this.setOutcome("connecting");
@@ -216,7 +219,7 @@ class RobotTab {
     const server = typeof timing.infer_ms === "number" ? `${timing.infer_ms.toFixed(0)} ms` : "–";
     const queue = typeof timing.queue_ms === "number" ? `, queued ${timing.queue_ms.toFixed(0)} ms` : "";
     this.out.server.textContent = `${server}${queue}`;
-    const deadline = timing.deadline_met === true ? ", deadline met" : timing.deadline_met === false ? ", deadline missed" : "";
+    const deadline = { true: ", deadline met", false: ", deadline missed" }[timing.deadline_met] ?? "";
     const [h, d] = reply.actions.shape;
     this.chunkList.append(el("li", { text: `chunk ${cycle + 1}: ${h}×${d} actions, ${ms.toFixed(0)} ms round trip, `
       + `server ${server}${queue}${deadline}` }));
