@@ -18,6 +18,8 @@ import torch  # noqa: E402
 
 from dit_core import Engine  # noqa: E402
 from dit_core.random_models import build  # noqa: E402
+# the playground's browser and server, shared by the page tests of several modules
+from tests.playground_fixtures import playground_browser, playground_server  # noqa: E402, F401
 
 FAMILIES = ("flux", "sd3", "qwenimage")
 

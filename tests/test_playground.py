@@ -1,7 +1,8 @@
 """The playground page at ``/`` in a real browser (playwright driving Debian's chromium, headless)
-against a real ``omnidit serve`` process with an image, a video and two audio models, shared by the
-module as is the browser; the API-key test uses the embedded default model with a key, served from
-this process."""
+against a real ``omnidit serve`` process with an image, a video, two audio models and a robot policy,
+shared by the session as is the browser (tests/playground_fixtures.py); the API-key test uses the
+embedded default model with a key, served from this process. The robot tab's tests are
+in test_playground_robot.py."""
 
 import math
 import os
@@ -12,13 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
-from dit_core import random_models
 from dit_core.zoo import default_model
 from serve.app import ServeSettings
-from tests.browser_support import (CHROMIUM, CHROMIUM_ARGS, WAIT_MS, Visit, metric, start_server, stop_server,
-                                   wait_ready)
+from tests.browser_support import WAIT_MS, Visit, metric
 from tests.test_serve import live_server
 
 API_KEY = "sesame-7f3a"
@@ -26,21 +25,10 @@ SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "playground.png"
 expect.set_options(timeout=WAIT_MS)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A real ``omnidit serve`` process on a free port with a model of each kind the page has a tab
-    for: the embedded default (image) and TTS (audio) models, a tiny random Wan (video) and a tiny
-    random Stable Audio (audio) checkpoint."""
-    tmp = tmp_path_factory.mktemp("playground")
-    wan = random_models.build("wan", "tiny", tmp / "wan", seed=0)
-    sound = random_models.build("stable-audio", "tiny", tmp / "sound", seed=0)
-    server = start_server(tmp, "--model", "digits", "--model", "tts", "--model", f"vid={wan}",
-                          "--model", f"sound={sound}")
-    try:
-        wait_ready(server)
-        yield server
-    finally:
-        stop_server(server)
+@pytest.fixture
+def server(playground_server):
+    """The shared ``omnidit serve`` process (tests/playground_fixtures.py): digits, tts, vid, sound, reach."""
+    return playground_server
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +38,9 @@ def keyed_server():
         yield srv
 
 
-@pytest.fixture(scope="module")
-def browser(server):  # on the server, so that it closes (and drops its connections) before the server stops
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install chromium)")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield browser
-        browser.close()
+@pytest.fixture
+def browser(playground_browser):
+    return playground_browser
 
 
 @pytest.fixture
@@ -96,9 +79,9 @@ def record_progress(page):
 def test_page_generates_an_image_of_the_requested_size_with_progress_in_order(visit, server, tmp_path):
     page = ready_form(visit.open())
     expect(page.locator("#tab-image")).to_have_attribute("aria-selected", "true")
-    expect(page.locator("#server-status")).to_contain_text("Connected: 4 models")
+    expect(page.locator("#server-status")).to_contain_text("Connected: 5 models")
     # one tab per output kind among the served models, in the order /v1/models lists them
-    expect(page.locator("[role=tab]")).to_have_text(["Image", "Audio", "Video"])
+    expect(page.locator("[role=tab]")).to_have_text(["Image", "Audio", "Video", "Robot"])
     expect(page.locator("#image-model option")).to_have_text(["digits"])
     unlabelled = page.evaluate("[...document.querySelectorAll('input, select, textarea')]"
                                ".filter(e => !e.labels.length).map(e => e.id)")
@@ -282,8 +265,8 @@ def played(page, selector: str) -> dict:
 
 def test_the_page_ships_one_module_per_tab(server):
     # every static/tabs/KIND.js is a tab the page may load; static/tabs/_PART.js are parts of one
-    assert 'data-tabs="audio,image,video"' in httpx.get(f"{server.url}/", timeout=10).text
-    for part in ("tabs/_speech.js", "tabs/_sound.js", "media.js"):
+    assert 'data-tabs="actions,audio,image,video"' in httpx.get(f"{server.url}/", timeout=10).text
+    for part in ("tabs/_speech.js", "tabs/_sound.js", "tabs/_reach.js", "tabs/_openpi.js", "media.js", "msgpack.js"):
         assert httpx.get(f"{server.url}/static/{part}", timeout=10).status_code == 200
 
 

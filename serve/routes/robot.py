@@ -4,10 +4,12 @@ Speaks the protocol of openpi's policy server, so the stock ``openpi_client.webs
 WebsocketClientPolicy`` works unchanged (give it ``host="ws://HOST:PORT/v1/realtime/robot/openpi"``):
 
 1. handshake: with an API key on the server, ``Authorization: Api-Key KEY`` (the client's
-   ``api_key=``) or ``Bearer KEY``, else HTTP 401. Query: ``model`` (a policy id; default the
-   only policy), ``deadline_ms``, ``seed``, ``rtc_delay``, ``exec_horizon`` (see
-   ``serve.robot_session``); a bad one refuses the handshake with 400 (404 for an unknown model),
-   the JSON error body naming the parameter (the client raises ``InvalidStatus``).
+   ``api_key=``) or ``Bearer KEY``, else HTTP 401. Browsers cannot set headers on a WebSocket, so
+   the key may come as the subprotocol ``omnidit.key.<base64url of the key>`` instead, offered
+   beside ``omnidit.openpi`` (the one the server then accepts; the playground's robot tab does this).
+   Query: ``model`` (a policy id; default the only policy), ``deadline_ms``, ``seed``, ``rtc_delay``,
+   ``exec_horizon`` (see ``serve.robot_session``); a bad one refuses the handshake with 400 (404 for
+   an unknown model), the JSON error body naming the parameter (the client raises ``InvalidStatus``).
 2. the server sends one binary msgpack frame: the policy's metadata (observation keys, sizes,
    chunk shape) and the session's settings.
 3. per observation frame (binary msgpack, numpy arrays tagged as openpi does) the server answers
@@ -23,6 +25,8 @@ WebsocketClientPolicy`` works unchanged (give it ``host="ws://HOST:PORT/v1/realt
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 import logging
 import time
@@ -43,6 +47,8 @@ router = APIRouter()
 logger = logging.getLogger("omnidit.serve.robot")
 PATH = "/v1/realtime/robot/openpi"
 INTERNAL_ERROR = 1011  # what openpi's server closes with after an error text frame
+SUBPROTOCOL = "omnidit.openpi"  # accepted when offered (a browser must get one of its offers back)
+KEY_SUBPROTOCOL = "omnidit.key."  # + base64url(key): the API key from a browser (see the docstring)
 
 
 @router.get("/healthz")
@@ -65,11 +71,26 @@ def check_settings(settings) -> None:
         raise InvalidParamError("--robot-max-frame-bytes", settings.robot_max_frame_bytes, "an integer >= 1")
 
 
+def _subprotocol_key(ws: WebSocket) -> bytes | None:
+    """The API key a browser offered as a subprotocol (``omnidit.key.<base64url>``), if any."""
+    for offered in ws.scope.get("subprotocols") or ():
+        if offered.startswith(KEY_SUBPROTOCOL):
+            token = offered[len(KEY_SUBPROTOCOL):]
+            try:
+                return base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            except (binascii.Error, ValueError):
+                return None
+    return None
+
+
 def _authorized(ws: WebSocket, api_key: str | None) -> bool:
     if not api_key:
         return True
     given = ws.headers.get("authorization", "").encode()
-    return any(hmac.compare_digest(given, f"{scheme} {api_key}".encode()) for scheme in ("Api-Key", "Bearer"))
+    if any(hmac.compare_digest(given, f"{scheme} {api_key}".encode()) for scheme in ("Api-Key", "Bearer")):
+        return True
+    offered = _subprotocol_key(ws)
+    return offered is not None and hmac.compare_digest(offered, api_key.encode())
 
 
 @router.websocket(PATH)
@@ -91,7 +112,7 @@ async def robot_socket(ws: WebSocket):
         count_error(ws.app, "invalid_value")
         await _deny(ws, APIError(400, str(e), "invalid_request_error", e.field, "invalid_value"))
         return
-    await ws.accept()
+    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in (ws.scope.get("subprotocols") or ()) else None)
     family = state.engine.engine.models[session.model]
     public = next(p for p, n in state.model_ids.items() if n == session.model)
     await ws.send_bytes(pack({**family.metadata, "model": public, "session": session.describe()}))
