@@ -155,7 +155,8 @@ class Supervisor:
             if closing:
                 stage.close()
             else:
-                logger.warning("%s is back: %s", self.name, "the transformers fallback" if fallback else "restarted")
+                logger.warning("%s is back: %s", self.name, "replaced by the transformers implementation" if fallback
+                               else "restarted")
             return
         self.problem = (f"{self.name} is down: its engine process died and {self.attempts} attempts to replace it "
                         "failed; restart the server")

@@ -3,8 +3,8 @@
 ``vllm.LLM`` (V1) starts its EngineCore in a process of its own and talks to it over ZMQ. When that
 process dies (killed, out of memory), vLLM's monitor thread marks the client dead and shuts it down,
 but a caller already blocked waiting for the engine's next output is never woken: the thread that
-fed the output queue just exits. ``wake`` puts vLLM's own ``EngineDeadError`` into that queue so
-such a caller raises instead of hanging.
+fed the output queue just exits. ``wake`` puts vLLM's own ``EngineDeadError`` into that queue (and
+into any utility call's pending answer) so such a caller raises instead of hanging.
 """
 
 from __future__ import annotations
@@ -50,14 +50,18 @@ def exit_reason(llm) -> str:
 
 
 def wake(llm) -> None:
-    """Make a caller blocked on the dead engine's output queue raise ``EngineDeadError``."""
-    queue = getattr(_client(llm), "outputs_queue", None)
-    if queue is None:
-        return
+    """Make a caller blocked on the dead engine (its next output, or a utility call's answer) raise
+    ``EngineDeadError``."""
+    client = _client(llm)
     try:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        queue.put_nowait(EngineDeadError())
+        queue = getattr(client, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError())
+        for future in list((getattr(client, "utility_results", None) or {}).values()):
+            if not future.done():
+                future.set_exception(EngineDeadError())
     except Exception as e:  # noqa: BLE001 - best effort: the stage is being discarded anyway
         logger.debug("could not wake the dead engine's caller: %r", e)
 

@@ -34,8 +34,16 @@ SPEECH = dict(model="tts", voice="adam", response_format="wav")
 
 
 def _engine_cores() -> set[int]:
-    """PIDs of the vLLM engine-core processes below this one."""
-    return {p.pid for p in psutil.Process().children(recursive=True) if "EngineCore" in p.name()}
+    """PIDs of the vLLM engine-core processes below this one (vLLM names them ``VLLM::EngineCore``;
+    the kernel keeps 15 characters of it)."""
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.name().startswith("VLLM::Engine") and p.status() != psutil.STATUS_ZOMBIE:
+                pids.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
 
 
 @contextmanager
@@ -202,4 +210,7 @@ def test_a_killed_talker_fails_its_streams_is_reported_and_restarts(speech_serve
     assert after.status_code == 200
     a, rate = sf.read(io.BytesIO(before.content))
     b, _ = sf.read(io.BytesIO(after.content))
-    assert rate == 8000 and len(a) > 4000 and np.array_equal(a, b)
+    # the same talker tokens (the same length) and the same audio; the DiT chunks may share forwards
+    # differently (streaming timing), which moves the fp32 samples by ~1e-6: a WAV LSB (3e-5) at most
+    assert rate == 8000 and len(a) == len(b) > 4000
+    assert np.abs(a - b).max() * 32768 <= 1, np.abs(a - b).max() * 32768
