@@ -10,6 +10,8 @@ from .errors import PromptError
 from .hf import HFThinker
 from .hf_talker import HFTalker
 from .select import THINKERS, choose_thinker, make_talker, make_thinker, vllm_available
+from .supervised import ON_FAILURE, StageDownError, SupervisedTalker, SupervisedThinker
 
-__all__ = ["THINKERS", "Encoded", "HFTalker", "HFThinker", "PromptCache", "PromptError", "TalkerEvent", "Thinker",
-           "choose_thinker", "make_talker", "make_thinker", "vllm_available"]
+__all__ = ["ON_FAILURE", "THINKERS", "Encoded", "HFTalker", "HFThinker", "PromptCache", "PromptError", "StageDownError",
+           "SupervisedTalker", "SupervisedThinker", "TalkerEvent", "Thinker", "choose_thinker", "make_talker",
+           "make_thinker", "vllm_available"]

@@ -8,6 +8,7 @@ from typing import Iterator
 
 from .contract import TalkerEvent
 from .errors import PromptError
+from . import vllm_process
 from .folders import model_folder
 from .vllm_memory import explicit_kv_cache
 
@@ -109,8 +110,19 @@ class VLLMTalker:
             tokens.setdefault(event.request_id, []).extend(event.token_ids)
         return [tokens[r] for r in sorted(order, key=lambda r: int(r.split("-")[1]))]
 
+    # ---- for ar_adapters.supervised: is the engine process alive, how did it end, wake its caller ----
+
+    def alive(self) -> bool:
+        return vllm_process.alive(self.llm)
+
+    def exit_reason(self) -> str:
+        return vllm_process.exit_reason(self.llm)
+
+    def wake(self) -> None:
+        vllm_process.wake(self.llm)
+
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            vllm_process.shutdown(llm)
         self.folder.cleanup()

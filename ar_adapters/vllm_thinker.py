@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .contract import Encoded, Thinker
+from . import vllm_process
 from .folders import model_folder
 from .vllm_memory import explicit_kv_cache
 
@@ -43,8 +44,19 @@ class VLLMThinker(Thinker):
             result.append(Encoded(hidden, torch.ones(hidden.shape[0], dtype=torch.bool)))
         return result
 
+    # ---- for ar_adapters.supervised: is the engine process alive, how did it end, wake its caller ----
+
+    def alive(self) -> bool:
+        return vllm_process.alive(self.llm)
+
+    def exit_reason(self) -> str:
+        return vllm_process.exit_reason(self.llm)
+
+    def wake(self) -> None:
+        vllm_process.wake(self.llm)
+
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            vllm_process.shutdown(llm)
         self.folder.cleanup()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ar_adapters import THINKERS
+from ar_adapters import ON_FAILURE, THINKERS
 from attention import AttentionConfig, UnknownBackendError
 from offload import OffloadConfigError, OffloadPolicy, check_budget
 
@@ -40,6 +40,9 @@ class EngineConfig:
         ready ``ar_adapters.Thinker`` to share. ``None`` reads OMNIDIT_THINKER (default ``auto``).
     thinker_kv_cache_gb, thinker_memory_utilization: vLLM's KV cache space (GiB;
         VLLM_CPU_KVCACHE_SPACE on CPU) and ``gpu_memory_utilization`` (on CPU: of CPU memory).
+    thinker_on_failure: what a vLLM thinker or talker does when its engine process dies: ``restart``
+        (a new vLLM engine; the requests it was serving fail, and requests fail fast until it is up)
+        or ``fallback`` (switch to the transformers implementation). See ``ar_adapters.supervised``.
     prompt_cache_bytes: size of the prompt-embedding cache (LRU by model, template, prompt,
         text length); 0 disables it.
     cache: step cache: ``none``, ``teacache:0.2``, ``fbcache:0.1[,fn=1][,bn=0]`` (per row, inside
@@ -83,6 +86,7 @@ class EngineConfig:
     thinker: object = None
     thinker_kv_cache_gb: float = 1.0
     thinker_memory_utilization: float = 0.1
+    thinker_on_failure: str = "restart"
     prompt_cache_bytes: int = 256 << 20
     offload: str | OffloadPolicy = "none"
     max_resident_gb: float | None = None
@@ -105,6 +109,8 @@ class EngineConfig:
             raise InvalidParamError("prompt_cache_bytes", self.prompt_cache_bytes, "an integer >= 0")
         if not 0 < self.thinker_memory_utilization <= 1:
             raise InvalidParamError("thinker_memory_utilization", self.thinker_memory_utilization, "in (0, 1]")
+        if self.thinker_on_failure not in ON_FAILURE:
+            raise InvalidParamError("thinker_on_failure", self.thinker_on_failure, f"one of {list(ON_FAILURE)}")
         self.cache = CacheConfig.parse(self.cache)
         try:
             self.offload = OffloadPolicy.parse(self.offload)

@@ -146,7 +146,8 @@ class Engine:
             from .dtype_auto import resolve
 
             cfg.dtype = resolve(paths, config)
-        options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
+        options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization,
+                   on_failure=cfg.thinker_on_failure)
         models = {}
         try:
             for name, path in paths.items():
@@ -275,8 +276,11 @@ class Engine:
         return events
 
     def health(self) -> str | None:
-        """None while the engine can serve; else why not (a parallel worker that died)."""
-        return self.parallel.health() if self.parallel is not None else None
+        """None while the engine can serve; else why not (a parallel worker that died, a model's AR stage
+        whose engine process died and is being replaced)."""
+        problems = [self.parallel.health()] if self.parallel is not None else []
+        problems += [f"model {name!r}: {p}" for name, f in self.models.items() if (p := f.health()) is not None]
+        return "; ".join(p for p in problems if p) or None
 
     def close(self) -> None:
         """Release what the models started (a vLLM thinker's engine process, parallel workers, an offload

@@ -234,6 +234,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinker-kv-cache-gb", type=float, default=1.0, help="vLLM thinker KV cache in GiB (default 1)")
     p.add_argument("--thinker-memory-utilization", type=float, default=0.1,
                    help="vLLM thinker gpu_memory_utilization; CPU memory share on CPU (default 0.1)")
+    p.add_argument("--thinker-on-failure", choices=("restart", "fallback"), default="restart",
+                   help="when a vLLM thinker's or talker's engine process dies: restart it (a new vLLM engine; "
+                        "its requests in flight fail, /health answers 503 engine_degraded until it is back) or "
+                        "fallback to the transformers implementation (default restart)")
     p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
                    help="prompt-embedding cache size in bytes; 0 disables (default 256 MiB)")
     p.add_argument("--offload", default="none",
@@ -284,7 +288,7 @@ def engine_kwargs(args) -> dict:
                 max_tokens_per_step=args.max_tokens_per_step, attention=args.attention,
                 attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
-                thinker_memory_utilization=args.thinker_memory_utilization,
+                thinker_memory_utilization=args.thinker_memory_utilization, thinker_on_failure=args.thinker_on_failure,
                 prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant, offload=args.offload,
                 max_resident_gb=args.max_resident_gb,
                 compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,

@@ -294,6 +294,8 @@ class SpeechService:
     def _fail(self, utt: _Utterance, message: str) -> None:
         self._live.pop(utt.req.id, None)
         self.talker.abort(self._talker_id(utt))
+        for chunk_id in utt.chunk_ids:  # its stream stops at the error: the chunks it submitted are not needed
+            self.engine.abort(chunk_id, "speech request failed")
         self._send(utt, ("error", message))
 
     def _send(self, utt: _Utterance, msg: tuple) -> None:

@@ -173,6 +173,15 @@ class Family(abc.ABC):
         """What a client may ask of this model: kind, defaults and limits (``GET /v1/models/{id}``)."""
         return {"kind": self.output_kind, "family": self.name, "defaults": dict(self.checkpoint_defaults)}
 
+    def health(self) -> str | None:
+        """None while the family can serve; else why not (its AR stage's engine process died: see
+        ar_adapters.supervised)."""
+        for stage in (self.thinker, getattr(self, "talker", None)):
+            problem = getattr(stage, "health", None)
+            if problem is not None and problem() is not None:
+                return problem()
+        return None
+
     def close(self) -> None:
         """Release what the family started (a vLLM thinker's engine process)."""
         if self.thinker is not None and self.owns_thinker:

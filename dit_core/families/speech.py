@@ -80,7 +80,8 @@ class SpeechFamily(AudioDiTFamily):
                                     load_hf_model=lambda: load_component(path, index, "talker", dtype, device),
                                     dtype=str(dtype).replace("torch.", ""),
                                     kv_cache_gb=options.get("kv_cache_gb", 1.0),
-                                    memory_utilization=options.get("memory_utilization", 0.1))
+                                    memory_utilization=options.get("memory_utilization", 0.1),
+                                    on_failure=options.get("on_failure", "restart"))
         return family
 
     def close(self) -> None:

@@ -131,7 +131,8 @@ def build_engine(models: dict[str, str], engine_options: dict, thinkers: dict) -
         from dit_core.dtype_auto import resolve
 
         cfg.dtype = resolve(models, engine_options)
-    options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization)
+    options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization,
+                   on_failure=cfg.thinker_on_failure)
     families = {}
     try:
         for name, path in models.items():

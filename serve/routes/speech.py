@@ -6,6 +6,11 @@ stream_format=...)`` and ``with_streaming_response`` work unchanged. ``stream_fo
 finishes; ``sse`` sends ``speech.audio.delta`` events (base64 of the same bytes) and a final
 ``speech.audio.done``. FLAC cannot be streamed (its header carries the length), so it is sent
 whole, and is a 400 with ``sse``. A client that disconnects aborts its talker request and DiT chunks.
+
+Failures (e.g. the talker's engine process died): before any audio, the response is the error's HTTP
+status with the OpenAI error body (the first piece is awaited before the response starts); ``sse``
+ends with an ``error`` event (as the image stream does); a byte stream already under way can only be
+cut short (the client sees an incomplete body).
 """
 
 from __future__ import annotations
@@ -20,12 +25,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from dit_core import InvalidParamError, RequestAbortedError
+from dit_core import InvalidParamError, RequestAbortedError, RequestFailedError
 from dit_core.audio import StreamEncoder, Waveform, content_type, encode
 from dit_core.audio.service import SpeechService
 
 from ..client import local_engine
-from ..errors import APIError
+from ..errors import APIError, scrub
 from ..guards import check_prompts, check_steps
 from .audio import check_queue, find_model
 
@@ -104,7 +109,20 @@ async def create_speech(body: SpeechRequestBody, request: Request):
                         headers=headers)
     if body.stream_format == "sse":
         return StreamingResponse(_sse(service, req, fmt), media_type="text/event-stream", headers=headers)
-    return StreamingResponse(_bytes(service, req, fmt), media_type=content_type(fmt), headers=headers)
+    gen = service.stream(req)
+    try:
+        first = await _watched(_first(gen), req, request)
+    except BaseException:
+        await gen.aclose()
+        raise
+    return StreamingResponse(_bytes(service, req, fmt, gen, first), media_type=content_type(fmt), headers=headers)
+
+
+async def _first(gen):
+    try:
+        return await anext(gen)
+    except StopAsyncIteration:
+        return None
 
 
 async def _whole(service, req, request: Request):
@@ -117,12 +135,18 @@ async def _whole(service, req, request: Request):
         finally:
             await gen.aclose()
 
-    task = asyncio.ensure_future(collect())
+    return await _watched(collect(), req, request)
+
+
+async def _watched(coro, req, request: Request):
+    """``coro``'s result; cancelled (which aborts the utterance) if the client disconnects first."""
+    task = asyncio.ensure_future(coro)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 task.cancel()  # closing the stream aborts the talker request and its chunks
+                await asyncio.wait({task})  # it has left the stream before the caller closes it
                 raise RequestAbortedError(req.id, "client disconnected")
     except asyncio.CancelledError:
         task.cancel()
@@ -130,11 +154,17 @@ async def _whole(service, req, request: Request):
     return task.result()
 
 
-async def _bytes(service, req, fmt: str):
+async def _pieces(gen, first):
+    if first is not None:
+        yield first
+    async for piece in gen:
+        yield piece
+
+
+async def _bytes(service, req, fmt: str, gen, first):
     enc = StreamEncoder(fmt, service.text.sample_rate, 1)
-    gen = service.stream(req)
     try:
-        async for piece in gen:
+        async for piece in _pieces(gen, first):
             data = enc.write(piece)
             if data:
                 service.timelines.setdefault(req.id, {}).setdefault("first_bytes", time.perf_counter())
@@ -151,11 +181,16 @@ async def _sse(service, req, fmt: str):
     gen = service.stream(req)
     samples = 0
     try:
-        async for piece in gen:
-            samples += piece.shape[1]
-            data = enc.write(piece)
-            if data:
-                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        try:
+            async for piece in gen:
+                samples += piece.shape[1]
+                data = enc.write(piece)
+                if data:
+                    yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        except RequestFailedError as e:  # the stream ends with the error, as the image stream's does
+            yield _event({"type": "error", "id": req.id, "error": {"message": scrub(str(e)), "type": "server_error",
+                                                                  "param": None, "code": "generation_failed"}})
+            return
         tail = enc.close()
         if tail:
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})

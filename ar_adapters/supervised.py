@@ -1,0 +1,273 @@
+"""Supervised AR stages: a thinker or talker that outlives the death of its vLLM engine process.
+
+``SupervisedThinker`` and ``SupervisedTalker`` wrap a stage built by a ``start`` factory (any
+``Thinker``, any talker). A ``Supervisor`` watches it: a watcher thread asks the stage's ``alive()``
+every ``poll_s`` seconds, and a call that raises on a dead stage is noticed too. When it died:
+
+* the calls in flight raise ``StageDownError`` (a caller blocked on the dead engine is woken by the
+  stage's ``wake()``), and so does every call until the stage is back: its message names the stage
+  and says what is being done. The engine fails the requests concerned with it, per request;
+* ``health()`` says why the stage is down (``Engine.health()``; the server's ``/health`` answers
+  503 ``engine_degraded`` with it);
+* a background thread replaces the stage: ``on_failure="restart"`` runs ``start`` again (a new vLLM
+  engine; up to ``attempts`` tries, backing off), ``"fallback"`` builds the ``fallback`` stage (the
+  transformers implementation) instead. Later calls go to the new stage.
+
+A stage needs ``close()``; ``alive()`` (default: alive), ``exit_reason()`` and ``wake()`` are
+used when it has them (vLLM stages do: ar_adapters/vllm_process.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from .contract import Encoded, TalkerEvent, Thinker
+
+logger = logging.getLogger(__name__)
+ON_FAILURE = ("restart", "fallback")
+
+
+class StageDownError(RuntimeError):
+    """A supervised stage cannot serve this call: its engine process died (it is being replaced)."""
+
+
+def check_on_failure(on_failure: str) -> str:
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure={on_failure!r} is not one of {list(ON_FAILURE)}")
+    return on_failure
+
+
+def _alive(stage) -> bool:
+    return getattr(stage, "alive", lambda: True)()
+
+
+class Supervisor:
+    """Owns one stage at a time (``stage``; None while it is being replaced) and replaces it when it dies.
+    ``generation`` counts deaths: work a caller gave an earlier generation is lost."""
+
+    def __init__(self, name: str, start: Callable[[], object], fallback: Callable[[], object] | None = None,
+                 on_failure: str = "restart", attempts: int = 3, poll_s: float = 0.2, backoff_s: float = 1.0):
+        self.name = name  # "the vLLM thinker": messages start with it
+        self.on_failure = check_on_failure(on_failure)
+        self._start, self._fallback = start, fallback
+        self.attempts, self.poll_s, self.backoff_s = attempts, poll_s, backoff_s
+        self.generation = 0
+        self.restarts = 0  # replacements that came up (restarts and fallbacks)
+        self.problem: str | None = None  # why the stage is down (None while it serves)
+        self.death: str | None = None  # the last death, for the errors of the work it took with it
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._recovery: threading.Thread | None = None
+        self.stage = start()
+        self.kind = getattr(self.stage, "kind", None)
+        self._watcher = threading.Thread(target=self._watch, name="omnidit-stage-watch", daemon=True)
+        self._watcher.start()
+
+    # ---- for the wrappers ----
+
+    def current(self) -> tuple[object, int]:
+        """The serving stage and its generation, or StageDownError."""
+        with self._lock:
+            stage, generation = self.stage, self.generation
+        if stage is None:
+            raise StageDownError(self.problem or f"{self.name} is not running")
+        return stage, generation
+
+    def check(self, stage, error: BaseException) -> None:
+        """After a call on ``stage`` raised ``error``: return if the stage is fine (an ordinary error,
+        for the caller to re-raise); if it died, start replacing it and raise StageDownError."""
+        if self.stage is stage and _alive(stage):
+            return
+        self._died(stage)
+        raise StageDownError(self.lost_work_message()) from error
+
+    def lost_work_message(self) -> str:
+        return f"{self.death or self.name + ' stopped'} while serving this request; {self._plan()}: retry it"
+
+    def health(self) -> str | None:
+        """None while the stage serves; else why not."""
+        return None if self.stage is not None else (self.problem or f"{self.name} is not running")
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            stage, self.stage = self.stage, None
+            self.problem = f"{self.name} is closed"
+        if stage is not None:
+            stage.close()
+        if self._recovery is not None:  # a replacement being built is closed as soon as it is up
+            self._recovery.join(timeout=120)
+
+    # ---- death and replacement ----
+
+    def _plan(self) -> str:
+        if self.on_failure == "fallback" and self._fallback is not None:
+            return "falling back to the transformers implementation"
+        return "restarting it"
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            stage = self.stage
+            if stage is not None and not _alive(stage):
+                self._died(stage)
+
+    def _died(self, stage) -> None:
+        with self._lock:
+            if self.stage is not stage or self._stop.is_set():
+                return  # already being replaced (or closing)
+            self.stage = None
+            self.generation += 1
+            reason = getattr(stage, "exit_reason", lambda: "it stopped")()
+            self.death = f"{self.name}'s engine process died ({reason})"
+            self.problem = f"{self.name} is down: its engine process died ({reason}); {self._plan()}"
+            self._recovery = threading.Thread(target=self._recover, args=(stage,), name="omnidit-stage-restart",
+                                              daemon=True)
+        logger.error("%s", self.problem)
+        getattr(stage, "wake", lambda: None)()
+        self._recovery.start()
+
+    def _recover(self, dead) -> None:
+        try:
+            dead.close()
+        except Exception as e:  # noqa: BLE001 - a dead engine may not close cleanly; it is gone either way
+            logger.warning("closing the dead %s: %r", self.name, e)
+        fallback = self.on_failure == "fallback" and self._fallback is not None
+        build = self._fallback if fallback else self._start
+        for attempt in range(1, self.attempts + 1):
+            if self._stop.is_set():
+                return
+            try:
+                stage = build()
+            except Exception as e:  # noqa: BLE001 - reported by health(); tried again
+                logger.warning("replacing %s, attempt %d of %d failed: %r", self.name, attempt, self.attempts, e)
+                self.problem = (f"{self.name} is down: its engine process died and attempt {attempt} of "
+                                f"{self.attempts} to replace it failed ({type(e).__name__})")
+                self._stop.wait(self.backoff_s * 2 ** (attempt - 1))
+                continue
+            with self._lock:
+                closing = self._stop.is_set()
+                if not closing:
+                    self.stage, self.problem = stage, None
+                    self.kind = getattr(stage, "kind", self.kind)
+                    self.restarts += 1
+            if closing:
+                stage.close()
+            else:
+                logger.warning("%s is back: %s", self.name, "replaced by the transformers implementation" if fallback
+                               else "restarted")
+            return
+        self.problem = (f"{self.name} is down: its engine process died and {self.attempts} attempts to replace it "
+                        "failed; restart the server")
+
+
+class SupervisedThinker(Thinker):
+    """A ``Thinker`` whose stage is replaced when its engine process dies (see the module docstring)."""
+
+    def __init__(self, start: Callable[[], Thinker], fallback: Callable[[], Thinker] | None = None,
+                 on_failure: str = "restart", name: str = "the vLLM thinker", **options):
+        self.supervisor = Supervisor(name, start, fallback, on_failure, **options)
+        first = self.supervisor.stage
+        super().__init__(first.tokenizer, first.model_id, first.max_length)
+
+    @property
+    def kind(self) -> str:
+        return self.supervisor.kind
+
+    @property
+    def stage(self) -> Thinker | None:
+        return self.supervisor.stage
+
+    def _encode(self, texts: list[str]) -> list[Encoded]:
+        stage, _ = self.supervisor.current()
+        try:
+            return stage._encode(texts)  # checked (and counted) by our own encode()
+        except Exception as e:
+            self.supervisor.check(stage, e)
+            raise
+
+    def health(self) -> str | None:
+        return self.supervisor.health()
+
+    def close(self) -> None:
+        self.supervisor.close()
+
+
+class SupervisedTalker:
+    """A talker (``add`` / ``step`` / ``abort``) whose stage is replaced when its engine process dies.
+    Requests live on a stage that died are lost: the next ``step`` raises StageDownError for them
+    (the speech service fails those utterances), and ``add`` raises while no stage serves."""
+
+    def __init__(self, start: Callable[[], object], fallback: Callable[[], object] | None = None,
+                 on_failure: str = "restart", name: str = "the vLLM talker", **options):
+        self.supervisor = Supervisor(name, start, fallback, on_failure, **options)
+        self.max_length = self.supervisor.stage.max_length
+        self._live: dict[str, int] = {}  # request id -> the generation it was added to
+
+    @property
+    def kind(self) -> str:
+        return self.supervisor.kind
+
+    @property
+    def stage(self):
+        return self.supervisor.stage
+
+    def add(self, request_id: str, prompt_ids: list[int], max_tokens: int = 256,
+            stop_token_ids: list[int] | None = None) -> None:
+        stage, generation = self.supervisor.current()
+        try:
+            stage.add(request_id, prompt_ids, max_tokens, stop_token_ids)
+        except Exception as e:
+            self.supervisor.check(stage, e)
+            raise
+        self._live[request_id] = generation
+
+    def step(self) -> list[TalkerEvent]:
+        """One step of the stage; StageDownError when live requests were lost with a dead stage."""
+        stage, generation = self.supervisor.stage, self.supervisor.generation
+        lost = [rid for rid, g in self._live.items() if g != generation or stage is None]
+        if lost:
+            for rid in lost:
+                del self._live[rid]
+            raise StageDownError(self.supervisor.lost_work_message())
+        if stage is None:
+            return []
+        try:
+            events = stage.step()
+        except Exception as e:
+            self.supervisor.check(stage, e)
+            raise
+        for ev in events:
+            if ev.finished:
+                self._live.pop(ev.request_id, None)
+        return events
+
+    def abort(self, request_id: str) -> None:
+        generation = self._live.pop(request_id, None)
+        stage = self.supervisor.stage
+        if stage is not None and generation == self.supervisor.generation:
+            stage.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def generate_all(self, prompts: list[list[int]], max_tokens: int = 256,
+                     stop_token_ids: list[int] | None = None) -> list[list[int]]:
+        """The whole token sequence of each prompt, in prompt order."""
+        names = [f"all-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for name, prompt in zip(names, prompts):
+            self.add(name, prompt, max_tokens, stop_token_ids)
+        tokens = {n: [] for n in names}
+        while any(n in self._live for n in names):
+            for ev in self.step():
+                if ev.request_id in tokens:
+                    tokens[ev.request_id] += ev.token_ids
+        return [tokens[n] for n in names]
+
+    def health(self) -> str | None:
+        return self.supervisor.health()
+
+    def close(self) -> None:
+        self._live.clear()
+        self.supervisor.close()

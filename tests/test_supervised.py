@@ -1,0 +1,180 @@
+"""ar_adapters.supervised without vLLM: a transformers stage that can be marked dead stands in for a
+stage whose engine process died (tests/test_chaos.py kills real vLLM engine processes). Death seen
+by the watcher or by a failing call, requests failing with the stage's name, Engine.health(), restart,
+fallback, restarts that keep failing, and talker requests lost with a dead stage."""
+
+import threading
+import time
+
+import pytest
+from transformers import Qwen2ForCausalLM
+
+from ar_adapters import HFTalker, HFThinker, StageDownError, SupervisedTalker, SupervisedThinker
+from dit_core import Engine, InvalidParamError
+from dit_core.families.qwenimage import QwenImageFamily
+from dit_core.random_models.tokenizers import qwen_tokenizer
+from dit_core.request import EventKind
+from helpers import assert_finished, params, run_staggered
+
+
+class MortalThinker(HFThinker):
+    """An HFThinker that can be killed: then it is not alive and its calls raise, as a dead engine's do."""
+
+    kind = "mortal"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.dead = False
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def exit_reason(self) -> str:
+        return "exit code -9 (SIGKILL)"
+
+    def _encode(self, texts):
+        if self.dead:
+            raise ConnectionError("engine gone")
+        return super()._encode(texts)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    path = tiny_models["qwenimage"]
+    return path, Qwen2ForCausalLM.from_pretrained(path / "text_encoder").eval()
+
+
+def _supervised(lm, gate: threading.Event | None = None, on_failure="restart", fail_starts=0, **options):
+    path, model = lm
+    made = []
+
+    def start():
+        if made and gate is not None:
+            assert gate.wait(30)
+        if made and len(made) <= fail_starts:
+            made.append(None)
+            raise RuntimeError("no memory for a new engine")
+        made.append(MortalThinker(model, qwen_tokenizer(), f"{path}/text_encoder", QwenImageFamily.thinker_max_length))
+        return made[-1]
+
+    def fallback():
+        return HFThinker(model, qwen_tokenizer(), f"{path}/text_encoder", QwenImageFamily.thinker_max_length)
+
+    thinker = SupervisedThinker(start, fallback, on_failure, name="the test thinker", **{"poll_s": 0.02, **options})
+    return thinker, made
+
+
+def _until(condition, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _run(engine, prompts):
+    finals, _ = run_staggered(engine, [(p, params(num_inference_steps=2, seed=i)) for i, p in enumerate(prompts)],
+                              [0] * len(prompts))
+    return [finals[i] for i in range(len(prompts))]
+
+
+def test_a_dead_thinker_fails_requests_is_reported_and_restarts(tiny_models, lm):
+    gate = threading.Event()
+    thinker, made = _supervised(lm, gate)
+    engine = Engine.from_pretrained(tiny_models["qwenimage"], name="img", thinker=thinker, prompt_cache_bytes=0)
+    try:
+        before = [assert_finished(e) for e in _run(engine, ["a cat", "a dog"])]
+        assert engine.health() is None and thinker.kind == "mortal"
+        made[0].dead = True  # found by the watcher: health says so before any request comes
+        _until(lambda: engine.health() is not None)
+        assert engine.health() == ("model 'img': the test thinker is down: its engine process died "
+                                   "(exit code -9 (SIGKILL)); restarting it")
+        for ev in _run(engine, ["a cat", "a dog"]):  # fail fast, naming the stage
+            assert ev.kind == EventKind.FAILED and "StageDownError: the test thinker is down" in ev.error
+        gate.set()
+        _until(lambda: engine.health() is None)
+        assert len(made) == 2 and thinker.supervisor.restarts == 1 and thinker.stage is made[1]
+        after = [assert_finished(e) for e in _run(engine, ["a cat", "a dog"])]
+        assert all((a == b).all() for a, b in zip(before, after))
+    finally:
+        engine.close()
+        thinker.close()  # a thinker passed in is not the engine's to close
+    assert thinker.stage is None and "closed" in thinker.health()
+
+
+def test_a_call_on_a_dead_stage_fails_with_the_death_and_fallback_takes_over(tiny_models, lm):
+    thinker, made = _supervised(lm, on_failure="fallback", poll_s=3600)  # no watcher: the call finds the death
+    engine = Engine.from_pretrained(tiny_models["qwenimage"], name="img", thinker=thinker, prompt_cache_bytes=0)
+    try:
+        made[0].dead = True
+        (ev,) = _run(engine, ["a cat"])
+        assert ev.kind == EventKind.FAILED
+        assert ("the test thinker's engine process died (exit code -9 (SIGKILL)) while serving this request; "
+                "falling back to the transformers implementation: retry it") in ev.error
+        _until(lambda: engine.health() is None)
+        assert thinker.kind == "hf" and isinstance(thinker.stage, HFThinker) and len(made) == 1
+        assert_finished(_run(engine, ["a cat"])[0])
+    finally:
+        engine.close()
+        thinker.close()
+
+
+def test_restarts_that_keep_failing_are_reported(lm):
+    thinker, made = _supervised(lm, fail_starts=5, attempts=2, backoff_s=0.01)
+    made[0].dead = True
+    _until(lambda: "2 attempts to replace it failed" in (thinker.health() or ""))
+    assert thinker.stage is None and len(made) == 3
+    with pytest.raises(StageDownError, match="restart the server"):
+        thinker.encode(["x"])
+    thinker.close()
+
+
+def test_ordinary_errors_pass_through_and_do_not_restart(lm):
+    thinker, made = _supervised(lm)
+    with pytest.raises(Exception) as e:
+        thinker.encode([""])
+    assert "empty" in str(e.value) and thinker.supervisor.restarts == 0 and thinker.stage is made[0]
+    thinker.close()
+
+
+class MortalTalker(HFTalker):
+    kind = "mortal"
+    dead = False
+
+    def alive(self) -> bool:
+        return not self.dead
+
+
+def test_talker_requests_live_on_a_dead_stage_are_lost_with_a_clear_error(lm):
+    _, model = lm
+    made = []
+    gate = threading.Event()
+
+    def start():
+        if made:
+            assert gate.wait(30)
+        made.append(MortalTalker(model, 64))
+        return made[-1]
+
+    talker = SupervisedTalker(start, name="the test talker", poll_s=0.02)
+    reference = talker.generate_all([[5, 6, 7]], max_tokens=6)
+    talker.add("a", [5, 6, 7], 6)
+    talker.step()
+    made[0].dead = True
+    _until(lambda: talker.health() is not None)
+    assert talker.has_unfinished()  # the caller must step once more to learn what was lost
+    with pytest.raises(StageDownError, match="the test talker's engine process died .* while serving this request"):
+        talker.step()
+    assert not talker.has_unfinished() and talker.step() == []
+    with pytest.raises(StageDownError, match="the test talker is down"):
+        talker.add("b", [5, 6, 7], 6)
+    talker.abort("a")  # nothing to do: a no-op
+    gate.set()
+    _until(lambda: talker.health() is None)
+    assert talker.generate_all([[5, 6, 7]], max_tokens=6) == reference
+    talker.close()
+
+
+def test_thinker_on_failure_is_validated():
+    with pytest.raises(InvalidParamError, match="thinker_on_failure='retry' is invalid: expected one of "
+                                                r"\['restart', 'fallback'\]"):
+        Engine.from_models({"x": "/nowhere"}, thinker_on_failure="retry")
