@@ -15,9 +15,9 @@ import uvicorn
 from dit_core import AsyncEngine, Engine
 from dit_core.families import DEFAULTS_KEY
 from dit_core.random_models import build
-from dit_core.zoo import tts_model
+from dit_core.zoo import default_policy, tts_model
 from serve.app import ServeSettings, create_app
-from serve.server import free_port
+from serve.server import free_port, ws_options
 
 # public model id -> (random_models family, size, serving defaults small enough for a fuzzer's default
 # request to be quick); plus the embedded text-to-speech model "tts"
@@ -26,8 +26,9 @@ TINY = {"img": ("flux", "tiny", dict(num_inference_steps=2, height=32, width=32)
         "sound": ("stable-audio", "tiny", dict(num_inference_steps=4))}
 
 
-def build_models(root: str | Path) -> dict[str, Path]:
-    """Tiny random checkpoints of every kind the HTTP API serves (built once per folder)."""
+def build_models(root: str | Path, policy: bool = False) -> dict[str, Path]:
+    """Tiny random checkpoints of every kind the HTTP API serves (built once per folder); with ``policy``
+    also the embedded ``reach`` robot policy (for the OpenPI WebSocket)."""
     root = Path(root)
     models = {}
     for name, (family, size, defaults) in TINY.items():
@@ -40,6 +41,8 @@ def build_models(root: str | Path) -> dict[str, Path]:
             index.write_text(json.dumps(config))
         models[name] = folder
     models["tts"] = tts_model()
+    if policy:
+        models["reach"] = default_policy()
     return models
 
 
@@ -58,7 +61,8 @@ def live_server(models: dict, settings: ServeSettings, **engine_options):
     engine = AsyncEngine(Engine.from_models(models, **engine_options))
     app = create_app(engine, settings)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           **ws_options(settings)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -6,16 +6,20 @@ The stream (seeded) mixes valid and invalid requests of every HTTP kind the serv
 (JSON, url, SSE), SSE streams cut after the first event, clients that give up before the answer,
 text-to-audio, speech streams (whole and cut half-way), video jobs run to the end, downloaded and
 deleted, video jobs deleted while running, synchronous videos, and malformed / oversized / unknown-model
-requests. (The OpenPI WebSocket is not part of this branch; a ``ws`` kind slots into ``KINDS``.)
+requests; and OpenPI WebSocket sessions against the embedded ``reach`` policy (benchmarks/soak_ws.py):
+valid ones (the stock ``openpi_client``, a few observations), connections dropped mid-frame, and
+malformed frames (refused by the policy server, or breaking the WebSocket protocol).
 
 Measured:
 * ``requests``: the stream's items (an item may be several HTTP requests: a video job's create, polls,
-  download and delete); ``http_requests``: all of them;
-* accounting: every HTTP request the clients sent is counted exactly once by the server's own counter
-  (``omnidit_http_responses_total``, by route and status); per status the server's count equals the
-  clients' except for the requests the clients cut, whose answers the clients never read.
-  ``lost`` = |sent - counted| + statuses the server counted fewer of than the clients saw.
-  After the stream the engine holds no request (nothing stuck);
+  download and delete); ``http_requests``: all of them; ``ws_sessions``;
+* accounting, by the server's own counters: every HTTP request the clients sent is counted exactly once
+  in ``omnidit_http_responses_total`` (by method, route and status), with the status the client read,
+  except that a request the client cut may be counted as 499 (the server saw the client leave) or as
+  the status of an answer it had finished sending; every WebSocket session is counted once in
+  ``omnidit_ws_sessions_total`` with the outcome and close code the client's side implies.
+  ``lost`` = requests and sessions not counted + counted twice + counted under another status, plus
+  anything still running after the stream (HTTP handlers, WebSocket sessions, engine requests);
 * resident memory and open descriptors of the process after warm-up (the first 20% of the stream)
   against the end: ``rss_growth``, ``fd_growth`` (fractions);
 * the file and video stores within their bounds; ``server_errors``: 5xx answers that no injected
@@ -40,6 +44,7 @@ import time
 
 import httpx
 
+from benchmarks import soak_ws
 from benchmarks.common import machine, percentiles, save_plot, write_json
 from benchmarks.fuzz import run_fuzz
 from benchmarks.live import build_models, live_server, reliability_settings
@@ -49,8 +54,9 @@ VID = {"model": "vid", "size": "32x32", "num_frames": 5, "num_inference_steps": 
 # kind -> weight in the stream
 KINDS = {"image": 20, "image_url": 6, "image_sse": 6, "image_sse_cut": 6, "image_give_up": 6, "image_bad": 10,
          "audio": 7, "audio_bad": 3, "speech": 5, "speech_cut": 4, "video_job": 5, "video_delete_running": 5,
-         "video_sync": 3, "video_bad": 5, "read": 5, "garbage": 4}
+         "video_sync": 3, "video_bad": 5, "read": 5, "garbage": 4, "ws": 5, "ws_drop": 3, "ws_bad": 3}
 CUT = {"image_sse_cut", "image_give_up", "speech_cut"}  # the client never reads the whole answer
+WS = "WS"  # the log's method for a WebSocket session; its status: the outcome the server should count
 
 
 def rss_bytes() -> int:
@@ -87,14 +93,26 @@ class Client:
         self.log.append((kind, "POST", route, "cut", time.monotonic() - start, time.monotonic()))
 
     async def give_up(self, kind: str, route: str, path: str, body: dict, after_s: float) -> None:
+        """POST, then stop waiting for the answer ``after_s`` after the request went out. Only the read
+        gives up: a client that gave up while still connecting never sent its request (a 50 ms limit on
+        the whole call did that under load; the server cannot count a request it never received)."""
         start = time.monotonic()
         try:
-            async with httpx.AsyncClient(timeout=after_s) as own:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=after_s)) as own:
                 r = await own.post(self.url + path, json=body)
             status = str(r.status_code)  # it answered in time after all
-        except httpx.TimeoutException:
+        except httpx.ReadTimeout:
             status = "cut"
         self.log.append((kind, "POST", route, status, time.monotonic() - start, time.monotonic()))
+
+    async def session(self, kind: str, run) -> None:
+        """One WebSocket session; ``run`` returns the outcome the server should count."""
+        start = time.monotonic()
+        try:
+            outcome = await run
+        except Exception as e:  # noqa: BLE001  (recorded: it matches no server outcome, so it is counted as lost)
+            outcome = f"client_error {type(e).__name__}: {e}"[:200]
+        self.log.append((kind, WS, soak_ws.ROUTE, outcome, time.monotonic() - start, time.monotonic()))
 
     async def run(self, kind: str, i: int) -> None:
         prompt = f"soak {i} {self.rng.choice(['lake', 'door', 'cat', 'street'])}"
@@ -169,6 +187,13 @@ class Client:
                 await self.send(kind, "GET", "/v1/files/{file_id}", f"/v1/files/file-{self.rng.getrandbits(64):x}")
             else:
                 await self.send(kind, "PUT", "/v1/models", "/v1/models")
+        elif kind == "ws":
+            await self.session(kind, asyncio.to_thread(soak_ws.valid, self.url, i, self.rng.randint(1, 3)))
+        elif kind == "ws_drop":
+            await self.session(kind, soak_ws.drop(self.url, i))
+        elif kind == "ws_bad":
+            choice = self.rng.randrange(4)
+            await self.session(kind, soak_ws.bad(self.url, choice) if choice < 3 else soak_ws.garbage(self.url))
 
 
 async def stream(url: str, n: int, concurrency: int, seed: int, on_progress) -> list:
@@ -192,34 +217,51 @@ async def stream(url: str, n: int, concurrency: int, seed: int, on_progress) -> 
 
 
 def server_counts(live) -> collections.Counter:
-    """(method, route, status) -> count, from the server's own counter."""
+    """(method, route, status) -> count from the server's own counters: HTTP requests, and WebSocket
+    sessions as (WS, route, "outcome code"); plus ("open", kind) -> handlers still running."""
     counts = collections.Counter()
     for metric in live.app.state.metrics.registry.collect():
-        if metric.name == "omnidit_http_responses":
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    labels = sample.labels
-                    counts[(labels["method"], labels["route"], labels["status"])] += int(sample.value)
+        for sample in metric.samples:
+            labels = sample.labels
+            if sample.name == "omnidit_http_responses_total":
+                counts[(labels["method"], labels["route"], labels["status"])] += int(sample.value)
+            elif sample.name == "omnidit_ws_sessions_total":
+                counts[(WS, labels["route"], f"{labels['outcome']} {labels['code']}")] += int(sample.value)
+            elif sample.name in ("omnidit_http_in_flight", "omnidit_ws_open"):
+                counts[("open", sample.name)] = int(sample.value)
     return counts
 
 
+def running(counts: collections.Counter) -> int:
+    """HTTP handlers and WebSocket sessions still running."""
+    return sum(n for key, n in counts.items() if key[0] == "open")
+
+
 def account(log: list, before: collections.Counter, after: collections.Counter) -> dict:
-    """Client outcomes against the server's counter, by method and status (a body refused before routing,
+    """Client outcomes against the server's counters, by method and status (a body refused before routing,
     e.g. a 413, is counted by the server as ``unrouted``, so routes are not compared)."""
     server = collections.Counter()
     for (m, _r, s), n in (after - before).items():
-        server[(m, s)] += n
+        if m != "open":
+            server[(m, s)] += n
     client = collections.Counter((m, s) for _, m, _r, s, _, _ in log if s != "cut")
+    sent = collections.Counter(m for _, m, _r, _s, _, _ in log)
+    counted = collections.Counter()
+    for (m, _s), n in server.items():
+        counted[m] += n
     cut = collections.Counter(m for _, m, _r, s, _, _ in log if s == "cut")
-    sent, counted = len(log), sum(server.values())
-    short = sum(max(0, n - server[key]) for key, n in client.items())  # answers the server never counted
-    # what the server counted beyond the answers the clients read must be the requests they cut
-    extra = collections.Counter()
-    for (m, s), n in server.items():
-        extra[m] += n - client[(m, s)]
-    unexplained = sum(abs(extra[m] - cut[m]) for m in set(extra) | set(cut))
-    return {"sent": sent, "counted": counted, "cut": sum(cut.values()), "lost": abs(sent - counted) + short,
-            "unexplained": unexplained, "server_statuses": {f"{m} {s}": n for (m, s), n in sorted(server.items())}}
+    # not counted / counted more than sent, by method
+    uncounted = sum(max(0, sent[m] - counted[m]) for m in sent)
+    overcounted = sum(max(0, counted[m] - sent[m]) for m in counted)
+    # answers the clients read that the server counted under another status; with the totals equal this
+    # also catches a 499 for a request the client read whole. What remains, server count - client reads
+    # per status, is the cut requests whose answer the server finished before it saw the client leave.
+    mismatched = sum(max(0, n - server[key]) for key, n in client.items())
+    closed = sum(n for (m, s), n in server.items() if s == "499")
+    return {"sent": sum(sent.values()), "counted": sum(counted.values()), "uncounted": uncounted,
+            "overcounted": overcounted, "mismatched": mismatched, "cut": sum(cut.values()),
+            "cut_seen_closed": closed, "cut_answered": sum(cut.values()) - closed,
+            "server_statuses": {f"{m} {s}": n for (m, s), n in sorted(server.items())}}
 
 
 def main(argv=None) -> int:
@@ -233,7 +275,7 @@ def main(argv=None) -> int:
     n = 300 if args.quick else args.requests
     fuzz_examples, fuzz_phases = (5, "fuzzing,stateful") if args.quick else (args.fuzz_examples, None)
     settings = reliability_settings(max_files=32, max_videos=16, max_queue=256)
-    with tempfile.TemporaryDirectory() as tmp, live_server(build_models(tmp), settings) as live:
+    with tempfile.TemporaryDirectory() as tmp, live_server(build_models(tmp, policy=True), settings) as live:
         samples = []  # (requests done, seconds, rss, fds)
         done = [0]
         t0 = time.monotonic()
@@ -249,28 +291,31 @@ def main(argv=None) -> int:
         stores: list = []
         before = server_counts(live)
         log = asyncio.run(stream(live.url, n, args.concurrency, args.seed, on_progress))
-        # a cut stream's handler ends (and is counted) when it next writes and finds the client gone: wait
-        # up to 60 s for the server to have counted every request sent, then account
-        settle = time.monotonic() + 60
-        while sum((server_counts(live) - before).values()) < len(log) and time.monotonic() < settle:
-            time.sleep(0.2)
+        # a cut request's handler ends (and is counted) when it notices the client gone: wait up to 60 s
+        # for every handler and engine request to end; what is still running then is stuck
         engine = live.engine
         deadline = time.monotonic() + 60
-        while engine.num_unfinished and time.monotonic() < deadline:
+        while (running(server_counts(live)) or engine.num_unfinished) and time.monotonic() < deadline:
             time.sleep(0.1)
-        stuck = engine.num_unfinished
-        counts = account(log, before, server_counts(live))
+        after = server_counts(live)
+        stuck, open_handlers = engine.num_unfinished, running(after)
+        counts = account(log, before, after)
         seconds = time.monotonic() - t0
         warm = next(s for s in samples if s[0] >= n // 5)
         end = samples[-1]
         fuzz = run_fuzz(live.url, fuzz_examples, args.seed + 1, phases=fuzz_phases) if fuzz_examples else \
             {"cases": 0, "failures": 0, "failed": []}
-    fives = [e for e in log if e[3].startswith("5")]
+    fives = [e for e in log if e[3].startswith("5")]  # the answers the clients read
+    # the server's own count: 5xx answers (also to clients that had gone) and WebSocket handlers that raised
+    server_fives = sum(n for key, n in counts["server_statuses"].items()
+                       if key.split(" ", 1)[1].startswith(("5", "failed")))
     summary = {
-        "requests": n, "http_requests": counts["sent"], "lost": counts["lost"] + counts["unexplained"] + stuck,
+        "requests": n, "http_requests": sum(e[1] != WS for e in log), "ws_sessions": sum(e[1] == WS for e in log),
+        "lost": counts["uncounted"] + counts["overcounted"] + counts["mismatched"] + stuck + open_handlers,
         "rss_growth": round((end[2] - warm[2]) / warm[2], 4), "fd_growth": round((end[3] - warm[3]) / warm[3], 4),
-        "server_errors": len(fives), "fuzz_cases": fuzz["cases"], "fuzz_failures": fuzz["failures"],
-        "cut": counts["cut"], "stuck": stuck, "seconds": round(seconds, 1),
+        "server_errors": max(len(fives), server_fives), "client_errors": sum("client_error" in e[3] for e in log),
+        "fuzz_cases": fuzz["cases"], "fuzz_failures": fuzz["failures"],
+        "cut": counts["cut"], "stuck": stuck, "open_handlers": open_handlers, "seconds": round(seconds, 1),
         "max_files_held": max(f for f, _ in stores), "max_files": settings.max_files,
         "max_videos_held": max(v for _, v in stores), "max_videos": settings.max_videos,
         "rss_mib": [round(warm[2] / 2**20), round(end[2] / 2**20)], "fds": [warm[3], end[3]],
@@ -286,7 +331,8 @@ def main(argv=None) -> int:
                         "five_xx": [e[:4] for e in fives][:50], "fuzz_failed": fuzz["failed"][:50],
                         "args": vars(args)})
     _plot(log, samples, t0)
-    ok = summary["lost"] == 0 and summary["server_errors"] == 0 and summary["fuzz_failures"] == 0
+    ok = summary["lost"] == 0 and summary["server_errors"] == 0 and summary["fuzz_failures"] == 0 \
+        and summary["client_errors"] == 0
     return 0 if ok else 1
 
 

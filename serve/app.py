@@ -18,9 +18,9 @@ from .errors import count_error, error_response, install_handlers
 from .files import FileStore
 from .guards import ClientLimitMiddleware, faults_of
 from .live_stats import LiveStats
-from .metrics import HttpCountMiddleware
 from .models import served_models
 from .routes import audio, images, robot, speech, stats, system, videos
+from .traffic import CountMiddleware
 from .video_jobs import VideoJobStore
 
 
@@ -103,7 +103,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     openapi.install(app, ApiKeyMiddleware.open_paths)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(HttpCountMiddleware, metrics=app.state.metrics)  # outermost: counts 401s and 413s too
+    app.add_middleware(CountMiddleware, metrics=app.state.metrics)  # outermost: counts 401s, 413s, WS sessions
     return app
 
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server, fed by the engine loop's event and step listeners."""
+"""Prometheus metrics of one server, fed by the engine loop's event and step listeners (and by
+``serve.traffic.CountMiddleware`` for HTTP requests and WebSocket sessions)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,17 @@ class Metrics:
                                          buckets=TIME_BUCKETS, registry=r)
         self.requests = Counter("omnidit_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.errors = Counter("omnidit_errors", "errors by kind", ["kind"], registry=r)
-        self.http = Counter("omnidit_http_responses", "HTTP requests by route template and answer status "
-                            "(status 'disconnected': the client left before an answer started)",
-                            ["method", "route", "status"], registry=r)
+        self.http = Counter("omnidit_http_responses", "HTTP requests by route template and answer status, each "
+                            "once when its handler ends (status 499: the client closed the connection before "
+                            "the whole answer was sent)", ["method", "route", "status"], registry=r)
+        self.http_in_flight = Gauge("omnidit_http_in_flight", "HTTP requests whose handler has not ended",
+                                    registry=r)
+        self.ws = Counter("omnidit_ws_sessions", "WebSocket sessions by route template and outcome, each once "
+                          "when its handler ends: refused (code: the HTTP status), server_closed / "
+                          "client_closed (code: the close code; 1005/1006: the client's connection dropped "
+                          "without a close frame), failed (the handler raised)", ["route", "outcome", "code"],
+                          registry=r)
+        self.ws_open = Gauge("omnidit_ws_open", "WebSocket sessions whose handler has not ended", registry=r)
         self.deadlines = Counter("omnidit_deadlines", "finished requests with a deadline_ms, by model and "
                                  "whether it was met", ["model", "outcome"], registry=r)
         self.cache_rows = Counter("omnidit_cache_rows", "forward rows by step-cache decision", ["decision"],
@@ -76,33 +85,3 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class HttpCountMiddleware:
-    """Counts every HTTP request once, when it ends, by method, route template (``unrouted`` for paths no
-    route matched, so a fuzzer cannot grow the label set) and the status its answer started with."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = "disconnected"
-
-        async def counted_send(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = str(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counted_send)
-        except BaseException:
-            if status == "disconnected":
-                status = "500"
-            raise
-        finally:
-            route = getattr(scope.get("route"), "path", None) or "unrouted"
-            if getattr(self.metrics, "http", None) is not None:  # merged replica metrics may lack it
-                self.metrics.http.labels(scope.get("method", ""), route, status).inc()

@@ -2,6 +2,7 @@
 against a live server holding a tiny random image model and tiny random policies in one engine."""
 
 import asyncio
+import collections
 import threading
 import time
 from dataclasses import replace
@@ -12,6 +13,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from robot_server import LiveServer
 from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK, InvalidStatus
 
+from benchmarks import soak_ws
 from dit_core import AsyncEngine, Engine, SamplingParams
 from dit_core.request import EventKind
 from dit_core.eval.policy import run_policy
@@ -307,3 +309,40 @@ def test_bad_robot_settings_are_refused_at_startup_by_flag_name(server, field, v
 
     with pytest.raises(InvalidParamError, match=flag):
         create_app(server.engine, ServeSettings(**{field: value}), owns_engine=False)
+
+
+def _ws_counts(server) -> collections.Counter:
+    out = collections.Counter()
+    for metric in server.app.state.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == "omnidit_ws_sessions_total":
+                out[f"{s.labels['outcome']} {s.labels['code']}"] += int(s.value)
+            elif s.name == "omnidit_ws_open":
+                out["open"] = int(s.value)
+    return out
+
+
+def test_every_session_is_counted_once_with_its_outcome(server):
+    """``omnidit_ws_sessions_total`` (serve/traffic.py): a normal close, a refused frame (1011), a
+    connection dropped mid-frame, a protocol error and a refused handshake, each counted once."""
+    base = f"http://127.0.0.1:{server.port}"
+    before = _ws_counts(server)
+
+    async def broken():
+        return [await soak_ws.bad(base, 0, KEY), await soak_ws.drop(base, 1, KEY), await soak_ws.garbage(base, KEY)]
+
+    seen = [soak_ws.valid(base, 0, 2, api_key=KEY), *asyncio.run(broken())]
+    with pytest.raises(InvalidStatus):
+        WebsocketClientPolicy(server.url(model="reach"))  # no key
+    seen.append("refused 401")
+    assert seen == ["disconnected 1000", "server_closed 1011", "disconnected 1005", "disconnected 1002",
+                    "refused 401"]
+    deadline = time.monotonic() + 20
+    while True:
+        after = _ws_counts(server)
+        new = {k: after[k] - before[k] for k in after if k != "open" and after[k] != before[k]}
+        if sum(new.values()) >= len(seen) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert new == collections.Counter(seen)
+    assert after["open"] <= before["open"]  # none of these is still running
