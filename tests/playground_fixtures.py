@@ -1,7 +1,9 @@
-"""The playground's browser-test fixtures, session-scoped (imported by conftest.py) so that the page
-tests in several modules (test_playground.py, test_playground_robot.py) share one server process
-and one browser: a real ``omnidit serve`` with a model of each kind the page has a tab for, and
-Debian's chromium, headless."""
+"""The playground's browser-test fixtures (imported by conftest.py): the page tests in several modules
+(test_playground.py, test_playground_robot.py) share one server process for the session (a real
+``omnidit serve`` with a model of each kind the page has a tab for) and start Debian's chromium,
+headless, once per module. The browser is module-scoped on purpose: Playwright's sync API keeps an
+asyncio loop running on the main thread while it is open, and any later test that runs its own
+event loop (``asyncio.run``) would fail with "Cannot run the event loop while another loop is running"."""
 
 import os
 
@@ -28,7 +30,7 @@ def playground_server(tmp_path_factory):
         stop_server(server)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def playground_browser(playground_server):  # on the server, so that it closes (and drops its connections) first
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install chromium)")
