@@ -13,7 +13,7 @@ from .folders import model_folder
 from .vllm_memory import explicit_kv_cache
 
 
-class VLLMTalker:
+class VLLMTalker(vllm_process.EngineProcess):
     def __init__(self, model_dir: str, tokenizer_dir: str | None = None, dtype: str = "float32",
                  kv_cache_gb: float | None = 1.0, memory_utilization: float = 0.1, max_length: int | None = None):
         """``kv_cache_gb``: the KV cache's size in GiB on any device (None: from ``memory_utilization``)."""
@@ -109,17 +109,6 @@ class VLLMTalker:
                 order.append(event.request_id)
             tokens.setdefault(event.request_id, []).extend(event.token_ids)
         return [tokens[r] for r in sorted(order, key=lambda r: int(r.split("-")[1]))]
-
-    # ---- for ar_adapters.supervised: is the engine process alive, how did it end, wake its caller ----
-
-    def alive(self) -> bool:
-        return vllm_process.alive(self.llm)
-
-    def exit_reason(self) -> str:
-        return vllm_process.exit_reason(self.llm)
-
-    def wake(self) -> None:
-        vllm_process.wake(self.llm)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

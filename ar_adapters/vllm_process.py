@@ -71,3 +71,19 @@ def shutdown(llm) -> None:
     client = _client(llm)
     if client is not None:
         client.shutdown()
+
+
+class EngineProcess:
+    """What ``ar_adapters.supervised`` asks of a vLLM stage (one holding an ``LLM`` as ``self.llm``):
+    is its engine process alive, how did it end, and wake a caller blocked on it."""
+
+    llm: object
+
+    def alive(self) -> bool:
+        return alive(self.llm)
+
+    def exit_reason(self) -> str:
+        return exit_reason(self.llm)
+
+    def wake(self) -> None:
+        wake(self.llm)

@@ -16,7 +16,7 @@ from .folders import model_folder
 from .vllm_memory import explicit_kv_cache
 
 
-class VLLMThinker(Thinker):
+class VLLMThinker(vllm_process.EngineProcess, Thinker):
     kind = "vllm"
 
     def __init__(self, model_dir: str, tokenizer_dir: str | None, model_id: str, dtype: str = "float32",
@@ -43,17 +43,6 @@ class VLLMThinker(Thinker):
             hidden = out.outputs.data
             result.append(Encoded(hidden, torch.ones(hidden.shape[0], dtype=torch.bool)))
         return result
-
-    # ---- for ar_adapters.supervised: is the engine process alive, how did it end, wake its caller ----
-
-    def alive(self) -> bool:
-        return vllm_process.alive(self.llm)
-
-    def exit_reason(self) -> str:
-        return vllm_process.exit_reason(self.llm)
-
-    def wake(self) -> None:
-        vllm_process.wake(self.llm)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
