@@ -346,3 +346,61 @@ def test_every_session_is_counted_once_with_its_outcome(server):
         time.sleep(0.05)
     assert new == collections.Counter(seen)
     assert after["open"] <= before["open"]  # none of these is still running
+
+
+class HeldRequest:
+    """Engine event listener: the first step of a request with ``total`` steps holds the engine loop until
+    ``release`` is set (so a test can act while that request is in flight); records how it ended."""
+
+    def __init__(self, engine, total: int):
+        self.engine, self.total = engine, total
+        self.rid, self.final, self.steps = None, None, 0
+        self.running, self.release, self.ended = threading.Event(), threading.Event(), threading.Event()
+        engine.listeners.append(self)
+
+    def __call__(self, event):
+        if self.rid is None and event.kind == EventKind.STEP and event.total == self.total:
+            self.rid = event.request_id
+            self.running.set()
+            self.release.wait(30)
+        if event.request_id == self.rid:
+            self.steps = max(self.steps, event.step)
+            if event.kind.final:
+                self.final = event.kind
+                self.ended.set()
+
+    def remove(self):
+        self.release.set()
+        self.engine.listeners.remove(self)
+
+
+def _request_counts(server) -> collections.Counter:
+    return collections.Counter({s.labels["outcome"]: int(s.value) for m in server.app.state.metrics.registry.collect()
+                                for s in m.samples if s.name == "omnidit_requests_total"})
+
+
+def test_a_robot_that_disconnects_mid_inference_aborts_its_request(server):
+    """Closing the connection while its observation is being inferred aborts the engine request (counted
+    as aborted, not finished); a connection opened before and one opened after keep working."""
+    bystander = client(server, model="pol")
+    before_ws, before_req = _ws_counts(server), _request_counts(server)
+    held = HeldRequest(server.engine, total=37)
+    try:
+        robot = client(server, model="pol")
+        threading.Thread(target=lambda: pytest.raises(Exception, robot.infer, obs(8, num_inference_steps=37)),
+                         daemon=True).start()
+        assert held.running.wait(30)
+        robot._ws.close()  # the stock client's socket: the robot goes away mid-inference
+        deadline = time.monotonic() + 10  # the handler notices while the engine loop is still held
+        while _ws_counts(server)["disconnected 1000"] == before_ws["disconnected 1000"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        held.release.set()
+        assert held.ended.wait(60)
+    finally:
+        held.remove()
+    assert held.final == EventKind.ABORTED and held.steps < 37
+    assert _ws_counts(server)["disconnected 1000"] == before_ws["disconnected 1000"] + 1
+    after_req = _request_counts(server)
+    assert after_req["aborted"] == before_req["aborted"] + 1 and after_req["finished"] == before_req["finished"]
+    np.testing.assert_allclose(bystander.infer(obs(9, seed=4))["actions"], in_process(server, obs(9), 4), atol=1e-5)
+    assert client(server, model="pol").infer(obs(9))["actions"].shape == (8, 3)

@@ -20,6 +20,11 @@ WebsocketClientPolicy`` works unchanged (give it ``host="ws://HOST:PORT/v1/realt
    control field, a failed request): a text frame with the message (naming the field), then
    close code 1011, as openpi's server does; the client raises it. Other connections carry on.
 5. an idle connection (no frame for ``robot_idle_timeout_s``) is closed with code 1000.
+6. a robot that disconnects while its observation is inferred aborts that engine request (counted
+   ``aborted`` in ``omnidit_requests_total``; its session ``disconnected`` in
+   ``omnidit_ws_sessions_total``). The server reads at most one frame ahead: a frame sent before the
+   answer to the previous one is answered next (a disconnect after it is then seen once that answer
+   is done).
 """
 
 from __future__ import annotations
@@ -116,32 +121,50 @@ async def robot_socket(ws: WebSocket):
     family = state.engine.engine.models[session.model]
     public = next(p for p, n in state.model_ids.items() if n == session.model)
     await ws.send_bytes(pack({**family.metadata, "model": public, "session": session.describe()}))
-    previous_end = None
-    while True:
-        try:
-            message = await asyncio.wait_for(ws.receive(), timeout=settings.robot_idle_timeout_s)
-        except asyncio.TimeoutError:
-            await ws.close(code=1000, reason="idle timeout")
-            return
-        if message["type"] == "websocket.disconnect":
-            return
-        received = time.perf_counter()
-        try:
-            reply = await _answer(state, session, message)
-        except (WireError, InvalidParamError, OmniditError) as e:
-            count_error(ws.app, "robot_bad_frame")
-            await _fail(ws, _message(e))
-            return
-        if "actions" in reply:
-            now = time.perf_counter()
-            reply["server_timing"]["infer_ms"] = (now - received) * 1e3
-            if previous_end is not None:
-                reply["server_timing"]["prev_total_ms"] = (now - previous_end) * 1e3
-            previous_end = now
-        try:
-            await ws.send_bytes(pack(reply))
-        except (WebSocketDisconnect, RuntimeError, OSError):  # the robot went away meanwhile
-            return
+    previous_end, receiving, answering = None, None, None
+    try:
+        while True:
+            # the next frame; while a frame is answered the receive goes on, to see the robot leave
+            receiving = receiving or asyncio.ensure_future(ws.receive())
+            if not (await asyncio.wait({receiving}, timeout=settings.robot_idle_timeout_s))[0]:
+                await ws.close(code=1000, reason="idle timeout")
+                return
+            message, receiving = receiving.result(), None
+            if message["type"] == "websocket.disconnect":
+                return
+            received = time.perf_counter()
+            answering = asyncio.ensure_future(_answer(state, session, message))
+            receiving = asyncio.ensure_future(ws.receive())
+            await asyncio.wait({answering, receiving}, return_when=asyncio.FIRST_COMPLETED)
+            if not answering.done() and receiving.result()["type"] == "websocket.disconnect":
+                await _cancel(answering)  # leaving the engine's event stream aborts the request
+                return
+            try:
+                reply = await answering  # (a frame sent early waits in ``receiving``, answered next)
+            except (WireError, InvalidParamError, OmniditError) as e:
+                count_error(ws.app, "robot_bad_frame")
+                await _fail(ws, _message(e))
+                return
+            if "actions" in reply:
+                now = time.perf_counter()
+                reply["server_timing"]["infer_ms"] = (now - received) * 1e3
+                if previous_end is not None:
+                    reply["server_timing"]["prev_total_ms"] = (now - previous_end) * 1e3
+                previous_end = now
+            try:
+                await ws.send_bytes(pack(reply))
+            except (WebSocketDisconnect, RuntimeError, OSError):  # the robot went away meanwhile
+                return
+    finally:  # the handler may end (or be cancelled) with either still pending
+        for task in (receiving, answering):
+            if task is not None and not task.done():
+                task.cancel()
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait for it to end (its cleanup, e.g. the engine abort, has then run)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _open_session(ws: WebSocket) -> RobotSession:
