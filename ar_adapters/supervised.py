@@ -6,12 +6,15 @@ every ``poll_s`` seconds, and a call that raises on a dead stage is noticed too.
 
 * the calls in flight raise ``StageDownError`` (a caller blocked on the dead engine is woken by the
   stage's ``wake()``), and so does every call until the stage is back: its message names the stage
-  and says what is being done. The engine fails the requests concerned with it, per request;
+  and says what is being done, its ``retry_after_s`` when to try again. The engine fails the requests
+  concerned with it, per request, as temporary failures (the server answers 503 with Retry-After);
 * ``health()`` says why the stage is down (``Engine.health()``; the server's ``/health`` answers
   503 ``engine_degraded`` with it);
 * a background thread replaces the stage: ``on_failure="restart"`` runs ``start`` again (a new vLLM
   engine; up to ``attempts`` tries, backing off), ``"fallback"`` builds the ``fallback`` stage (the
-  transformers implementation) instead. Later calls go to the new stage.
+  transformers implementation) instead. Later calls go to the new stage. ``outcomes`` counts how each
+  replacement ended: ``restart``, ``fallback`` or ``failed`` (every attempt failed; the server's
+  ``omnidit_stage_restarts_total``).
 
 A stage needs ``close()``; ``alive()`` (default: alive), ``exit_reason()`` and ``wake()`` are
 used when it has them (vLLM stages do: ar_adapters/vllm_process.py).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from .contract import Encoded, TalkerEvent, Thinker
@@ -29,8 +33,16 @@ logger = logging.getLogger(__name__)
 ON_FAILURE = ("restart", "fallback")
 
 
+DEFAULT_RETRY_AFTER_S = 5.0  # the hint while a replacement of unknown build time is under way
+
+
 class StageDownError(RuntimeError):
-    """A supervised stage cannot serve this call: its engine process died (it is being replaced)."""
+    """A supervised stage cannot serve this call: its engine process died (it is being replaced).
+    ``retry_after_s``: seconds after which the stage may serve again (0: no replacement under way)."""
+
+    def __init__(self, message: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def check_on_failure(on_failure: str) -> str:
@@ -55,12 +67,18 @@ class Supervisor:
         self.attempts, self.poll_s, self.backoff_s = attempts, poll_s, backoff_s
         self.generation = 0
         self.restarts = 0  # replacements that came up (restarts and fallbacks)
+        self.outcomes = {"restart": 0, "fallback": 0, "failed": 0}  # how each replacement ended
+        self.build_s: dict[str, float] = {}  # "start" / "fallback" -> how long the last build took
+        self._died_at = 0.0
+        self._replacing = False  # a replacement is being built (or backing off between attempts)
         self.problem: str | None = None  # why the stage is down (None while it serves)
         self.death: str | None = None  # the last death, for the errors of the work it took with it
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._recovery: threading.Thread | None = None
+        began = time.monotonic()
         self.stage = start()
+        self.build_s["start"] = time.monotonic() - began
         self.kind = getattr(self.stage, "kind", None)
         self._watcher = threading.Thread(target=self._watch, name="omnidit-stage-watch", daemon=True)
         self._watcher.start()
@@ -72,7 +90,7 @@ class Supervisor:
         with self._lock:
             stage, generation = self.stage, self.generation
         if stage is None:
-            raise StageDownError(self.problem or f"{self.name} is not running")
+            raise StageDownError(self.problem or f"{self.name} is not running", self.retry_after_s())
         return stage, generation
 
     def check(self, stage, error: BaseException) -> None:
@@ -81,10 +99,23 @@ class Supervisor:
         if self.stage is stage and _alive(stage):
             return
         self._died(stage)
-        raise StageDownError(self.lost_work_message()) from error
+        raise StageDownError(self.lost_work_message(), self.retry_after_s()) from error
 
     def lost_work_message(self) -> str:
         return f"{self.death or self.name + ' stopped'} while serving this request; {self._plan()}: retry it"
+
+    def retry_after_s(self) -> float:
+        """When a call may succeed again: the time the replacement's last build took, less the time since
+        the death (at least 1 s; ``DEFAULT_RETRY_AFTER_S`` for a build never timed); 0 when no replacement
+        is under way (all attempts failed, or the stage is closed)."""
+        if self.stage is not None:
+            return 1.0  # back already (a caller that lost work on the old one may retry at once)
+        if not self._replacing or self._stop.is_set():
+            return 0.0
+        build = self.build_s.get("fallback" if self._falls_back() else "start")
+        if build is None:
+            return DEFAULT_RETRY_AFTER_S
+        return max(1.0, build - (time.monotonic() - self._died_at))
 
     def health(self) -> str | None:
         """None while the stage serves; else why not."""
@@ -102,8 +133,11 @@ class Supervisor:
 
     # ---- death and replacement ----
 
+    def _falls_back(self) -> bool:
+        return self.on_failure == "fallback" and self._fallback is not None
+
     def _plan(self) -> str:
-        if self.on_failure == "fallback" and self._fallback is not None:
+        if self._falls_back():
             return "falling back to the transformers implementation"
         return "restarting it"
 
@@ -119,6 +153,8 @@ class Supervisor:
                 return  # already being replaced (or closing)
             self.stage = None
             self.generation += 1
+            self._died_at = time.monotonic()
+            self._replacing = True
             reason = getattr(stage, "exit_reason", lambda: "it stopped")()
             self.death = f"{self.name}'s engine process died ({reason})"
             self.problem = f"{self.name} is down: its engine process died ({reason}); {self._plan()}"
@@ -133,11 +169,12 @@ class Supervisor:
             dead.close()
         except Exception as e:  # noqa: BLE001 - a dead engine may not close cleanly; it is gone either way
             logger.warning("closing the dead %s: %r", self.name, e)
-        fallback = self.on_failure == "fallback" and self._fallback is not None
+        fallback = self._falls_back()
         build = self._fallback if fallback else self._start
         for attempt in range(1, self.attempts + 1):
             if self._stop.is_set():
                 return
+            began = time.monotonic()
             try:
                 stage = build()
             except Exception as e:  # noqa: BLE001 - reported by health(); tried again
@@ -149,9 +186,11 @@ class Supervisor:
             with self._lock:
                 closing = self._stop.is_set()
                 if not closing:
-                    self.stage, self.problem = stage, None
+                    self.stage, self.problem, self._replacing = stage, None, False
                     self.kind = getattr(stage, "kind", self.kind)
                     self.restarts += 1
+                    self.build_s["fallback" if fallback else "start"] = time.monotonic() - began
+                    self.outcomes["fallback" if fallback else "restart"] += 1
             if closing:
                 stage.close()
             else:
@@ -160,6 +199,8 @@ class Supervisor:
             return
         self.problem = (f"{self.name} is down: its engine process died and {self.attempts} attempts to replace it "
                         "failed; restart the server")
+        self._replacing = False
+        self.outcomes["failed"] += 1
 
 
 class SupervisedThinker(Thinker):

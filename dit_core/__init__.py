@@ -10,6 +10,7 @@ from .errors import (
     ParallelWorkerError,
     RequestAbortedError,
     RequestFailedError,
+    StageUnavailableError,
     UnknownModelError,
 )
 from .params import SamplingParams
@@ -18,7 +19,8 @@ from .request import EventKind, RequestEvent, RequestOutput, RequestStatus
 __all__ = [
     "AsyncEngine", "BackendUnavailableError", "Engine", "EngineConfig", "EngineDeadError", "EventKind",
     "InvalidParamError", "OmniditError", "ParallelWorkerError", "RequestAbortedError", "RequestEvent",
-    "RequestFailedError", "RequestOutput", "RequestStatus", "SamplingParams", "UnknownModelError",
+    "RequestFailedError", "RequestOutput", "RequestStatus", "SamplingParams", "StageUnavailableError",
+    "UnknownModelError",
 ]
 
 

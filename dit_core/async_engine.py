@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from .engine import Engine, actions_result, require_policy
-from .errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from .errors import EngineDeadError, RequestAbortedError, failed_error
 from .params import SamplingParams
 from .request import EventKind, RequestEvent, RequestOutput
 
@@ -126,7 +126,7 @@ class AsyncEngine:
             if event.kind == EventKind.FINISHED:
                 return event.output
             if event.kind == EventKind.FAILED:
-                raise RequestFailedError(event.request_id, event.error)
+                raise failed_error(event.request_id, event.error, event.retry_after_s)
             if event.kind == EventKind.ABORTED:
                 raise RequestAbortedError(event.request_id, event.error)
         raise EngineDeadError("the request's event stream ended without a final event")

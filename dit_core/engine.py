@@ -18,7 +18,7 @@ from attention import resolve as resolve_attention
 
 from .cache import make_step_cache
 from .config import EngineConfig
-from .errors import InvalidParamError, RequestAbortedError, RequestFailedError
+from .errors import InvalidParamError, RequestAbortedError, failed_error
 from .families import Family, load_family
 from .loading import component_loader
 from .offloading import apply_offload, offload_loader, release_offload
@@ -329,7 +329,7 @@ class Engine:
         for req in requests:
             ev = finals[req.id]
             if ev.kind == EventKind.FAILED:
-                raise RequestFailedError(req.id, ev.error)
+                raise failed_error(req.id, ev.error, ev.retry_after_s)  # (a stage that was down: 503)
             if ev.kind == EventKind.ABORTED:
                 raise RequestAbortedError(req.id, ev.error)
         return [finals[r.id].output for r in requests]

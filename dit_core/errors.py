@@ -31,6 +31,25 @@ class RequestFailedError(OmniditError, RuntimeError):
         super().__init__(f"request {request_id} failed: {message}")
 
 
+class StageUnavailableError(RequestFailedError):
+    """A request failed because a stage it needs was down (an AR thinker or talker whose engine process
+    died and is being replaced): not the request's fault. The same request may succeed after
+    ``retry_after_s`` seconds (0: no estimate; the stage is not being replaced). The server answers 503
+    ``stage_unavailable`` with a Retry-After header."""
+
+    def __init__(self, request_id: str, message: str, retry_after_s: float = 0.0):
+        super().__init__(request_id, message)
+        self.retry_after_s = retry_after_s
+
+
+def failed_error(request_id: str, message: str, retry_after_s: float | None = None) -> RequestFailedError:
+    """The error of a request that ended FAILED with ``message``; ``retry_after_s`` (the failed event's)
+    set means the failure was temporary: a ``StageUnavailableError``."""
+    if retry_after_s is not None:
+        return StageUnavailableError(request_id, message, retry_after_s)
+    return RequestFailedError(request_id, message)
+
+
 class RequestAbortedError(OmniditError, RuntimeError):
     def __init__(self, request_id: str, reason: str = "aborted"):
         self.request_id = request_id

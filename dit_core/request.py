@@ -103,6 +103,7 @@ class Request:
     state: dict = field(default_factory=dict)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
+    retry_after_s: float | None = None  # set with ``error`` when the failure is temporary (see RequestEvent)
 
     @property
     def total_steps(self) -> int:
@@ -151,3 +152,6 @@ class RequestEvent:
     total: int = 0
     output: RequestOutput | None = None
     error: str | None = None
+    # FAILED because a stage the request needs was down (an AR engine process died): not its fault, and it
+    # may succeed if sent again after this many seconds (0: no estimate). None: an ordinary failure.
+    retry_after_s: float | None = None

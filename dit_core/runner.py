@@ -75,6 +75,8 @@ class Runner:
             if len(requests) == 1:
                 logger.warning("request %s failed in %s: %r", requests[0].id, fn.__name__, e)
                 failed[requests[0].id] = f"{type(e).__name__}: {e}"
+                # a stage that is down says when to retry (ar_adapters.StageDownError): a temporary failure
+                requests[0].retry_after_s = getattr(e, "retry_after_s", None)
                 return {}
         results = {}
         for req in requests:

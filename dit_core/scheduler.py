@@ -108,7 +108,7 @@ class StepScheduler:
             if req.id in out.failed:
                 req.status, req.error = RequestStatus.FAILED, out.failed[req.id]
                 events.append(RequestEvent(req.id, EventKind.FAILED, req.step_index, req.total_steps,
-                                           error=req.error))
+                                           error=req.error, retry_after_s=req.retry_after_s))
             elif req.id in out.finished:
                 req.status = RequestStatus.FINISHED
                 req.metrics.finished = now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 from fastapi import FastAPI, Request
@@ -11,9 +12,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from dit_core import EngineDeadError, InvalidParamError, RequestAbortedError, RequestFailedError
+from dit_core import (EngineDeadError, InvalidParamError, RequestAbortedError, RequestFailedError,
+                      StageUnavailableError)
 
 logger = logging.getLogger("omnidit.serve")
+STAGE_UNAVAILABLE = "stage_unavailable"  # the code of a request failed by a stage that was down (503)
 
 
 class APIError(Exception):
@@ -85,6 +88,12 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestFailedError)
     async def _failed(request: Request, e: RequestFailedError):
         return respond(request, 500, str(e), "server_error", None, "generation_failed")
+
+    @app.exception_handler(StageUnavailableError)
+    async def _stage_down(request: Request, e: StageUnavailableError):
+        # not the request's fault: the same request may succeed once the stage is back (see /health)
+        headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))} if e.retry_after_s > 0 else None
+        return respond(request, 503, str(e), "server_error", None, STAGE_UNAVAILABLE, headers)
 
     @app.exception_handler(RequestAbortedError)
     async def _aborted(request: Request, e: RequestAbortedError):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from dit_core import AsyncEngine
 from dit_core.request import EventKind, RequestEvent
@@ -54,6 +55,7 @@ class Metrics:
                                  ("omnidit_prompt_cache_misses", "misses", "prompt encodings computed"),
                                  ("omnidit_prompt_cache_bytes", "bytes", "bytes held by the prompt cache")):
             Gauge(name, doc, registry=r).set_function(lambda f=field: cache.stats()[f] if cache is not None else 0)
+        r.register(StageRestarts(engine.engine))
         engine.listeners.append(self.on_event)
         engine.step_listeners.append(self.on_step)
 
@@ -85,3 +87,26 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StageRestarts:
+    """``omnidit_stage_restarts_total{model, stage, outcome}``: how the replacements of each supervised AR
+    stage (``stage``: thinker | talker; see ar_adapters/supervised.py) ended, one count per death of its
+    engine process once its replacement is settled: ``restart`` (a new vLLM engine came up), ``fallback``
+    (the transformers implementation took over) or ``failed`` (every attempt failed: the stage stays down).
+    Read from the supervisors when scraped; a model without a supervised stage has no series."""
+
+    STAGES = ("thinker", "talker")
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        family = CounterMetricFamily("omnidit_stage_restarts", "replacements of a supervised AR stage whose engine "
+                                     "process died, by how they ended", labels=["model", "stage", "outcome"])
+        for name, model in self.engine.models.items():
+            for stage in self.STAGES:
+                supervisor = getattr(getattr(model, stage, None), "supervisor", None)
+                for outcome, count in getattr(supervisor, "outcomes", {}).items():
+                    family.add_metric([name, stage, outcome], count)
+        yield family

@@ -35,7 +35,9 @@ ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 REASONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or invalid API key",
            404: "Unknown model, file, job or route", 405: "Method not allowed (see the Allow header)",
            413: "Request body too large", 429: "Queue, store or per-client limit full (see Retry-After)",
-           500: "The generation failed", 503: "Engine unavailable or request aborted",
+           500: "The generation failed",
+           503: "Engine unavailable, request aborted, or a stage the request needs is down (code "
+                "stage_unavailable, with Retry-After: send it again then)",
            504: "The server's request timeout passed"}
 AUDIO = ("audio/wav", "audio/flac", "audio/mpeg", "audio/ogg", "audio/pcm")
 BINARY = {"type": "string", "format": "binary"}
@@ -132,7 +134,7 @@ def _document(method: str, path: str, op: dict, open_paths: tuple) -> None:
         ok["content"] = {m: json_schema if m == "application/json" else {"schema": _media_schema(m)} for m in media}
     for code in _statuses(method, path, op, open_paths):
         entry = {"description": REASONS[code], "content": {"application/json": {"schema": ERROR_REF}}}
-        if code in (429,):
+        if code == 429 or (code == 503 and path in GENERATION):  # (a 503 has it when a stage is down)
             entry["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds to wait"}}
         responses.setdefault(str(code), entry)
 

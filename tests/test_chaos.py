@@ -1,7 +1,8 @@
 """Chaos: the vLLM engine process of a thinker or a talker is killed (SIGKILL) with requests in flight.
-Those requests fail with a clear error naming the stage (no hang, no traceback), /health answers 503
-engine_degraded while the stage is down, the stage comes back (a new vLLM engine, or the transformers
-fallback) and later requests give what they gave before the kill. One vLLM engine per stage, each
+Those requests fail with a clear error naming the stage (503 stage_unavailable with Retry-After; no hang,
+no traceback), /health answers 503 engine_degraded while the stage is down, the stage comes back (a new
+vLLM engine, or the transformers fallback; counted in omnidit_stage_restarts_total) and later requests
+give what they gave before the kill. One vLLM engine per stage, each
 restarted once (~30 s a start on 2 cores)."""
 
 import base64
@@ -18,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import soundfile as sf
+from prometheus_client.parser import text_string_to_metric_families
 from PIL import Image
 
 from ar_adapters import SupervisedTalker, SupervisedThinker
@@ -90,6 +92,19 @@ def _kill_while_in_flight(pids: set[int], started, send, timeout=60):
     return result, time.monotonic() - start
 
 
+def _unavailable(response) -> dict:
+    """A request that needed the dead stage: 503 stage_unavailable with a Retry-After hint, not a 500."""
+    err = assert_error(response, 503, code="stage_unavailable")
+    assert err["type"] == "server_error" and int(response.headers["retry-after"]) >= 1
+    return err
+
+
+def _restarts(live, model: str, stage: str) -> dict:
+    text = httpx.get(f"{live.url}/metrics", timeout=10).text
+    return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "omnidit_stage_restarts_total" and s.labels["model"] == model and s.labels["stage"] == stage}
+
+
 def _health(live):
     return httpx.get(f"{live.url}/health", timeout=10)
 
@@ -127,17 +142,18 @@ def test_a_killed_thinker_fails_its_requests_is_reported_and_restarts(image_serv
     failed, waited = _kill_while_in_flight(live.pids, lambda: thinker.calls > calls, lambda: _images(live, specs))
     assert waited < 20, waited
     for r in failed:
-        err = assert_error(r, 500, code="generation_failed")
+        err = _unavailable(r)
         assert "vLLM thinker" in err["message"] and "died" in err["message"], err
         assert "Traceback" not in err["message"] and "SIGKILL" in err["message"]
 
     health = assert_error(_health(live), 503, code="engine_degraded")
     assert "model 'img'" in health["message"] and "vLLM thinker is down" in health["message"]
     r = _images(live, [("while it restarts", 3)])[0]  # fails fast and says why, no hang
-    assert "vLLM thinker" in assert_error(r, 500, code="generation_failed")["message"]
+    assert "vLLM thinker" in _unavailable(r)["message"]
 
     _wait_healthy(live)
     assert thinker.kind == "vllm" and thinker.supervisor.restarts == 1
+    assert _restarts(live, "img", "thinker") == {"restart": 1, "fallback": 0, "failed": 0}
     fresh = _engine_cores() - live.pids  # a new engine process
     assert len(fresh) == 1, fresh
     live.pids = fresh
@@ -158,9 +174,9 @@ def test_a_killed_thinker_can_fall_back_to_transformers(image_server):
         calls = thinker.calls
         (failed,), _ = _kill_while_in_flight(live.pids, lambda: thinker.calls > calls,
                                              lambda: _images(live, [spec]))
-        assert "falling back to the transformers" in assert_error(failed, 500)["message"]
+        assert "falling back to the transformers" in _unavailable(failed)["message"]
         _wait_healthy(live, timeout=60)
-        assert thinker.kind == "hf"
+        assert thinker.kind == "hf" and _restarts(live, "img", "thinker")["fallback"] == 1
         after = _pixels(_images(live, [spec])[0])
     finally:
         thinker.supervisor.on_failure = "restart"
@@ -194,17 +210,19 @@ def test_a_killed_talker_fails_its_streams_is_reported_and_restarts(speech_serve
     assert waited < 20, waited
     events = _sse_events(sse)
     assert events[-1]["type"] == "error" and "speech.audio.done" not in {e["type"] for e in events}
+    assert events[-1]["error"]["code"] == "stage_unavailable"
     message = events[-1]["error"]["message"]
     assert "vLLM talker" in message and "died" in message and "Traceback" not in message
-    err = assert_error(audio, 500, code="generation_failed")  # nothing streamed yet: an HTTP error
+    err = _unavailable(audio)  # nothing streamed yet: an HTTP error
     assert "vLLM talker" in err["message"]
 
     health = assert_error(_health(live), 503, code="engine_degraded")
     assert "model 'tts'" in health["message"] and "vLLM talker is down" in health["message"]
-    assert "vLLM talker" in assert_error(_speech(live, "1 2", 2), 500)["message"]  # fails fast while down
+    assert "vLLM talker" in _unavailable(_speech(live, "1 2", 2))["message"]  # fails fast while down
 
     _wait_healthy(live)
     assert talker.kind == "vllm" and talker.supervisor.restarts == 1 and service.live() == 0
+    assert _restarts(live, "tts", "talker") == {"restart": 1, "fallback": 0, "failed": 0}
     assert live.engine.num_unfinished == 0
     after = _speech(live, "3 1 4 hello", 5)
     assert after.status_code == 200

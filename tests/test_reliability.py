@@ -42,6 +42,8 @@ def test_schema_documents_errors_not_422(schema):
         codes = set(schema["paths"][path]["post"]["responses"])
         assert {"200", "400", "401", "404", "413", "429", "500"} <= codes, path
         assert "Retry-After" in schema["paths"][path]["post"]["responses"]["429"]["headers"]
+        unavailable = schema["paths"][path]["post"]["responses"]["503"]  # a stage that is down says when to retry
+        assert "Retry-After" in unavailable["headers"] and "stage_unavailable" in unavailable["description"]
 
 
 def test_schema_states_media_types_and_bounds(schema):

@@ -3,10 +3,17 @@ stage whose engine process died (tests/test_chaos.py kills real vLLM engine proc
 by the watcher or by a failing call, requests failing with the stage's name, Engine.health(), restart,
 fallback, restarts that keep failing, and talker requests lost with a dead stage."""
 
+import io
+import json
 import threading
 import time
 
+import httpx
+import numpy as np
+import openai
 import pytest
+import soundfile as sf
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import Qwen2ForCausalLM
 
 from ar_adapters import HFTalker, HFThinker, StageDownError, SupervisedTalker, SupervisedThinker
@@ -14,7 +21,10 @@ from dit_core import Engine, InvalidParamError
 from dit_core.families.qwenimage import QwenImageFamily
 from dit_core.random_models.tokenizers import qwen_tokenizer
 from dit_core.request import EventKind
+from dit_core.zoo import tts_model
 from helpers import assert_finished, params, run_staggered
+from serve.app import ServeSettings
+from serve_helpers import assert_error, live_server
 
 
 class MortalThinker(HFThinker):
@@ -88,11 +98,13 @@ def test_a_dead_thinker_fails_requests_is_reported_and_restarts(tiny_models, lm)
         _until(lambda: engine.health() is not None)
         assert engine.health() == ("model 'img': the test thinker is down: its engine process died "
                                    "(exit code -9 (SIGKILL)); restarting it")
-        for ev in _run(engine, ["a cat", "a dog"]):  # fail fast, naming the stage
+        for ev in _run(engine, ["a cat", "a dog"]):  # fail fast, naming the stage, as a temporary failure
             assert ev.kind == EventKind.FAILED and "StageDownError: the test thinker is down" in ev.error
+            assert ev.retry_after_s >= 1
         gate.set()
         _until(lambda: engine.health() is None)
         assert len(made) == 2 and thinker.supervisor.restarts == 1 and thinker.stage is made[1]
+        assert thinker.supervisor.outcomes == {"restart": 1, "fallback": 0, "failed": 0}
         after = [assert_finished(e) for e in _run(engine, ["a cat", "a dog"])]
         assert all((a == b).all() for a, b in zip(before, after))
     finally:
@@ -123,8 +135,10 @@ def test_restarts_that_keep_failing_are_reported(lm):
     made[0].dead = True
     _until(lambda: "2 attempts to replace it failed" in (thinker.health() or ""))
     assert thinker.stage is None and len(made) == 3
-    with pytest.raises(StageDownError, match="restart the server"):
+    with pytest.raises(StageDownError, match="restart the server") as e:
         thinker.encode(["x"])
+    assert e.value.retry_after_s == 0  # nothing is being done: no time to come back
+    assert thinker.supervisor.outcomes == {"restart": 0, "fallback": 0, "failed": 1}
     thinker.close()
 
 
@@ -178,3 +192,123 @@ def test_thinker_on_failure_is_validated():
     with pytest.raises(InvalidParamError, match="thinker_on_failure='retry' is invalid: expected one of "
                                                 r"\['restart', 'fallback'\]"):
         Engine.from_models({"x": "/nowhere"}, thinker_on_failure="retry")
+
+
+def _stage_restarts(live, model: str, stage: str) -> dict:
+    """``omnidit_stage_restarts_total`` of one model's stage by outcome, from the server's /metrics."""
+    text = httpx.get(f"{live.url}/metrics").text
+    return {s.labels["outcome"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "omnidit_stage_restarts_total" and s.labels["model"] == model and s.labels["stage"] == stage}
+
+
+def _wait_health(live, status: int):
+    _until(lambda: httpx.get(f"{live.url}/health").status_code == status)
+
+
+def test_requests_on_a_dead_stage_get_503_with_retry_after_and_metrics_count_each_replacement(tiny_models, lm):
+    """Over HTTP (the stock openai client): while the thinker is down, a request gets 503 stage_unavailable
+    with Retry-After, not a 500; a stream ends with that code; once back, requests succeed. Each
+    replacement is counted in /metrics by how it ended: restart, fallback, failed (then no Retry-After)."""
+    path, model = lm
+    gate, failing, made = threading.Event(), threading.Event(), []
+
+    def start():
+        if made:  # a restart: held until the test lets it go, then failing if asked to
+            assert gate.wait(30)
+            if failing.is_set():
+                raise RuntimeError("no memory for a new engine")
+        made.append(MortalThinker(model, qwen_tokenizer(), f"{path}/text_encoder", QwenImageFamily.thinker_max_length))
+        return made[-1]
+
+    def fallback():
+        made.append(MortalThinker(model, qwen_tokenizer(), f"{path}/text_encoder", QwenImageFamily.thinker_max_length))
+        return made[-1]
+
+    thinker = SupervisedThinker(start, fallback, "restart", name="the test thinker", poll_s=0.02, attempts=2,
+                                backoff_s=0.01)
+    engine = Engine.from_pretrained(tiny_models["qwenimage"], name="img", thinker=thinker, prompt_cache_bytes=0)
+    extra = {"num_inference_steps": 2, "seed": 1}
+
+    def generate(client):
+        return client.images.generate(model="img", prompt="a cat", size="32x32", response_format="b64_json",
+                                      extra_body=extra)
+
+    try:
+        with live_server(engine, ServeSettings(model_name="img")) as live:
+            client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+            before = generate(client).data[0].b64_json
+            assert _stage_restarts(live, "img", "thinker") == {"restart": 0, "fallback": 0, "failed": 0}
+
+            made[-1].dead = True  # restart, held at the gate
+            _wait_health(live, 503)
+            with pytest.raises(openai.InternalServerError) as e:
+                generate(client)
+            r = e.value.response
+            err = assert_error(r, 503, code="stage_unavailable")
+            assert err["type"] == "server_error" and "the test thinker is down" in err["message"]
+            assert "restarting it" in err["message"] and int(r.headers["retry-after"]) >= 1
+            body = {"model": "img", "prompt": "a dog", "size": "32x32", "stream": True, **extra}
+            events = [json.loads(line[6:]) for line in httpx.post(f"{live.url}/v1/images/generations", json=body,
+                                                                  timeout=60).text.splitlines()
+                      if line.startswith("data: {")]
+            assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "stage_unavailable"
+            gate.set()
+            _wait_health(live, 200)
+            assert generate(client).data[0].b64_json == before  # the same image from the new stage
+            assert _stage_restarts(live, "img", "thinker") == {"restart": 1, "fallback": 0, "failed": 0}
+
+            thinker.supervisor.on_failure = "fallback"
+            made[-1].dead = True
+            _until(lambda: _stage_restarts(live, "img", "thinker")["fallback"] == 1)
+            _wait_health(live, 200)
+            assert generate(client).data[0].b64_json == before
+            assert _stage_restarts(live, "img", "thinker") == {"restart": 1, "fallback": 1, "failed": 0}
+
+            thinker.supervisor.on_failure = "restart"
+            failing.set()
+            made[-1].dead = True  # every attempt to restart fails: the stage stays down, no retry hint
+            _until(lambda: _stage_restarts(live, "img", "thinker")["failed"] == 1)
+            with pytest.raises(openai.InternalServerError) as e:
+                generate(client)
+            err = assert_error(e.value.response, 503, code="stage_unavailable")
+            assert "restart the server" in err["message"] and "retry-after" not in e.value.response.headers
+            assert _stage_restarts(live, "img", "thinker") == {"restart": 1, "fallback": 1, "failed": 1}
+    finally:
+        thinker.close()
+
+
+def test_speech_on_a_dead_talker_gets_503_with_retry_after_and_the_restart_is_counted():
+    """The talker's side over HTTP: the embedded TTS model with its transformers talker under a supervisor
+    (set before the server starts, as the engine does for a vLLM talker)."""
+    engine = Engine.from_models({"tts": tts_model()})
+    family, made, gate = engine.models["tts"], [], threading.Event()
+    hf = family.talker
+
+    def start():
+        if made:
+            assert gate.wait(30)
+        made.append(MortalTalker(hf.model, hf.max_length))
+        return made[-1]
+
+    family.talker = SupervisedTalker(start, name="the test talker", poll_s=0.02)
+    speech = dict(model="tts", input="3 1 4 hello", voice="adam", response_format="wav", extra_body={"seed": 5})
+    with live_server(engine, ServeSettings(model_name="tts")) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        before = client.audio.speech.create(**speech).content
+        made[-1].dead = True
+        _wait_health(live, 503)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.audio.speech.create(**speech)
+        err = assert_error(e.value.response, 503, code="stage_unavailable")
+        assert "the test talker is down" in err["message"] and int(e.value.response.headers["retry-after"]) >= 1
+        r = httpx.post(f"{live.url}/v1/audio/speech", timeout=60, json={
+            "model": "tts", "input": "5 5", "voice": "adam", "response_format": "wav", "stream_format": "sse"})
+        last = json.loads([line for line in r.text.splitlines() if line.startswith("data: ")][-1][6:])
+        assert last["type"] == "error" and last["error"]["code"] == "stage_unavailable"
+        gate.set()
+        _wait_health(live, 200)
+        a, b = (sf.read(io.BytesIO(x))[0] for x in (before, client.audio.speech.create(**speech).content))
+        # the same talker tokens; the DiT chunks may share forwards differently: a WAV LSB at most
+        assert len(a) == len(b) and np.abs(a - b).max() * 32768 <= 1
+        assert _stage_restarts(live, "tts", "talker") == {"restart": 1, "fallback": 0, "failed": 0}
+        assert _stage_restarts(live, "tts", "thinker") == {}  # no supervised thinker: no series

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from ..errors import RequestFailedError
+from ..errors import RequestFailedError, failed_error
 from ..params import SamplingParams
 from ..request import EventKind
 from .speech import Assembler, SpeechText
@@ -159,8 +159,8 @@ class SpeechService:
                         pending[msg[1]] = msg[2:]
                     elif msg[0] == "done":
                         total = msg[1]
-                    else:
-                        raise RequestFailedError(req.id, msg[1])
+                    else:  # ("error", message, retry_after_s): see _fail
+                        raise failed_error(req.id, msg[1], msg[2])
                 if total is not None and k >= total:
                     break
                 rid, events, chunk = pending.pop(k)
@@ -210,7 +210,7 @@ class SpeechService:
             except Exception as e:  # noqa: BLE001 - fail the utterances in flight, keep the thread
                 logger.exception("talker step failed")
                 for utt in list(self._live.values()):
-                    self._fail(utt, f"talker error: {type(e).__name__}: {e}")
+                    self._fail(utt, f"talker error: {type(e).__name__}: {e}", getattr(e, "retry_after_s", None))
                 continue
             for ev in events:
                 utt = self._live.get(ev.request_id.rsplit("-g", 1)[0])
@@ -244,7 +244,7 @@ class SpeechService:
                             [t.special["eos"]])
         except Exception as e:  # noqa: BLE001 - reported to that utterance only
             self._live.pop(req.id, None)
-            self._send(utt, ("error", f"{type(e).__name__}: {e}"))
+            self._send(utt, ("error", f"{type(e).__name__}: {e}", getattr(e, "retry_after_s", None)))
             return
         self._live[req.id] = utt
 
@@ -291,12 +291,14 @@ class SpeechService:
         utt.submitted += 1
         self._send(utt, ("chunk", k, rid, events, chunk))
 
-    def _fail(self, utt: _Utterance, message: str) -> None:
+    def _fail(self, utt: _Utterance, message: str, retry_after_s: float | None = None) -> None:
+        """Fail the utterance; ``retry_after_s`` set: its talker was down (a temporary failure, as the
+        ``retry_after_s`` of a failed engine event)."""
         self._live.pop(utt.req.id, None)
         self.talker.abort(self._talker_id(utt))
         for chunk_id in utt.chunk_ids:  # its stream stops at the error: the chunks it submitted are not needed
             self.engine.abort(chunk_id, "speech request failed")
-        self._send(utt, ("error", message))
+        self._send(utt, ("error", message, retry_after_s))
 
     def _send(self, utt: _Utterance, msg: tuple) -> None:
         try:
@@ -327,7 +329,7 @@ async def _final(engine, rid, events):
         if event.kind == EventKind.FINISHED:
             return event
         if event.kind.final:
-            raise RequestFailedError(rid, event.error or event.kind.value)
+            raise failed_error(rid, event.error or event.kind.value, event.retry_after_s)
     raise RequestFailedError(rid, "the chunk's event stream ended")
 
 

@@ -12,11 +12,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from dit_core import EngineDeadError, RequestAbortedError, RequestFailedError
+from dit_core import EngineDeadError, RequestAbortedError
+from dit_core.errors import failed_error
 from dit_core.faults import NO_FAULTS
 from dit_core.request import EventKind, RequestOutput
 
-from ..errors import APIError, scrub
+from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..models import resolve_model
 from ..files import png_bound
 from ..guards import check_model_work, faults_of
@@ -112,8 +113,8 @@ async def _until_final(client, rid, events, request: Request, deadline: float | 
     event = task.result()
     if event.kind == EventKind.FAILED and client.died is not None:
         raise EngineDeadError(event.error)  # not this request's fault: 503, like any unavailable engine
-    if event.kind == EventKind.FAILED:
-        raise RequestFailedError(rid, event.error)
+    if event.kind == EventKind.FAILED:  # a stage that was down: StageUnavailableError (503 + Retry-After)
+        raise failed_error(rid, event.error, event.retry_after_s)
     if event.kind == EventKind.ABORTED:
         raise RequestAbortedError(rid, event.error)
     return event
@@ -162,7 +163,8 @@ async def _sse_event(state, rid, event, body: ImageGenerationRequest, base_url: 
         _log(event.output)
         return out
     if event.kind.final:
-        return [_sse_data(_sse_error(rid, scrub(event.error), event.kind.value))]
+        code = STAGE_UNAVAILABLE if event.retry_after_s is not None else event.kind.value
+        return [_sse_data(_sse_error(rid, scrub(event.error), code))]
     return []
 
 

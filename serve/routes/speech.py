@@ -25,12 +25,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from dit_core import InvalidParamError, RequestAbortedError, RequestFailedError
+from dit_core import InvalidParamError, RequestAbortedError, RequestFailedError, StageUnavailableError
 from dit_core.audio import StreamEncoder, Waveform, content_type, encode
 from dit_core.audio.service import SpeechService
 
 from ..client import local_engine
-from ..errors import APIError, scrub
+from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..guards import check_prompts, check_steps
 from .audio import check_queue, find_model
 
@@ -188,8 +188,9 @@ async def _sse(service, req, fmt: str):
                 if data:
                     yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
         except RequestFailedError as e:  # the stream ends with the error, as the image stream's does
+            code = STAGE_UNAVAILABLE if isinstance(e, StageUnavailableError) else "generation_failed"
             yield _event({"type": "error", "id": req.id, "error": {"message": scrub(str(e)), "type": "server_error",
-                                                                  "param": None, "code": "generation_failed"}})
+                                                                  "param": None, "code": code}})
             return
         tail = enc.close()
         if tail:
