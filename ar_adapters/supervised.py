@@ -158,11 +158,12 @@ class Supervisor:
             reason = getattr(stage, "exit_reason", lambda: "it stopped")()
             self.death = f"{self.name}'s engine process died ({reason})"
             self.problem = f"{self.name} is down: its engine process died ({reason}); {self._plan()}"
+            # started under the lock, so close() never finds a thread it cannot join yet
             self._recovery = threading.Thread(target=self._recover, args=(stage,), name="omnidit-stage-restart",
                                               daemon=True)
+            self._recovery.start()
         logger.error("%s", self.problem)
         getattr(stage, "wake", lambda: None)()
-        self._recovery.start()
 
     def _recover(self, dead) -> None:
         try:
