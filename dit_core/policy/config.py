@@ -29,8 +29,11 @@ class PolicyConfig:
     action_dim: int = 2
     action_horizon: int = 16  # H: actions per chunk
     max_prompt_tokens: int = 16
-    # prefix: conv vision encoder -> (image_size / 8)^2 patch tokens per camera, + prompt tokens + 1 state token
-    vision_channels: tuple[int, int] = (32, 64)
+    # prefix: conv vision encoder -> (image_size / patch_size)^2 patch tokens per camera, + prompt
+    # tokens + 1 state token. patch_size is 2, 4, 8 or 16: len(vision_channels) + 1 3x3 convs, the
+    # first log2(patch_size) of them stride 2 (so at least log2(patch_size) - 1 channel counts)
+    patch_size: int = 8
+    vision_channels: tuple[int, ...] = (32, 64)
     width: int = 128
     layers: int = 4
     heads: int = 4
@@ -46,14 +49,20 @@ class PolicyConfig:
 
     def __post_init__(self):
         self.vision_channels = tuple(self.vision_channels)
-        if self.image_size % 8:
-            raise UnknownModelError(f"policy config: image_size={self.image_size} must be a multiple of 8")
+        if self.patch_size not in (2, 4, 8, 16):
+            raise UnknownModelError(f"policy config: patch_size={self.patch_size}; allowed: 2, 4, 8, 16")
+        if len(self.vision_channels) + 1 < self.patch_size.bit_length() - 1:
+            raise UnknownModelError(f"policy config: patch_size={self.patch_size} needs at least "
+                                    f"{self.patch_size.bit_length() - 2} vision_channels, got {list(self.vision_channels)}")
+        if self.image_size % self.patch_size:
+            raise UnknownModelError(f"policy config: image_size={self.image_size} must be a multiple of "
+                                    f"patch_size={self.patch_size}")
         if not self.image_keys:
             raise UnknownModelError("policy config: image_keys must name at least one camera")
 
     @property
     def patches_per_image(self) -> int:
-        return (self.image_size // 8) ** 2
+        return (self.image_size // self.patch_size) ** 2
 
     def prefix_tokens(self, prompt_tokens: int) -> int:
         """Length of one request's prefix: patches of every camera, the prompt, the state."""

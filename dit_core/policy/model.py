@@ -2,7 +2,7 @@
 smaller action expert over the noisy action chunk, joined layer by layer through the prefix K/V.
 
 Prefix (once per observation). Per request, in this order: the patch tokens of every camera
-(a conv vision encoder turns a ``S x S`` image into ``(S/8)^2`` tokens, with learned positions
+(a conv vision encoder turns a ``S x S`` image into ``(S/patch)^2`` tokens, with learned positions
 and a per-camera embedding), the instruction's token embeddings (learned positions), and one
 state token. Requests' prefixes have different lengths (instruction lengths differ); they run
 packed, one sequence after another with no padding, bidirectional attention within each
@@ -48,19 +48,22 @@ def time_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class VisionEncoder(nn.Module):
-    """Three stride-2 convolutions (with x/y coordinate channels, so positions are easy to read)
-    from an ``S x S`` RGB image to an ``S/8 x S/8`` grid of patch tokens."""
+    """3x3 convolutions (with x/y coordinate channels, so positions are easy to read) from an
+    ``S x S`` RGB image to an ``S/patch x S/patch`` grid of patch tokens: ``len(channels) + 1``
+    of them, the first log2(patch) stride 2, the rest stride 1."""
 
-    def __init__(self, image_size: int, channels: tuple[int, int], width: int):
+    def __init__(self, image_size: int, channels: tuple[int, ...], width: int, patch: int = 8):
         super().__init__()
-        c1, c2 = channels
-        self.convs = nn.ModuleList([nn.Conv2d(5, c1, 3, 2, 1), nn.Conv2d(c1, c2, 3, 2, 1), nn.Conv2d(c2, width, 3, 2, 1)])
+        sizes = (5, *channels, width)
+        down = patch.bit_length() - 1
+        self.convs = nn.ModuleList([nn.Conv2d(sizes[i], sizes[i + 1], 3, 2 if i < down else 1, 1)
+                                    for i in range(len(sizes) - 1)])
         grid = torch.linspace(-1, 1, image_size)
         self.register_buffer("coords", torch.stack(torch.meshgrid(grid, grid, indexing="ij")), persistent=False)
-        self.pos = nn.Parameter(torch.randn((image_size // 8) ** 2, width) * 0.02)
+        self.pos = nn.Parameter(torch.randn((image_size // patch) ** 2, width) * 0.02)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """[N, 3, S, S] in [-1, 1] -> [N, (S/8)^2, width]."""
+        """[N, 3, S, S] in [-1, 1] -> [N, (S/patch)^2, width]."""
         x = torch.cat([images, self.coords.expand(images.shape[0], -1, -1, -1).to(images.dtype)], dim=1)
         for i, conv in enumerate(self.convs):
             x = conv(x)
@@ -140,7 +143,7 @@ class Pi0Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         w, we = cfg.width, cfg.expert_width
-        self.vision = VisionEncoder(cfg.image_size, cfg.vision_channels, w)
+        self.vision = VisionEncoder(cfg.image_size, cfg.vision_channels, w, cfg.patch_size)
         self.camera = nn.Parameter(torch.randn(len(cfg.image_keys), w) * 0.02)
         self.text = nn.Embedding(vocab_size, w)
         self.text_pos = nn.Parameter(torch.randn(cfg.max_prompt_tokens, w) * 0.02)
@@ -178,16 +181,18 @@ class Pi0Model(nn.Module):
         x = torch.cat([patches, text, self.state(states)])[torch.cat(order).to(states.device)]
         return x, [per_image + n + 1 for n in n_text]
 
-    def prefix(self, images: torch.Tensor, tokens: list[torch.Tensor], states: torch.Tensor):
+    def prefix(self, images: torch.Tensor, tokens: list[torch.Tensor], states: torch.Tensor,
+               hidden: bool = False):
         """Packed prefix keys/values of every layer [layers, 2, T, heads, head_dim], and the
-        per-request lengths (request i owns tokens cu[i]:cu[i+1])."""
+        per-request lengths (request i owns tokens cu[i]:cu[i+1]). With ``hidden``, also the
+        packed tokens that enter the last (K/V-only) layer [T, width] (training reads them)."""
         x, lengths = self.embed_prefix(images, tokens, states)
         cu = lengths_to_cu(lengths, x.device)
         kvs = []
         for block in self.prefix_blocks:
             x, kv = block(x, cu, self.backends["self"])
             kvs.append(kv)
-        return torch.stack(kvs), lengths
+        return (torch.stack(kvs), lengths, x) if hidden else (torch.stack(kvs), lengths)
 
     def prefix_kv(self, images: torch.Tensor, tokens: list[torch.Tensor], states: torch.Tensor) -> list[torch.Tensor]:
         """Per request its own prefix K/V [layers, 2, L_i, heads, head_dim] (copies, to keep apart)."""

@@ -26,6 +26,7 @@ class Demos:
     states: torch.Tensor  # [N, 4] float32
     prompts: list[str]
     chunks: torch.Tensor  # [N, H, 2] float32
+    goals: torch.Tensor  # [N, 2] float32: the named target's position (training's auxiliary label)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -35,7 +36,7 @@ def collect(episodes: int, seed: int, horizon: int, image_size: int) -> Demos:
     """Run ``episodes`` noisy expert episodes from seeds ``seed, seed + 1, ...``."""
     rng = np.random.default_rng(seed)
     env = ReachEnv()
-    images, states, prompts, chunks = [], [], [], []
+    images, states, prompts, chunks, goals = [], [], [], [], []
     for ep in range(episodes):
         obs, info = env.reset(seed=seed + ep)
         noise = NOISE_LEVELS[ep % len(NOISE_LEVELS)]
@@ -46,8 +47,9 @@ def collect(episodes: int, seed: int, horizon: int, image_size: int) -> Demos:
             states.append(obs["observation/state"])
             prompts.append(obs["prompt"])
             chunks.append(chunk)
+            goals.append(env.goal_pos.astype(np.float32))
             action = np.clip(chunk[0] + noise * rng.standard_normal(2), -1.0, 1.0)
             obs, _, terminated, truncated, info = env.step(action)
             done = terminated or truncated
     return Demos(torch.stack(images), torch.from_numpy(np.stack(states)), prompts,
-                 torch.from_numpy(np.stack(chunks)))
+                 torch.from_numpy(np.stack(chunks)), torch.from_numpy(np.stack(goals)))

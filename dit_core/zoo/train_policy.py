@@ -34,6 +34,7 @@ from .reach_demos import collect
 
 logger = logging.getLogger(__name__)
 SERVING_DEFAULTS = {"num_inference_steps": 10}
+GOAL_SCALE = 0.5  # target positions lie in [-0.75, 0.75]^2; the probe regresses position / 0.5
 
 
 @dataclass
@@ -46,20 +47,33 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 100
     weight_decay: float = 1e-4
-    ema: float = 0.998
+    ema: float = 0.99
+    # Weight of the auxiliary loss: a linear probe on the prefix's state token predicts the named
+    # target's position (a label the simulator knows). It teaches the prefix early to bind the
+    # instruction's colour to a place in the image; the probe is not part of the saved policy.
+    aux_weight: float = 1.0
+    # Steps of prefix-only pre-training on that auxiliary loss alone, at a constant ``lr`` (cheap: no
+    # action expert), before the joint schedule: the expert then learns from a prefix that already
+    # knows where the named target is.
+    pretrain_steps: int = 1000
     # Stop after this many steps of the ``steps``-long schedule (None: run it all). The result is
     # exactly the snapshot a full run's ``progress`` callback sees at that step.
     stop_at: int | None = None
     # One thread: the same bits whatever the machine's core count, and no OpenMP barrier stalls
     # when the cores are shared (two threads ran 7-15x slower than one on a loaded 2-core box).
     threads: int | None = 1
+    # the camera as the policy sees it (see PolicyConfig)
+    image_size: int = 32
+    patch_size: int = 8
+    vision_channels: tuple[int, ...] = (24, 48)
 
 
-def policy_config(stats: dict) -> PolicyConfig:
+def policy_config(stats: dict, cfg: TrainConfig = TrainConfig()) -> PolicyConfig:
     """The shipped architecture: 3 prefix layers of width 96 (4 heads x 24), an action expert of
-    width 64, a 32x32 camera as 16 patch tokens; chunks of 16 actions."""
+    width 64, the camera as ``cfg``'s patch tokens; chunks of 16 actions."""
     return PolicyConfig(image_keys=["observation/image"], state_dim=4, action_dim=2, action_horizon=16,
-                        image_size=32, vision_channels=(24, 48), width=96, layers=3, heads=4, head_dim=24,
+                        image_size=cfg.image_size, patch_size=cfg.patch_size,
+                        vision_channels=tuple(cfg.vision_channels), width=96, layers=3, heads=4, head_dim=24,
                         expert_width=64, expert_mlp_ratio=2, norm_stats=stats)
 
 
@@ -93,41 +107,61 @@ def _train(out_dir: Path, cfg: TrainConfig, progress, progress_every: int) -> Pa
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     tokenizer = word_tokenizer(reach_env.vocabulary())
-    probe = policy_config({})
+    probe = policy_config({}, cfg)
     demos = collect(cfg.episodes, seed=1_000_000 + cfg.seed * cfg.episodes, horizon=probe.action_horizon,
                     image_size=probe.image_size)
     logger.info("collected %d samples from %d episodes in %.0f s", len(demos), cfg.episodes,
                 time.perf_counter() - start)
-    pcfg = policy_config(data_stats(demos.states, demos.chunks))
+    pcfg = policy_config(data_stats(demos.states, demos.chunks), cfg)
     states = normalize(demos.states, pcfg.norm_stats["state"])
     chunks = normalize(demos.chunks, pcfg.norm_stats["actions"])
     tokens = [torch.tensor(tokenizer.encode(p).ids) for p in demos.prompts]
 
     model = Pi0Model(pcfg, tokenizer.get_vocab_size())
     ema = copy.deepcopy(model).requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    probe_head = torch.nn.Linear(pcfg.width, 2)
+    params = list(model.parameters()) + list(probe_head.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     k = cfg.flow_samples
+
+    def goal_loss(idx):
+        kv, lengths, hidden = model.prefix(demos.images[idx].float()[:, None], [tokens[i] for i in idx.tolist()],
+                                           states[idx], hidden=True)
+        state_tokens = hidden[torch.tensor(lengths).cumsum(0) - 1]  # each request's last token
+        return kv, lengths, torch.nn.functional.mse_loss(probe_head(state_tokens), demos.goals[idx] / GOAL_SCALE)
+
+    for step in range(cfg.pretrain_steps):
+        _, _, aux_loss = goal_loss(torch.randint(len(demos), (cfg.batch,), generator=gen))
+        opt.zero_grad(set_to_none=True)
+        aux_loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 100 == 0:
+            logger.info("pre-training %d/%d aux loss %.4f (%.0f s)", step, cfg.pretrain_steps, aux_loss.item(),
+                        time.perf_counter() - start)
+    ema.load_state_dict(model.state_dict())
     for step in range(cfg.steps if cfg.stop_at is None else min(cfg.stop_at, cfg.steps)):
         idx = torch.randint(len(demos), (cfg.batch,), generator=gen)
-        kv, lengths = model.prefix(demos.images[idx].float()[:, None], [tokens[i] for i in idx.tolist()],
-                                   states[idx])
+        kv, lengths, aux_loss = goal_loss(idx)
         actions = chunks[idx].repeat(k, 1, 1)
         noise = torch.randn(actions.shape, generator=gen)
         t = 0.999 * torch.rand(actions.shape[0], generator=gen) ** (1 / 1.5) + 0.001  # Beta(1.5, 1)
         v = model.velocity(noisy(actions, noise, t), t, kv.repeat(1, 1, k, 1, 1), lengths * k)
-        loss = torch.nn.functional.mse_loss(v, noise - actions)
+        flow_loss = torch.nn.functional.mse_loss(v, noise - actions)
+        loss = flow_loss + cfg.aux_weight * aux_loss
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         with torch.no_grad():
             for pe, pm in zip(ema.parameters(), model.parameters()):
                 pe.lerp_(pm, 1 - cfg.ema)
         if step % 100 == 0 or step == cfg.steps - 1:
-            logger.info("step %d/%d loss %.4f (%.0f s)", step, cfg.steps, loss.item(), time.perf_counter() - start)
+            logger.info("step %d/%d flow loss %.4f aux loss %.4f (%.0f s)", step, cfg.steps, flow_loss.item(),
+                        aux_loss.item(), time.perf_counter() - start)
         if progress is not None and (step + 1) % progress_every == 0:
             with torch.random.fork_rng():
                 progress(step + 1, ema, tokenizer)
