@@ -10,15 +10,25 @@ import torch
 
 
 def nbytes(value: Any) -> int:
+    """Bytes ``value`` keeps alive: the whole storage of each tensor in it, counted once (a view of a
+    larger tensor keeps all of it)."""
+    storages: dict[int, int] = {}
+    _collect(value, storages)
+    return sum(storages.values())
+
+
+def _collect(value: Any, storages: dict[int, int]) -> None:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(nbytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(nbytes(v) for v in value.values())
-    if hasattr(value, "__dict__"):
-        return nbytes(vars(value))
-    return 0
+        storage = value.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect(item, storages)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, storages)
+    elif hasattr(value, "__dict__"):
+        _collect(vars(value), storages)
 
 
 class PromptCache:

@@ -1,6 +1,7 @@
 """Soak: a bounded, mixed stream of requests against one live server (loopback), then a fuzz run.
 
     python -m benchmarks.soak [--requests 2000] [--concurrency 8] [--quick] [--fuzz-examples 20]
+                              [--prompt-cache-bytes 4194304] [--kinds image,audio,...]
 
 The stream (seeded) mixes valid and invalid requests of every HTTP kind the server serves: images
 (JSON, url, SSE), SSE streams cut after the first event, clients that give up before the answer,
@@ -20,15 +21,32 @@ Measured:
   ``omnidit_ws_sessions_total`` with the outcome and close code the client's side implies.
   ``lost`` = requests and sessions not counted + counted twice + counted under another status, plus
   anything still running after the stream (HTTP handlers, WebSocket sessions, engine requests);
-* resident memory and open descriptors of the process after warm-up (the first 20% of the stream)
-  against the end: ``rss_growth``, ``fd_growth`` (fractions);
+* resident memory and open descriptors of the process after warm-up against the end: ``rss_growth``,
+  ``fd_growth`` (fractions), each from the median of the samples (one per 10 requests) in the window that
+  ends the warm-up (requests 15-20% of the stream) to the median in the window that ends the stream (the
+  last 5%); ``rss_mib`` and ``fds`` are those medians, ``rss_points_mib`` / ``rss_growth_points`` the
+  single samples at 20% and at the end, ``rss_peak_after_warmup_mib`` the highest sample after it. Medians,
+  because RSS saws with the server's memory upkeep (serve/memory.py: a full garbage collection every few
+  hundred requests, free heap pages given back every 10 s): a single sample lands anywhere on the saw.
+  The warm-up is the first 20% of the stream, the same mixed traffic as the rest; at the default 2,000
+  requests that is 400, and the server's bounded state is in its steady state by then: the prompt cache
+  is full (the soak server's bound is ``--prompt-cache-bytes``, default 4 MiB here against the server's
+  256 MiB: every soak prompt is new, so a 256 MiB cache would still be filling at the end: ~0.02 MiB a
+  request), at least one full garbage collection has run, and the url file store (at most 32 PNGs of a
+  few KB) holds most of its files.
+  The summary reports what they hold at both points (``prompt_cache_mib``, ``prompt_cache_entries``,
+  ``files_held``, ``videos_held``, ``gc_full_collections`` since the start), glibc's heap in use and free
+  (``heap_in_use_mib``, ``heap_free_held_mib``) and the memory upkeep's counters (``memory_keeper``);
+  ``samples`` in the JSON holds every sample. A shorter stream (``--quick``, ``--requests 600``) has a
+  warm-up too short for that steady state, and its growth includes the caches filling;
 * the file and video stores within their bounds; ``server_errors``: 5xx answers that no injected
   fault caused (there are none injected here);
 * latency per kind over time (a plot), and a schemathesis run at ``--fuzz-examples`` per operation.
 
 Writes results/soak.json (summary: requests, lost, rss_growth, fd_growth, server_errors, fuzz_cases,
-fuzz_failures) and results/soak.png. The server runs in this process (its stores are inspected directly),
-so the memory figure includes the load generator's: an upper bound on the server's growth.
+fuzz_failures, and the memory details above) and results/soak.png. The server runs in this process (its
+stores are inspected directly), so the memory figures include the load generator's. ``--kinds`` runs only
+some of the stream's kinds (to see what one kind does to memory).
 """
 
 from __future__ import annotations
@@ -37,17 +55,18 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
 import tempfile
 import time
 
 import httpx
 
-from benchmarks import soak_ws
+from benchmarks import soak_memory, soak_ws
 from benchmarks.common import machine, percentiles, save_plot, write_json
 from benchmarks.fuzz import run_fuzz
 from benchmarks.live import build_models, live_server, reliability_settings
+from benchmarks.soak_memory import open_fds
+from serve.memory import rss_bytes
 
 IMG = {"model": "img", "size": "32x32", "num_inference_steps": 2}
 VID = {"model": "vid", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
@@ -57,15 +76,6 @@ KINDS = {"image": 20, "image_url": 6, "image_sse": 6, "image_sse_cut": 6, "image
          "video_sync": 3, "video_bad": 5, "read": 5, "garbage": 4, "ws": 5, "ws_drop": 3, "ws_bad": 3}
 CUT = {"image_sse_cut", "image_give_up", "speech_cut"}  # the client never reads the whole answer
 WS = "WS"  # the log's method for a WebSocket session; its status: the outcome the server should count
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 class Client:
@@ -196,9 +206,11 @@ class Client:
             await self.session(kind, soak_ws.bad(self.url, choice) if choice < 3 else soak_ws.garbage(self.url))
 
 
-async def stream(url: str, n: int, concurrency: int, seed: int, on_progress) -> list:
+async def stream(url: str, n: int, concurrency: int, seed: int, on_progress, kinds: dict | None = None) -> list:
+    """Run ``n`` items drawn (seeded) from ``kinds`` (kind -> weight; default ``KINDS``) on ``concurrency``
+    workers; the log of every HTTP request and WebSocket session they made."""
     rng = random.Random(seed)
-    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=n)
+    kinds = rng.choices(list(kinds or KINDS), weights=list((kinds or KINDS).values()), k=n)
     log: list = []
     queue: asyncio.Queue = asyncio.Queue()
     for i, kind in enumerate(kinds):
@@ -264,6 +276,9 @@ def account(log: list, before: collections.Counter, after: collections.Counter) 
             "server_statuses": {f"{m} {s}": n for (m, s), n in sorted(server.items())}}
 
 
+PROMPT_CACHE_BYTES = 4 << 20  # the soak server's prompt cache: full within the warm-up (see the docstring)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -271,26 +286,33 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fuzz-examples", type=int, default=20, help="schemathesis examples per operation")
     parser.add_argument("--quick", action="store_true", help="300 requests and a smaller fuzz run")
+    parser.add_argument("--prompt-cache-bytes", type=int, default=PROMPT_CACHE_BYTES,
+                        help="the server's prompt-embedding cache bound (the server flag --prompt-cache-bytes; "
+                             "default 4 MiB here, full within the warm-up; the server's default is 256 MiB)")
+    parser.add_argument("--kinds", default=None, help="only these stream kinds (comma-separated; default all: "
+                        + ", ".join(KINDS) + ")")
     args = parser.parse_args(argv)
     n = 300 if args.quick else args.requests
+    kinds = KINDS if args.kinds is None else {k: KINDS.get(k) for k in args.kinds.split(",")}
+    if None in kinds.values():
+        parser.error(f"--kinds: unknown kind in {args.kinds!r}; the kinds are {', '.join(KINDS)}")
     fuzz_examples, fuzz_phases = (5, "fuzzing,stateful") if args.quick else (args.fuzz_examples, None)
     settings = reliability_settings(max_files=32, max_videos=16, max_queue=256)
-    with tempfile.TemporaryDirectory() as tmp, live_server(build_models(tmp, policy=True), settings) as live:
-        samples = []  # (requests done, seconds, rss, fds)
-        done = [0]
+    with tempfile.TemporaryDirectory() as tmp, live_server(build_models(tmp, policy=True), settings,
+                                                           prompt_cache_bytes=args.prompt_cache_bytes) as live:
         t0 = time.monotonic()
+        samples = [soak_memory.sample(live, 0, t0)]
+        done = [0]
 
         def on_progress(_i):
             done[0] += 1
             if done[0] % 10 == 0:
-                samples.append((done[0], time.monotonic() - t0, rss_bytes(), open_fds()))
-                stores.append((len(live.app.state.files), len(live.app.state.videos)))
+                samples.append(soak_memory.sample(live, done[0], t0))
             if done[0] % 100 == 0:
                 print(f"{done[0]}/{n} requests, rss {rss_bytes() / 2**20:.0f} MiB, fds {open_fds()}", flush=True)
 
-        stores: list = []
         before = server_counts(live)
-        log = asyncio.run(stream(live.url, n, args.concurrency, args.seed, on_progress))
+        log = asyncio.run(stream(live.url, n, args.concurrency, args.seed, on_progress, kinds))
         # a cut request's handler ends (and is counted) when it notices the client gone: wait up to 60 s
         # for every handler and engine request to end; what is still running then is stuck
         engine = live.engine
@@ -301,8 +323,8 @@ def main(argv=None) -> int:
         stuck, open_handlers = engine.num_unfinished, running(after)
         counts = account(log, before, after)
         seconds = time.monotonic() - t0
-        warm = next(s for s in samples if s[0] >= n // 5)
-        end = samples[-1]
+        memory = {**soak_memory.memory_summary(samples, n, args.prompt_cache_bytes),
+                  "memory_keeper": live.app.state.memory.stats()}
         fuzz = run_fuzz(live.url, fuzz_examples, args.seed + 1, phases=fuzz_phases) if fuzz_examples else \
             {"cases": 0, "failures": 0, "failed": []}
     fives = [e for e in log if e[3].startswith("5")]  # the answers the clients read
@@ -312,16 +334,16 @@ def main(argv=None) -> int:
     summary = {
         "requests": n, "http_requests": sum(e[1] != WS for e in log), "ws_sessions": sum(e[1] == WS for e in log),
         "lost": counts["uncounted"] + counts["overcounted"] + counts["mismatched"] + stuck + open_handlers,
-        "rss_growth": round((end[2] - warm[2]) / warm[2], 4), "fd_growth": round((end[3] - warm[3]) / warm[3], 4),
+        "rss_growth": memory.pop("rss_growth"), "fd_growth": memory.pop("fd_growth"),
         "server_errors": max(len(fives), server_fives), "client_errors": sum("client_error" in e[3] for e in log),
         "fuzz_cases": fuzz["cases"], "fuzz_failures": fuzz["failures"],
         "cut": counts["cut"], "stuck": stuck, "open_handlers": open_handlers, "seconds": round(seconds, 1),
-        "max_files_held": max(f for f, _ in stores), "max_files": settings.max_files,
-        "max_videos_held": max(v for _, v in stores), "max_videos": settings.max_videos,
-        "rss_mib": [round(warm[2] / 2**20), round(end[2] / 2**20)], "fds": [warm[3], end[3]],
+        "max_files_held": max(s["files"] for s in samples), "max_files": settings.max_files,
+        "max_videos_held": max(s["videos"] for s in samples), "max_videos": settings.max_videos,
+        **memory,
     }
     by_kind = {}
-    for kind in KINDS:
+    for kind in kinds:
         lat = [e[4] for e in log if e[0] == kind]
         if lat:
             by_kind[kind] = {"n": len(lat), **{k: round(v, 3) for k, v in percentiles(lat).items()},
@@ -329,7 +351,7 @@ def main(argv=None) -> int:
     print(json.dumps(summary, indent=1))
     write_json("soak", {"summary": summary, "machine": machine(), "by_kind": by_kind, "accounting": counts,
                         "five_xx": [e[:4] for e in fives][:50], "fuzz_failed": fuzz["failed"][:50],
-                        "args": vars(args)})
+                        "args": vars(args), "samples": samples})
     _plot(log, samples, t0)
     ok = summary["lost"] == 0 and summary["server_errors"] == 0 and summary["fuzz_failures"] == 0 \
         and summary["client_errors"] == 0
@@ -346,12 +368,14 @@ def _plot(log, samples, t0) -> None:
     xs = sorted(buckets)
     p = [percentiles(buckets[x]) for x in xs]
     mid = [(x + 0.5) * window for x in xs]
+    times = [s["t"] for s in samples]
     save_plot("soak", "soak: latency and resources over time", [
         {"xlabel": "time (s)", "ylabel": "POST latency (s)", "title": "latency per 30 s window",
          "series": {"p50": (mid, [q["p50"] for q in p]), "p95": (mid, [q["p95"] for q in p])}},
-        {"xlabel": "time (s)", "ylabel": "MiB / count", "title": "RSS and open fds",
-         "series": {"RSS (MiB)": ([s[1] for s in samples], [s[2] / 2**20 for s in samples]),
-                    "fds": ([s[1] for s in samples], [s[3] for s in samples])}},
+        {"xlabel": "time (s)", "ylabel": "MiB / count", "title": "RSS, heap in use and open fds",
+         "series": {"RSS (MiB)": (times, [s["rss"] / 2**20 for s in samples]),
+                    "heap in use (MiB)": (times, [(s["heap_in_use"] or 0) / 2**20 for s in samples]),
+                    "fds": (times, [s["fds"] for s in samples])}},
     ])
 
 

@@ -18,6 +18,7 @@ from .errors import count_error, error_response, install_handlers
 from .files import FileStore
 from .guards import ClientLimitMiddleware, faults_of
 from .live_stats import LiveStats
+from .memory import MemoryKeeper
 from .models import served_models
 from .routes import audio, images, robot, speech, stats, system, videos
 from .traffic import CountMiddleware
@@ -54,6 +55,10 @@ class ServeSettings:
     robot_deadline_ms: float | None = 1000.0
     robot_idle_timeout_s: float = 300.0
     robot_max_frame_bytes: int = 64 << 20
+    # resident memory (serve.memory): freeze startup objects out of the cyclic collector's view while the
+    # server runs, and give the allocator's free pages back to the system every so many seconds (0: never)
+    gc_freeze: bool = True
+    malloc_trim_s: float = 10.0
 
 
 def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | None = None,
@@ -66,12 +71,14 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.memory.start()
         yield
         for service in app.state.speech.values():
             service.close()
         if owns_engine:
             client.shutdown(drain_timeout_s=settings.drain_timeout_s)
         app.state.videos.close()
+        app.state.memory.stop()
 
     app = FastAPI(title="omnidit", lifespan=lifespan)
     app.state.client = client  # what the routes use
@@ -85,6 +92,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
                                      settings.video_ttl_s)
     app.state.videos.faults = faults_of(app.state)
     app.state.started = int(time.time())
+    app.state.memory = MemoryKeeper(settings.gc_freeze, settings.malloc_trim_s)
     app.state.model_ids = served_models(client, settings)
     app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
     install_handlers(app)

@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(default 30)")
+    srv.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                     help="keep startup objects in the cyclic garbage collector's view (by default they are frozen "
+                          "out of it once the server has started, so full collections come often and cost little)")
+    srv.add_argument("--malloc-trim-interval", type=float, default=10.0,
+                     help="seconds between giving the allocator's free pages back to the system (glibc "
+                          "malloc_trim; 0: never; default 10)")
     add_engine_args(srv)
     add_ray_args(srv)
     srv.set_defaults(func=cmd_serve)
@@ -393,7 +399,8 @@ def cmd_serve(args) -> int:
                              robot_idle_timeout_s=args.robot_idle_timeout,
                              robot_max_frame_bytes=args.robot_max_frame_bytes,
                              max_inflight_per_client=args.max_inflight_per_client,
-                             max_pixel_steps=args.max_pixel_steps, max_steps=args.max_steps)
+                             max_pixel_steps=args.max_pixel_steps, max_steps=args.max_steps,
+                             gc_freeze=args.gc_freeze, malloc_trim_s=args.malloc_trim_interval)
     options = engine_kwargs(args)
     if "policy" not in options:
         options["policy"] = default_policy(models.values())

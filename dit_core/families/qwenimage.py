@@ -77,8 +77,9 @@ class QwenImageFamily(PackedFlowFamily):
         """The thinker's last hidden states of the templated prompts, template prefix dropped."""
         self.faults.hit("thinker", prompts)
         encoded = self.thinker.encode([TEMPLATE.format(p) for p in prompts])
-        return [TextCond(e.hidden[TEMPLATE_PREFIX_TOKENS:][: params.max_sequence_length].to(self.device, self.dtype))
-                for e in encoded]
+        # copies, not views: the prompt cache would otherwise keep the template's states too
+        return [TextCond(e.hidden[TEMPLATE_PREFIX_TOKENS:][: params.max_sequence_length]
+                         .to(self.device, self.dtype, copy=True)) for e in encoded]
 
     def prepare_positions(self, req: Request, h: int, w: int) -> None:
         req.state["img_shape"] = (1, h, w)

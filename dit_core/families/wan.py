@@ -130,7 +130,8 @@ class WanFamily(DiffusersFamily):
         mask = text.attention_mask.to(self.device)
         states = self.text_encoder(text.input_ids.to(self.device), mask).last_hidden_state
         states = states.to(self.text_encoder.dtype)
-        return [TextCond(s[: int(n)].to(self.dtype)) for s, n in zip(states, mask.gt(0).sum(dim=1))]
+        # a copy, not a view: the prompt cache would otherwise keep all max_length states per prompt
+        return [TextCond(s[: int(n)].to(self.dtype, copy=True)) for s, n in zip(states, mask.gt(0).sum(dim=1))]
 
     def prepare(self, req: Request) -> None:
         p = req.params
