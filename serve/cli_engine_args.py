@@ -1,0 +1,118 @@
+"""The engine flags shared by ``omnidit generate`` and ``omnidit serve``, and how they become
+``Engine.from_pretrained`` keyword arguments."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="show third-party logs, warnings and progress bars (transformers, diffusers, vLLM); "
+                        "by default only omnidit's own output and errors are shown")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16 or auto: a short measurement of this model in both, once per machine "
+                        "(cached under ~/.cache/omnidit or $OMNIDIT_CACHE_DIR), picks the faster; logged in one "
+                        "line (default auto)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (inductor) the transformer blocks, dynamic batch; compiles at start "
+                        "(minutes on a small CPU) and logs the time (default off)")
+    p.add_argument("--compile-warmup", default=None,
+                   help="image sizes the --compile warm-up covers, e.g. 32x32,64x64 (default: the model's size)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward (default 8)")
+    p.add_argument("--max-tokens-per-step", type=int, default=65536,
+                   help="rows x tokens per forward, CFG rows counted (default 65536)")
+    p.add_argument("--attention", default=None,
+                   help="attention backend: auto, sdpa, math, flex, flash, xformers or sage; may carry "
+                        "role overrides, e.g. 'sdpa,joint=flex' (default: $OMNIDIT_ATTENTION or auto)")
+    p.add_argument("--cache", default="none",
+                   help="step cache: none, teacache:T, fbcache:T[,fn=N][,bn=N] (per row, inside continuous "
+                        "batching) or cache-dit:T[,fn=N][,bn=N][,warmup=N] (one request per forward); "
+                        "e.g. teacache:0.2 (default none)")
+    p.add_argument("--thinker", default=None,
+                   help="AR thinker for Qwen-Image models: auto (vLLM where installed), vllm or hf "
+                        "(default: $OMNIDIT_THINKER or auto)")
+    p.add_argument("--thinker-kv-cache-gb", type=float, default=1.0, help="vLLM thinker KV cache in GiB (default 1)")
+    p.add_argument("--thinker-memory-utilization", type=float, default=0.1,
+                   help="vLLM thinker gpu_memory_utilization; CPU memory share on CPU (default 0.1)")
+    p.add_argument("--thinker-on-failure", choices=("restart", "fallback"), default="restart",
+                   help="when a vLLM thinker's or talker's engine process dies: restart it (a new vLLM engine; "
+                        "its requests in flight fail, /health answers 503 engine_degraded until it is back) or "
+                        "fallback to the transformers implementation (default restart)")
+    p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
+                   help="prompt-embedding cache size in bytes; 0 disables (default 256 MiB)")
+    p.add_argument("--offload", default="none",
+                   help="where weights rest: none; components (text encoders / VAE in host memory, on the "
+                        "device for their calls); blocks:N (transformer blocks in host memory, N loaded ahead of "
+                        "the computing one); disk:N (blocks read per use from the checkpoint's safetensors "
+                        "files: only N + 1 in memory); blocks:all / disk:all; or components with one of them, "
+                        "e.g. components,disk:1 (default none)")
+    p.add_argument("--max-resident-gb", type=float, default=None,
+                   help="budget in GiB for the weights held on the device: picks N for blocks / disk given "
+                        "without one; alone, streams blocks from the disk on CPU (host memory on CUDA). "
+                        "Activations are not counted (default: no budget)")
+    p.add_argument("--policy", default=None, choices=["fifo", "edf"],
+                   help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
+                        "at least 1 step in 10 to bulk); default: edf when a robot policy model is loaded, else fifo")
+    p.add_argument("--quant", default=None,
+                   help="weight quantization of the transformer: int8-weight, int8-dynamic (CPU), fp8 or "
+                        "gguf:TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); options ',kernel=NAME', "
+                        "',components=transformer+text_encoder' (default: none; a folder from `omnidit quantize` "
+                        "is quantized already)")
+    p.add_argument("--attention-per-role", default=None,
+                   help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
+                        "(roles: self, cross, joint)")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (worker processes: gloo on CPU, NCCL on CUDA with one GPU each)")
+    g.add_argument("--ulysses", type=int, metavar="N", default=1,
+                   help="Ulysses sequence-parallel degree: each image's tokens split over N ranks that trade "
+                        "attention heads by all-to-all (the model's heads must divide by N) (default 1)")
+    g.add_argument("--ring", type=int, metavar="N", default=1,
+                   help="ring-attention degree: each image's tokens split over N ranks passing K/V around a "
+                        "ring; with --ulysses both form a 2-D mesh (USP) (default 1)")
+    g.add_argument("--row-parallel", type=int, metavar="N", default=1,
+                   help="row (CFG) parallel groups: the rows of each step's batch (cond/uncond rows, requests) "
+                        "split over N groups, balanced by rows (default 1)")
+    g.add_argument("--world-size", type=int, metavar="N", default=None,
+                   help="processes you expect; must equal ulysses x ring x row-parallel (default: that product)")
+    g.add_argument("--parallel-threads", type=int, metavar="N", default=None,
+                   help="torch threads per rank (default: cores / world size, at least 1)")
+    g.add_argument("--parallel-timeout", type=float, metavar="S", default=600.0,
+                   help="seconds a rank waits on a peer inside a forward before failing it (default 600)")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+                max_tokens_per_step=args.max_tokens_per_step, attention=args.attention,
+                attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
+                thinker_kv_cache_gb=args.thinker_kv_cache_gb,
+                thinker_memory_utilization=args.thinker_memory_utilization, thinker_on_failure=args.thinker_on_failure,
+                prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant, offload=args.offload,
+                max_resident_gb=args.max_resident_gb,
+                compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,
+                row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
+                parallel_timeout_s=args.parallel_timeout, **({"policy": args.policy} if args.policy else {}))
+
+
+def parse_size(text: str | None) -> tuple[int | None, int | None]:
+    if text is None:
+        return None, None
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("size", text, "WIDTHxHEIGHT, e.g. 512x512") from None
+    return w, h
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from dit_core.zoo import default_model
+
+    return str(default_model())

@@ -1,0 +1,109 @@
+"""``omnidit train-*`` (retrain an embedded model) and ``omnidit run-episode`` (watch the policy)."""
+
+from __future__ import annotations
+
+
+def add_training_commands(sub) -> None:
+    """The training commands and run-episode, on the ``omnidit`` sub-command parser."""
+    trn = sub.add_parser("train-default", help="retrain the embedded default model (about 10 minutes on 2 cores)")
+    trn.add_argument("out_dir")
+    trn.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    trn.set_defaults(func=cmd_train_default)
+
+    tvd = sub.add_parser("train-video-default",
+                         help="retrain the embedded video model, moving digits (about 20 minutes on 2 cores)")
+    tvd.add_argument("out_dir")
+    tvd.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tvd.add_argument("--threads", type=int, default=None,
+                     help="torch threads (default: torch's); 1 is much faster on a machine busy with other jobs")
+    tvd.set_defaults(func=cmd_train_video_default)
+    tts = sub.add_parser("train-tts-default",
+                         help="retrain the embedded text-to-speech model and its digit recognizer (espeak-ng data; "
+                              "apt-get installs espeak-ng when missing; see README for times)")
+    tts.add_argument("out_dir")
+    tts.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tts.add_argument("--talker-steps", type=int, default=1400, help="talker training steps (default 1400)")
+    tts.add_argument("--talker-minutes", type=float, default=30.0,
+                     help="talker time budget: it stops at its steps or this, whichever is first (default 30)")
+    tts.add_argument("--dit-steps", type=int, default=1000, help="audio DiT training steps (default 1000)")
+    tts.add_argument("--dit-minutes", type=float, default=10.0, help="audio DiT time budget (default 10)")
+    tts.add_argument("--no-recognizer", action="store_true", help="skip the recognizer")
+    tts.set_defaults(func=cmd_train_tts)
+
+    tp = sub.add_parser("train-policy", help="retrain the embedded reaching policy (behaviour cloning; "
+                                             "about 10-15 minutes on 2 cores)")
+    tp.add_argument("out_dir")
+    tp.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    tp.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                    help="stop after STEP steps of the joint schedule (after pre-training) and save that snapshot "
+                         "(default: run it all)")
+    tp.set_defaults(func=cmd_train_policy)
+
+    ep = sub.add_parser("run-episode", help="run the policy on one episode of the reaching task and save a GIF")
+    ep.add_argument("model", nargs="?", default=None, help="a policy folder (default: the embedded reaching policy)")
+    ep.add_argument("--seed", type=int, default=0, help="episode seed: target layout and instruction (default 0)")
+    ep.add_argument("--gif", default="episode.gif", help="output GIF (default episode.gif)")
+    ep.add_argument("--steps", type=int, default=None, help="denoising steps per chunk (default: the policy's, 10)")
+    ep.add_argument("--exec-horizon", type=int, default=8, help="actions executed per chunk before re-planning "
+                                                                "(default 8)")
+    ep.add_argument("--delay", type=int, default=0, help="simulated inference delay in control steps (default 0)")
+    ep.add_argument("--rtc", action="store_true", help="real-time chunking: continue the previous chunk through "
+                                                       "the delay")
+    ep.set_defaults(func=cmd_run_episode)
+
+
+def cmd_train_default(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_digits import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    return 0
+
+
+def cmd_train_video_default(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_video import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(train(args.out_dir, TrainConfig(seed=args.seed, threads=args.threads)))
+    return 0
+
+
+def cmd_train_tts(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_tts import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = TrainConfig(seed=args.seed, talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
+                      dit_steps=args.dit_steps, dit_minutes=args.dit_minutes)
+    print(train(args.out_dir, cfg, recognizer=not args.no_recognizer))
+    return 0
+
+
+def cmd_train_policy(args) -> int:
+    import logging
+
+    from dit_core.zoo.train_policy import TrainConfig, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(train(args.out_dir, TrainConfig(seed=args.seed, stop_at=args.stop_at)))
+    return 0
+
+
+def cmd_run_episode(args) -> int:
+    from dit_core import Engine
+    from dit_core.eval.gif import save_gif
+    from dit_core.eval.policy import run_policy
+    from dit_core.zoo import default_policy
+
+    engine = Engine.from_pretrained(args.model or default_policy())
+    (episode,) = run_policy(engine, [args.seed], delay=args.delay, rtc=args.rtc, exec_horizon=args.exec_horizon,
+                            num_inference_steps=args.steps, record=True)
+    outcome = f"success in {episode.steps} steps" if episode.success else f"failed after {episode.steps} steps"
+    print(save_gif(episode.frames, args.gif, f"{episode.instruction}: {outcome}"))
+    print(f"{episode.instruction!r}: {outcome}")
+    return 0
