@@ -35,7 +35,7 @@ chromium:
 	test -x $(CHROMIUM) || (apt-get update && apt-get install -y --no-install-recommends chromium)
 
 test: install chromium
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: install
 	$(BIN)/python -m benchmarks.engine_throughput --quick
