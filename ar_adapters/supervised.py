@@ -128,8 +128,11 @@ class Supervisor:
             self.problem = f"{self.name} is closed"
         if stage is not None:
             stage.close()
-        if self._recovery is not None:  # a replacement being built is closed as soon as it is up
-            self._recovery.join(timeout=120)
+        recovery = self._recovery
+        # a replacement being built is closed as soon as it is up; a thread created but not started
+        # yet (close() raced a death) sees the stop flag and returns on its own
+        if recovery is not None and recovery.ident is not None:
+            recovery.join(timeout=120)
 
     # ---- death and replacement ----
 
@@ -158,12 +161,11 @@ class Supervisor:
             reason = getattr(stage, "exit_reason", lambda: "it stopped")()
             self.death = f"{self.name}'s engine process died ({reason})"
             self.problem = f"{self.name} is down: its engine process died ({reason}); {self._plan()}"
-            # started under the lock, so close() never finds a thread it cannot join yet
             self._recovery = threading.Thread(target=self._recover, args=(stage,), name="omnidit-stage-restart",
                                               daemon=True)
-            self._recovery.start()
         logger.error("%s", self.problem)
-        getattr(stage, "wake", lambda: None)()
+        getattr(stage, "wake", lambda: None)()  # before the replacement thread closes the dead stage
+        self._recovery.start()
 
     def _recover(self, dead) -> None:
         try:
