@@ -22,7 +22,7 @@ from tests.browser_support import WAIT_MS, Visit
 from tests.serve_helpers import live_server
 
 KEY = "robot-tab-key"
-SEED = 3  # an episode of several chunks with the embedded policy
+SEED = 21  # the start farthest from the named target among seeds 0-39: an episode of several chunks
 expect.set_options(timeout=WAIT_MS)
 
 
