@@ -73,6 +73,12 @@ def trim() -> int:
     return max(0, before - rss_bytes())
 
 
+# gc.freeze is process-wide: with several servers in one process (tests, embedded use), the frozen
+# set is given back only when the last keeper that froze it stops.
+_FREEZERS = 0
+_FREEZE_LOCK = threading.Lock()
+
+
 class MemoryKeeper:
     """What this module's docstring describes, for one server: ``start`` when it has started, ``stop``
     when it stops. ``stats()``: whether startup objects are frozen, trims run, bytes they gave back, and
@@ -88,6 +94,7 @@ class MemoryKeeper:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        global _FREEZERS
         if self.gc_freeze:
             gc.collect()  # what startup left behind goes now, not into the frozen set
             gc.freeze()
@@ -95,17 +102,23 @@ class MemoryKeeper:
             # which still counts the frozen objects: one (now nearly empty) collection resets it
             gc.collect()
             self.frozen = True
+            with _FREEZE_LOCK:
+                _FREEZERS += 1
         if self.malloc_trim_s > 0 and _LIBC is not None:
             self._thread = threading.Thread(target=self._run, name="omnidit-malloc-trim", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
+        global _FREEZERS
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.frozen:
-            gc.unfreeze()
             self.frozen = False
+            with _FREEZE_LOCK:
+                _FREEZERS -= 1
+                if _FREEZERS == 0:
+                    gc.unfreeze()
 
     def _run(self) -> None:
         while not self._stop.wait(self.malloc_trim_s):

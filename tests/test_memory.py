@@ -120,3 +120,19 @@ def test_soak_memory_windows():
     assert out["rss_points_mib"] == [850.0, 850.0] and out["rss_peak_after_warmup_mib"] == 850.0
     rising = [at(d, (800 + d // 20) * mib) for d in range(0, 2001, 10)]
     assert memory_summary(rising, 2000, 4 << 20)["rss_growth"] > 0.09  # (897.75 - 817.75) / 817.75
+
+
+def test_the_gc_freeze_is_given_back_only_by_the_last_keeper():
+    """Several servers in one process (this test suite, embedded use): one stopping must not unfreeze
+    the others' startup objects."""
+    from serve.memory import MemoryKeeper
+
+    first, second = MemoryKeeper(malloc_trim_s=0), MemoryKeeper(malloc_trim_s=0)
+    before = gc.get_freeze_count()
+    first.start()
+    second.start()
+    second.stop()
+    assert gc.get_freeze_count() > 0 and first.stats()["gc_frozen"]
+    first.stop()
+    if before == 0:  # no other keeper of this process (a session server) holds the freeze
+        assert gc.get_freeze_count() == 0
