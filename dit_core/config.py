@@ -36,7 +36,7 @@ class EngineConfig:
         raised to ``edf_bulk_every`` when below it).
     edf_bulk_step_share: under ``edf``, while a deadline request is live or arrived within
         ``edf_recent_s`` seconds, a bulk step carries at most the requests the estimates say fit in
-        this share of the tightest such budget (at least one; 0: no cap).
+        this share of the tightest such budget (at least one; 0, the default: no cap).
     attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
@@ -88,7 +88,7 @@ class EngineConfig:
     policy: str = "fifo"
     edf_bulk_every: int = 10
     edf_bulk_limit: int = 30
-    edf_bulk_step_share: float = 0.2
+    edf_bulk_step_share: float = 0.0
     edf_recent_s: float = 2.0
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None

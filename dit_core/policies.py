@@ -10,26 +10,29 @@ come after every request that has one, oldest first among themselves. Admission 
 key follows the same order. Preemption happens only at step boundaries: a bulk batch that
 loses a step keeps its latents and sampler state and resumes when its key is served again.
 
-Bulk work is never starved. While any bulk request is live and deadline requests hold the
-loop, a bulk step (the oldest bulk request's key) becomes *due* after ``bulk_every - 1``
-deadline steps (``EngineConfig.edf_bulk_every``, default 10). A due bulk step is taken at the
-first step where the engine's step-time estimates say every live deadline request still meets
-its deadline with the bulk step put first (its slack allows it), and at the latest as the
-``bulk_limit``-th step (``EngineConfig.edf_bulk_limit``, default 30) whatever the slack. So bulk
-work gets at least one step in every ``bulk_limit`` (one in ``bulk_every`` when the deadlines
-allow it) and never stops; a deadline request is never delayed by a bulk step that the
-estimates say would make it late, unless bulk has waited ``bulk_limit - 1`` steps.
+Bulk work is never starved. Over the last ``bulk_limit`` steps taken while bulk work was live
+(``EngineConfig.edf_bulk_limit``, default 30), bulk keeps at least one step in ``bulk_every``
+(``EngineConfig.edf_bulk_every``, default 10): when its count there falls short, a bulk step (the
+oldest bulk request's key) is *due*, once ``bulk_every - 1`` deadline steps have run since the
+last bulk step (no bursts). A due bulk step is taken at the first step where the engine's
+step-time estimates say every live deadline request still meets its deadline with the bulk step
+put first, and at the latest after ``bulk_limit - 1`` deadline steps in a row, whatever the slack.
+So bulk work never waits more than ``bulk_limit - 1`` steps, gets one step in ``bulk_every`` over
+any window of ``bulk_limit`` steps when the deadlines allow it, and bulk steps taken while no
+deadline request was live count toward that share: a robot asking for a short chunk now and then
+is not split by a bulk step it does not need to make room for.
 
 Bulk batches are kept short while deadline work is about: a step cannot be interrupted, so a
 deadline request arriving during a bulk step waits for it. While a request with a deadline is
 live or has arrived within ``edf_recent_s`` seconds, a bulk step carries at most as many
 requests as the estimates say fit in ``edf_bulk_step_share`` of the tightest such budget
-(at least one; ``0`` turns the cap off). Running bulk requests beyond the cap pause (oldest
+(at least one; ``0``, the default, turns the cap off: it costs image throughput). Running bulk requests beyond the cap pause (oldest
 first keep running) and resume when the cap lifts or the ones ahead finish.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 
@@ -64,10 +67,11 @@ class EdfPolicy:
     def __init__(self, config=None):
         self.bulk_every = getattr(config, "edf_bulk_every", 10)
         self.bulk_limit = max(self.bulk_every, getattr(config, "edf_bulk_limit", 30))
-        self.bulk_step_share = getattr(config, "edf_bulk_step_share", 0.2)
+        self.bulk_step_share = getattr(config, "edf_bulk_step_share", 0.0)
         self.recent_s = getattr(config, "edf_recent_s", 2.0)
         self.step_times = None  # set by the engine: per-key step-time estimates (dit_core.step_times)
-        self._since_bulk = 0  # steps served to deadline keys while bulk work was live
+        self._since_bulk = 0  # deadline steps in a row while bulk work was live
+        self._window: collections.deque[bool] = collections.deque(maxlen=self.bulk_limit)  # bulk step?
         self._recent: dict[float, float] = {}  # deadline_ms -> when a request with it was last live
 
     @staticmethod
@@ -88,16 +92,24 @@ class EdfPolicy:
                 self._recent[r.params.deadline_ms] = now
         first = min(live, key=self.priority)
         bulk = [r for r in live if r.params.deadline_ms is None]
-        if not bulk or first.params.deadline_ms is None:
+        if not bulk:
             self._since_bulk = 0
             return first.key
+        if first.params.deadline_ms is None:
+            return self._served(first.key, True)
         oldest = min(bulk, key=lambda r: r.seq)
-        due = self._since_bulk + 1 >= self.bulk_every
-        if due and (self._since_bulk + 1 >= self.bulk_limit or self._slack_allows(oldest.key, live)):
-            self._since_bulk = 0
-            return oldest.key
-        self._since_bulk += 1
-        return first.key
+        recent = list(self._window)[-(self.bulk_limit - 1):] if self.bulk_limit > 1 else []
+        # due: bulk_every - 1 deadline steps since the last bulk step, and bulk short of 1 in bulk_every
+        # over the window without this step (bulk steps taken while nothing had a deadline count)
+        due = self._since_bulk + 1 >= self.bulk_every and sum(recent) + 1 <= (len(recent) + 1) / self.bulk_every
+        if self._since_bulk + 1 >= self.bulk_limit or (due and self._slack_allows(oldest.key, live)):
+            return self._served(oldest.key, True)
+        return self._served(first.key, False)
+
+    def _served(self, key: tuple, bulk: bool) -> tuple:
+        self._window.append(bulk)
+        self._since_bulk = 0 if bulk else self._since_bulk + 1
+        return key
 
     def batch_limit(self, key: tuple, live: list[Request], limit: int) -> int:
         now = time.perf_counter()
