@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -28,8 +29,14 @@ class EngineConfig:
         alone exceeds it is rejected when added.
     policy: which batch key each step serves and the admission order: ``fifo`` (oldest first) or
         ``edf`` (earliest ``deadline_ms`` first, bulk work after); see ``dit_core.policies``.
-    edf_bulk_every: under ``edf``, at least one step in this many goes to the oldest request
-        without a deadline while any is live (no starvation of bulk work).
+    edf_bulk_every: under ``edf``, a step for the oldest request without a deadline is due after
+        this many steps while any is live; it is taken when the step-time estimates say every live
+        deadline request still meets its deadline with it.
+    edf_bulk_limit: ... and at the latest as this step, whatever the slack (hard no-starvation bound;
+        raised to ``edf_bulk_every`` when below it).
+    edf_bulk_step_share: under ``edf``, while a deadline request is live or arrived within
+        ``edf_recent_s`` seconds, a bulk step carries at most the requests the estimates say fit in
+        this share of the tightest such budget (at least one; 0, the default: no cap).
     attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
@@ -80,6 +87,9 @@ class EngineConfig:
     max_tokens_per_step: int = 65536
     policy: str = "fifo"
     edf_bulk_every: int = 10
+    edf_bulk_limit: int = 30
+    edf_bulk_step_share: float = 0.0
+    edf_recent_s: float = 2.0
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None
     cache: str | CacheConfig = "none"
@@ -147,6 +157,13 @@ class EngineConfig:
         if isinstance(self.edf_bulk_every, bool) or not isinstance(self.edf_bulk_every, int) \
                 or self.edf_bulk_every < 1:
             raise InvalidParamError("edf_bulk_every", self.edf_bulk_every, "an integer >= 1")
+        if isinstance(self.edf_bulk_limit, bool) or not isinstance(self.edf_bulk_limit, int) \
+                or self.edf_bulk_limit < 1:
+            raise InvalidParamError("edf_bulk_limit", self.edf_bulk_limit, "an integer >= 1")
+        for name in ("edf_bulk_step_share", "edf_recent_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise InvalidParamError(name, value, "a finite number >= 0")
         if not isinstance(self.compile, bool):
             raise InvalidParamError("compile", self.compile, "True or False")
         from .compile import parse_shapes

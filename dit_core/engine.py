@@ -111,6 +111,7 @@ class Engine:
             self.parallel = launch(self.models, config.parallel, config.device, config.dtype, self.attention_by_model)
         self.stats = EngineStats()
         self.step_times = StepTimes()
+        self.scheduler.policy.step_times = self.step_times  # edf reads the estimates (slack, bulk batch cap)
         self._seq = itertools.count()
         self._pending: list[RequestEvent] = []
         self._live: dict[str, Request] = {}

@@ -1,5 +1,5 @@
-"""Scheduling policies: which batch key the next engine step serves, and in which order
-waiting requests of that key are admitted.
+"""Scheduling policies: which batch key the next engine step serves, how many of that key's
+requests it may carry, and in which order waiting requests of that key are admitted.
 
 ``fifo``: the key of the oldest live request (running or waiting); admission oldest first.
 
@@ -10,21 +10,39 @@ come after every request that has one, oldest first among themselves. Admission 
 key follows the same order. Preemption happens only at step boundaries: a bulk batch that
 loses a step keeps its latents and sampler state and resumes when its key is served again.
 
-Bulk work is never starved: while any bulk request is live, at least one step in every
-``bulk_every`` goes to the oldest bulk request's key (``EngineConfig.edf_bulk_every``,
-default 10). So a continuous stream of deadline requests slows bulk work by at most
-``1 - 1/bulk_every`` of the steps, and never stops it.
+Bulk work is never starved. Over the last ``bulk_limit`` steps taken while bulk work was live
+(``EngineConfig.edf_bulk_limit``, default 30), bulk keeps at least one step in ``bulk_every``
+(``EngineConfig.edf_bulk_every``, default 10): when its count there falls short, a bulk step (the
+oldest bulk request's key) is *due*, once ``bulk_every - 1`` deadline steps have run since the
+last bulk step (no bursts). A due bulk step is taken at the first step where the engine's
+step-time estimates say every live deadline request still meets its deadline with the bulk step
+put first, and at the latest after ``bulk_limit - 1`` deadline steps in a row, whatever the slack.
+So bulk work never waits more than ``bulk_limit - 1`` steps, gets one step in ``bulk_every`` over
+any window of ``bulk_limit`` steps when the deadlines allow it, and bulk steps taken while no
+deadline request was live count toward that share: a robot asking for a short chunk now and then
+is not split by a bulk step it does not need to make room for.
+
+Bulk batches are kept short while deadline work is about: a step cannot be interrupted, so a
+deadline request arriving during a bulk step waits for it. While a request with a deadline is
+live or has arrived within ``edf_recent_s`` seconds, a bulk step carries at most as many
+requests as the estimates say fit in ``edf_bulk_step_share`` of the tightest such budget
+(at least one; ``0``, the default, turns the cap off: it costs image throughput). Running bulk requests beyond the cap pause (oldest
+first keep running) and resume when the cap lifts or the ones ahead finish.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import time
 
 from .request import Request
 
 
 class FifoPolicy:
     """Oldest first."""
+
+    step_times = None  # the engine's StepTimes (unused by fifo)
 
     def __init__(self, config=None):
         pass
@@ -37,13 +55,24 @@ class FifoPolicy:
         """The batch key the next step serves."""
         return min(live, key=self.priority).key
 
+    def batch_limit(self, key: tuple, live: list[Request], limit: int) -> int:
+        """How many requests of ``key`` the step may carry (``limit``: the engine's own bound)."""
+        return limit
+
 
 class EdfPolicy:
-    """Earliest absolute deadline first; bulk (no deadline) after, FIFO; a floor for bulk work."""
+    """Earliest absolute deadline first; bulk (no deadline) after, FIFO; a slack-aware floor for bulk
+    work with a hard bound; short bulk batches while deadline work is about."""
 
     def __init__(self, config=None):
         self.bulk_every = getattr(config, "edf_bulk_every", 10)
-        self._since_bulk = 0  # steps served to deadline keys while bulk work was live
+        self.bulk_limit = max(self.bulk_every, getattr(config, "edf_bulk_limit", 30))
+        self.bulk_step_share = getattr(config, "edf_bulk_step_share", 0.0)
+        self.recent_s = getattr(config, "edf_recent_s", 2.0)
+        self.step_times = None  # set by the engine: per-key step-time estimates (dit_core.step_times)
+        self._since_bulk = 0  # deadline steps in a row while bulk work was live
+        self._window: collections.deque[bool] = collections.deque(maxlen=self.bulk_limit)  # bulk step?
+        self._recent: dict[float, float] = {}  # deadline_ms -> when a request with it was last live
 
     @staticmethod
     def deadline(req: Request) -> float:
@@ -57,16 +86,67 @@ class EdfPolicy:
         return (cls.deadline(req), req.seq)
 
     def choose(self, live: list[Request]) -> tuple:
+        now = time.perf_counter()
+        for r in live:
+            if r.params.deadline_ms is not None:
+                self._recent[r.params.deadline_ms] = now
         first = min(live, key=self.priority)
         bulk = [r for r in live if r.params.deadline_ms is None]
-        if not bulk or first.params.deadline_ms is None:
+        if not bulk:
             self._since_bulk = 0
             return first.key
-        if self._since_bulk + 1 >= self.bulk_every:
-            self._since_bulk = 0
-            return min(bulk, key=lambda r: r.seq).key
-        self._since_bulk += 1
-        return first.key
+        if first.params.deadline_ms is None:
+            return self._served(first.key, True)
+        oldest = min(bulk, key=lambda r: r.seq)
+        recent = list(self._window)[-(self.bulk_limit - 1):] if self.bulk_limit > 1 else []
+        # due: bulk_every - 1 deadline steps since the last bulk step, and bulk short of 1 in bulk_every
+        # over the window without this step (bulk steps taken while nothing had a deadline count)
+        due = self._since_bulk + 1 >= self.bulk_every and sum(recent) + 1 <= (len(recent) + 1) / self.bulk_every
+        if self._since_bulk + 1 >= self.bulk_limit or (due and self._slack_allows(oldest.key, live)):
+            return self._served(oldest.key, True)
+        return self._served(first.key, False)
+
+    def _served(self, key: tuple, bulk: bool) -> tuple:
+        self._window.append(bulk)
+        self._since_bulk = 0 if bulk else self._since_bulk + 1
+        return key
+
+    def batch_limit(self, key: tuple, live: list[Request], limit: int) -> int:
+        now = time.perf_counter()
+        self._recent = {d: t for d, t in self._recent.items() if now - t <= self.recent_s}
+        if not self._recent or not self.bulk_step_share or self.step_times is None:
+            return limit
+        if any(r.key == key and r.params.deadline_ms is not None for r in live):
+            return limit  # a deadline key (or a bulk request sharing one's key) is not capped
+        target = self.bulk_step_share * min(self._recent)
+        for n in range(limit, 1, -1):
+            est = self.step_times.estimate(key, n)
+            if est is None or est <= target:
+                return n
+        return 1
+
+    def _slack_allows(self, bulk_key: tuple, live: list[Request]) -> bool:
+        """Whether every live deadline request still meets its deadline, by the step-time estimates,
+        if a bulk step of ``bulk_key`` goes first and the deadline keys follow in EDF order. Unknown
+        estimates count as allowing it (the plain one-in-``bulk_every`` floor)."""
+        if self.step_times is None:
+            return True
+        n_bulk = self.batch_limit(bulk_key, live, sum(r.key == bulk_key for r in live))
+        t = self.step_times.estimate(bulk_key, max(1, n_bulk))
+        if t is None:
+            return True
+        groups: dict[tuple, list[Request]] = {}
+        for r in sorted((r for r in live if r.params.deadline_ms is not None), key=self.priority):
+            groups.setdefault(r.key, []).append(r)
+        now, t = time.perf_counter(), t / 1e3
+        for key, reqs in groups.items():  # served one key after another, earliest deadline's key first
+            per_step = self.step_times.estimate(key, len(reqs))
+            if per_step is None:
+                return True
+            t += max(r.total_steps - r.step_index for r in reqs) * per_step / 1e3
+            if any(now + t > self.deadline(r) for r in reqs):
+                return False
+        return True
 
 
 POLICIES = {"fifo": FifoPolicy, "edf": EdfPolicy}

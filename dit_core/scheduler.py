@@ -8,7 +8,9 @@ The rule, in full:
    live request, running or waiting; under ``edf`` the key of the request with the
    earliest deadline, with a floor for bulk work (see ``dit_core.policies``).
 2. Running requests with that key all take part (they were admitted within
-   budget). Waiting requests with that key are admitted in priority order while
+   budget), up to the policy's batch limit (``fifo``: no further limit; ``edf`` keeps bulk
+   batches short while deadline work is about, and the running bulk requests past that limit
+   pause, oldest first keep running). Waiting requests with that key are admitted in priority order while
    the budget allows (``max_batch_size`` requests, ``max_tokens_per_step`` tokens,
    CFG rows counted); waiting requests with other keys are skipped, not waited on.
 3. Running requests with other keys keep their state and resume when their key
@@ -16,7 +18,8 @@ The rule, in full:
 
 So a compatible request is never held back by an incompatible one ahead of it,
 and no request starves: the highest-priority request makes progress every step
-(under ``edf``, bulk work at least every ``edf_bulk_every`` steps), and every request
+(under ``edf``, bulk work at least every ``edf_bulk_limit`` steps, every
+``edf_bulk_every`` when the deadlines' slack allows it), and every request
 becomes the highest-priority one once those before it finish.
 Aborts are applied at the step boundary, in ``schedule``.
 """
@@ -84,9 +87,14 @@ class StepScheduler:
         if not live:
             return None, events
         key = self.policy.choose(live)
-        batch = [r for r in self.running if r.key == key]
-        n, tokens = len(batch), sum(r.tokens for r in batch)
         limit = self.max_batch.get(key[0], self.config.max_batch_size)
+        limit = self.policy.batch_limit(key, live, limit)
+        # running requests past the policy's limit pause this step (oldest first keep running)
+        batch = [r for r in self.running if r.key == key]
+        if len(batch) > limit:
+            keep = set(map(id, sorted(batch, key=self.policy.priority)[:limit]))
+            batch = [r for r in batch if id(r) in keep]
+        n, tokens = len(batch), sum(r.tokens for r in batch)
         new = []
         for req in sorted((r for r in self.waiting if r.key == key), key=self.policy.priority):
             if n + 1 > limit or tokens + req.tokens > self.config.max_tokens_per_step:

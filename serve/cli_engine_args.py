@@ -54,7 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Activations are not counted (default: no budget)")
     p.add_argument("--policy", default=None, choices=["fifo", "edf"],
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
-                        "at least 1 step in 10 to bulk); default: edf when a robot policy model is loaded, else fifo")
+                        "1 step in 10 to bulk when the deadlines allow, at least 1 in 30); default: edf when a "
+                        "robot policy model is loaded, else fifo")
     p.add_argument("--quant", default=None,
                    help="weight quantization of the transformer: int8-weight, int8-dynamic (CPU), fp8 or "
                         "gguf:TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); options ',kernel=NAME', "
