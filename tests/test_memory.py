@@ -49,6 +49,7 @@ def _promoted_garbage(n: int, alive: int = 2000) -> None:
 
 def test_keeper_freezes_startup_objects_so_full_collections_come():
     keeper = MemoryKeeper(gc_freeze=True, malloc_trim_s=0)
+    others = gc.get_freeze_count()  # another keeper of this process (a session-scoped test server)
     keeper.start()
     try:
         assert gc.get_freeze_count() > 0 and keeper.stats()["gc_frozen"]
@@ -57,7 +58,9 @@ def test_keeper_freezes_startup_objects_so_full_collections_come():
         assert gc.get_stats()[2]["collections"] > full
     finally:
         keeper.stop()
-    assert gc.get_freeze_count() == 0 and not keeper.stats()["gc_frozen"]
+    assert not keeper.stats()["gc_frozen"]
+    if others == 0:  # the last keeper gives the frozen set back
+        assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.skipif(memory.heap_stats() is None, reason="glibc's malloc_trim / mallinfo2 are needed")
@@ -86,13 +89,16 @@ def test_trim_gives_freed_heap_pages_back():
 @pytest.mark.skipif(memory.heap_stats() is None, reason="glibc's malloc_trim is needed")
 def test_keeper_trims_on_its_interval():
     keeper = MemoryKeeper(gc_freeze=False, malloc_trim_s=0.05)
+    frozen = gc.get_freeze_count()
     keeper.start()
     try:
         deadline = time.monotonic() + 5
         while keeper.stats()["trims"] < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert keeper.stats()["trims"] >= 2
-        assert gc.get_freeze_count() == 0  # gc_freeze=False
+        assert not keeper.stats()["gc_frozen"]  # gc_freeze=False
+        if frozen == 0:  # no other keeper in this process (their frozen sets shrink as objects die)
+            assert gc.get_freeze_count() == 0
     finally:
         keeper.stop()
 
