@@ -52,46 +52,33 @@ def add_training_commands(sub) -> None:
     ep.set_defaults(func=cmd_run_episode)
 
 
-def cmd_train_default(args) -> int:
+def _run_training(module: str, out_dir: str, train_kwargs: dict | None = None, **config) -> int:
+    """Train ``dit_core.zoo.<module>`` with its ``TrainConfig(**config)``, logging progress; print the folder."""
+    import importlib
     import logging
 
-    from dit_core.zoo.train_digits import TrainConfig, train
-
+    trainer = importlib.import_module(f"dit_core.zoo.{module}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    print(train(args.out_dir, TrainConfig(seed=args.seed)))
+    print(trainer.train(out_dir, trainer.TrainConfig(**config), **(train_kwargs or {})))
     return 0
+
+
+def cmd_train_default(args) -> int:
+    return _run_training("train_digits", args.out_dir, seed=args.seed)
 
 
 def cmd_train_video_default(args) -> int:
-    import logging
-
-    from dit_core.zoo.train_video import TrainConfig, train
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    print(train(args.out_dir, TrainConfig(seed=args.seed, threads=args.threads)))
-    return 0
+    return _run_training("train_video", args.out_dir, seed=args.seed, threads=args.threads)
 
 
 def cmd_train_tts(args) -> int:
-    import logging
-
-    from dit_core.zoo.train_tts import TrainConfig, train
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = TrainConfig(seed=args.seed, talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
-                      dit_steps=args.dit_steps, dit_minutes=args.dit_minutes)
-    print(train(args.out_dir, cfg, recognizer=not args.no_recognizer))
-    return 0
+    return _run_training("train_tts", args.out_dir, {"recognizer": not args.no_recognizer}, seed=args.seed,
+                         talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
+                         dit_steps=args.dit_steps, dit_minutes=args.dit_minutes)
 
 
 def cmd_train_policy(args) -> int:
-    import logging
-
-    from dit_core.zoo.train_policy import TrainConfig, train
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    print(train(args.out_dir, TrainConfig(seed=args.seed, stop_at=args.stop_at)))
-    return 0
+    return _run_training("train_policy", args.out_dir, seed=args.seed, stop_at=args.stop_at)
 
 
 def cmd_run_episode(args) -> int:
