@@ -86,6 +86,22 @@ def test_first_block_cache_per_row(tiny_audio, engine):
     assert cached.stats.block_evals < cached.stats.block_evals_full
 
 
+def test_vae_decodes_in_groups_of_at_most_decode_frames(engine, monkeypatch):
+    fam = engine.family
+    latents = torch.randn(5, fam.vae.config.decoder_input_channels, 16)
+    whole = fam.vae.decode(latents).sample
+    calls = []
+    decode = fam.vae.decode
+    monkeypatch.setattr(fam.vae, "decode", lambda z: calls.append(len(z)) or decode(z))
+    monkeypatch.setattr(fam, "decode_frames", 32)  # two rows of 16 frames per call
+    assert torch.allclose(fam.decode_latents(latents), whole, atol=1e-5)
+    assert calls == [2, 2, 1]
+    calls.clear()
+    monkeypatch.setattr(fam, "decode_frames", 8)  # fewer frames than one row: still one row per call
+    fam.decode_latents(latents)
+    assert calls == [1] * 5
+
+
 def test_output_types(engine):
     pt = engine.generate("x", SamplingParams(num_inference_steps=2, seed=1, output_type="pt", audio_end_in_s=0.05))
     assert isinstance(pt[0], torch.Tensor) and pt[0].shape == (2, 400)
