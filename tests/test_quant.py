@@ -72,6 +72,22 @@ def test_int8_dynamic_equals_its_integer_arithmetic_and_rows_do_not_interact():
     assert ((got - ref(x)).abs() <= bound).all()
 
 
+
+def test_int8_dynamic_layers_reading_one_input_share_its_scaling_and_never_reuse_a_stale_one():
+    a, b = quant.int8.Int8DynamicLinear(linear(seed=1)), quant.int8.Int8DynamicLinear(linear(seed=2))
+    x = torch.randn(2, 9, 256)
+    fresh_a, fresh_b = a(x.clone()), b(x.clone())  # each on its own tensor: no sharing possible
+    cache = quant.int8._TOKEN_SCALES
+    assert torch.equal(a(x), fresh_a)
+    scaled = cache.scaled
+    assert torch.equal(b(x), fresh_b) and cache.scaled is scaled  # b reused a's scaling of x
+    x.mul_(2)  # in place: the version counter moves, so the scaling is computed again
+    got = a(x)
+    assert cache.scaled is not scaled and torch.equal(got, a(x.clone()))
+    with torch.inference_mode():  # inference tensors carry no version counter: never cached
+        y = torch.randn(4, 256)
+        assert torch.equal(a(y), fresh := a(y.clone())) and fresh.shape == (4, 96)
+
 def test_fp8_error_is_within_e4m3_rounding():
     ref = linear()
     q = quant.fp8.Fp8Linear(ref)
