@@ -31,6 +31,24 @@ class TalkerEvent:
     finish_reason: str | None = None
 
 
+def run_to_end(talker, prompts: list[list[int]], max_tokens: int = 256,
+               stop_token_ids: list[int] | None = None) -> list[list[int]]:
+    """Every prompt's whole token sequence, in prompt order, through a talker's incremental
+    ``add`` / ``step`` (the ``generate_all`` of the talkers that step in-process)."""
+    names = [f"all-{i}-{id(prompts)}" for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts):
+        talker.add(name, prompt, max_tokens, stop_token_ids)
+    tokens: dict[str, list[int]] = {n: [] for n in names}
+    pending = set(names)
+    while pending:
+        for ev in talker.step():
+            if ev.request_id in tokens:
+                tokens[ev.request_id] += ev.token_ids
+                if ev.finished:
+                    pending.discard(ev.request_id)
+    return [tokens[n] for n in names]
+
+
 class Thinker(abc.ABC):
     """A causal LM whose raw (un-normalised) last-layer hidden states condition a diffusion model."""
 

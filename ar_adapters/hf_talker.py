@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .contract import TalkerEvent
+from .contract import TalkerEvent, run_to_end
 from .errors import PromptError
 
 
@@ -73,15 +73,7 @@ class HFTalker:
     def generate_all(self, prompts: list[list[int]], max_tokens: int = 256,
                      stop_token_ids: list[int] | None = None) -> list[list[int]]:
         """The whole token sequence of each prompt, in prompt order."""
-        names = [f"all-{i}" for i in range(len(prompts))]
-        for name, prompt in zip(names, prompts):
-            self.add(name, prompt, max_tokens, stop_token_ids)
-        tokens = {n: [] for n in names}
-        while any(n in self._live for n in names):
-            for ev in self.step():
-                if ev.request_id in tokens:
-                    tokens[ev.request_id] += ev.token_ids
-        return [tokens[n] for n in names]
+        return run_to_end(self, prompts, max_tokens, stop_token_ids)
 
     def close(self) -> None:
         self._live.clear()

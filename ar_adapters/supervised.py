@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable
 
-from .contract import Encoded, TalkerEvent, Thinker
+from .contract import Encoded, TalkerEvent, Thinker, run_to_end
 
 logger = logging.getLogger(__name__)
 ON_FAILURE = ("restart", "fallback")
@@ -299,15 +299,7 @@ class SupervisedTalker:
     def generate_all(self, prompts: list[list[int]], max_tokens: int = 256,
                      stop_token_ids: list[int] | None = None) -> list[list[int]]:
         """The whole token sequence of each prompt, in prompt order."""
-        names = [f"all-{i}-{id(prompts)}" for i in range(len(prompts))]
-        for name, prompt in zip(names, prompts):
-            self.add(name, prompt, max_tokens, stop_token_ids)
-        tokens = {n: [] for n in names}
-        while any(n in self._live for n in names):
-            for ev in self.step():
-                if ev.request_id in tokens:
-                    tokens[ev.request_id] += ev.token_ids
-        return [tokens[n] for n in names]
+        return run_to_end(self, prompts, max_tokens, stop_token_ids)
 
     def health(self) -> str | None:
         return self.supervisor.health()
