@@ -14,7 +14,7 @@ from dit_core.request import EventKind
 from dit_core.scheduler import DECODE
 from tests.helpers import params
 
-URGENT = dict(height=64, width=64, num_inference_steps=2, deadline_ms=1e5)  # another batch key
+URGENT = dict(height=48, width=48, num_inference_steps=2, deadline_ms=1e5)  # another batch key
 
 
 @pytest.fixture(scope="module")
