@@ -39,6 +39,7 @@ class AsyncEngine:
         self.died: str | None = None  # why the loop thread died, if it did
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
+        engine.poll = lambda: self._drain_commands(block=False)  # requests that arrive during a step
         self._thread = threading.Thread(target=self._run, name="omnidit-engine", daemon=True)
         self._thread.start()
 

@@ -37,6 +37,10 @@ class EngineConfig:
     edf_bulk_step_share: under ``edf``, while a deadline request is live or arrived within
         ``edf_recent_s`` seconds, a bulk step carries at most the requests the estimates say fit in
         this share of the tightest such budget (at least one; 0, the default: no cap).
+    edf_defer_decode: under ``edf``, when a step finishes requests without a deadline while a
+        request with one is live (or arrived during the step), their decode (the VAE) waits for a
+        later step of its own, scheduled as bulk work, so the deadline request's next step comes
+        first (default True; ``fifo`` always decodes in the finishing step).
     attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
@@ -90,6 +94,7 @@ class EngineConfig:
     edf_bulk_limit: int = 30
     edf_bulk_step_share: float = 0.0
     edf_recent_s: float = 2.0
+    edf_defer_decode: bool = True
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None
     cache: str | CacheConfig = "none"
@@ -164,6 +169,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise InvalidParamError(name, value, "a finite number >= 0")
+        if not isinstance(self.edf_defer_decode, bool):
+            raise InvalidParamError("edf_defer_decode", self.edf_defer_decode, "True or False")
         if not isinstance(self.compile, bool):
             raise InvalidParamError("compile", self.compile, "True or False")
         from .compile import parse_shapes

@@ -9,6 +9,7 @@ import logging
 import random
 import secrets
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -113,6 +114,9 @@ class Engine:
         self.step_times = StepTimes()
         self.scheduler.policy.step_times = self.step_times  # edf reads the estimates (slack, bulk batch cap)
         self._seq = itertools.count()
+        # called inside a step, before a decode the policy may defer, to take in requests that arrived
+        # during the step (AsyncEngine applies its queued commands); None: nothing arrives mid-step
+        self.poll: Callable[[], None] | None = None
         self._pending: list[RequestEvent] = []
         self._live: dict[str, Request] = {}
         self.compile_info: dict = {}  # model -> dit_core.compile.CompileInfo when config.compile
@@ -256,7 +260,9 @@ class Engine:
         batch, aborted = self.scheduler.schedule()
         events += aborted
         if batch is not None:
-            out = self.runners[batch.model].run(batch)
+            policy = self.scheduler.policy
+            defer = self._defer_decode if policy.defers_decode else None
+            out = self.runners[batch.model].run(batch, defer, policy.decode_chunk() if defer else 0)
             events += self.scheduler.postprocess(batch, out)
             self.stats.record(len(batch.requests), batch.rows, out.step_ms, out.cache, batch.model)
             self.step_times.observe(batch.key, len(batch.requests), out.step_ms)
@@ -264,6 +270,15 @@ class Engine:
             if ev.kind.final:
                 self._live.pop(ev.request_id, None)
         return events
+
+    def _defer_decode(self, done: list[Request]) -> list[Request]:
+        """Which requests the step just denoised decode later (the policy decides; see ``dit_core.policies``)."""
+        policy = self.scheduler.policy
+        if not policy.deferrable(done):  # nothing to defer: no need to look at what arrived
+            return []
+        if self.poll is not None:
+            self.poll()
+        return policy.defer_decode(done, self.scheduler.running + self.scheduler.waiting)
 
     def fail_unfinished(self, message: str) -> list[RequestEvent]:
         """Mark every live request FAILED (used when a step breaks outside any one request)."""

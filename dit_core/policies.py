@@ -28,6 +28,15 @@ live or has arrived within ``edf_recent_s`` seconds, a bulk step carries at most
 requests as the estimates say fit in ``edf_bulk_step_share`` of the tightest such budget
 (at least one; ``0``, the default, turns the cap off: it costs image throughput). Running bulk requests beyond the cap pause (oldest
 first keep running) and resume when the cap lifts or the ones ahead finish.
+
+Decodes of bulk work wait for deadline work (``EngineConfig.edf_defer_decode``, on by default): when
+a step finishes denoising requests without a deadline while a request with one is live (the engine
+takes in requests that arrived during the step first), their decode (the VAE, often longer than a
+step) is deferred: they stay live as bulk work of their own key (``scheduler.DECODE``), whose step
+only decodes, and the floor above schedules it like any bulk step. While deadline work is about
+(live or seen within ``edf_recent_s``), decodes run in chunks of ``DECODE_CHUNK`` requests with the
+same look before each, so a deadline request arriving during a decode waits for one chunk at most.
+A step serving deferred decodes always decodes its first chunk: they never starve.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ class FifoPolicy:
     """Oldest first."""
 
     step_times = None  # the engine's StepTimes (unused by fifo)
+    defers_decode = False  # decodes always run in the step that finishes denoising
 
     def __init__(self, config=None):
         pass
@@ -59,16 +69,31 @@ class FifoPolicy:
         """How many requests of ``key`` the step may carry (``limit``: the engine's own bound)."""
         return limit
 
+    def deferrable(self, done: list[Request]) -> list[Request]:
+        """Which of the requests about to be decoded could have their decode deferred."""
+        return []
+
+    def defer_decode(self, done: list[Request], live: list[Request]) -> list[Request]:
+        """Which of ``done`` (about to be decoded) to decode in a later step instead."""
+        return []
+
+    def decode_chunk(self) -> int:
+        """Requests per decode call when decodes may be deferred (0: all in one call)."""
+        return 0
+
 
 class EdfPolicy:
     """Earliest absolute deadline first; bulk (no deadline) after, FIFO; a slack-aware floor for bulk
     work with a hard bound; short bulk batches while deadline work is about."""
+
+    DECODE_CHUNK = 4  # requests per decode call while deadline work is about (digits: ~ one forward of 8)
 
     def __init__(self, config=None):
         self.bulk_every = getattr(config, "edf_bulk_every", 10)
         self.bulk_limit = max(self.bulk_every, getattr(config, "edf_bulk_limit", 30))
         self.bulk_step_share = getattr(config, "edf_bulk_step_share", 0.0)
         self.recent_s = getattr(config, "edf_recent_s", 2.0)
+        self.defers_decode = getattr(config, "edf_defer_decode", True)
         self.step_times = None  # set by the engine: per-key step-time estimates (dit_core.step_times)
         self._since_bulk = 0  # deadline steps in a row while bulk work was live
         self._window: collections.deque[bool] = collections.deque(maxlen=self.bulk_limit)  # bulk step?
@@ -124,6 +149,20 @@ class EdfPolicy:
             if est is None or est <= target:
                 return n
         return 1
+
+    def deferrable(self, done: list[Request]) -> list[Request]:
+        return [r for r in done if r.params.deadline_ms is None] if self.defers_decode else []
+
+    def defer_decode(self, done: list[Request], live: list[Request]) -> list[Request]:
+        finished = set(map(id, done))
+        if not any(r.params.deadline_ms is not None and id(r) not in finished for r in live):
+            return []
+        return self.deferrable(done)
+
+    def decode_chunk(self) -> int:
+        # while deadline work is about, decode in chunks with a look for arrivals between them, so a
+        # request arriving during a decode waits for one chunk at most; else one call (cheaper)
+        return self.DECODE_CHUNK if self._recent else 0
 
     def _slack_allows(self, bulk_key: tuple, live: list[Request]) -> bool:
         """Whether every live deadline request still meets its deadline, by the step-time estimates,

@@ -110,6 +110,12 @@ class Request:
         return self.params.num_inference_steps
 
     @property
+    def decode_pending(self) -> bool:
+        """Denoised in an earlier step, its decode deferred (``edf``): the next step that serves it
+        only decodes it."""
+        return self.status == RequestStatus.RUNNING and self.step_index >= self.total_steps
+
+    @property
     def timestep(self):
         return self.sampler.timesteps[self.step_index]
 

@@ -1,5 +1,8 @@
 """Runs one step: admit new requests, ONE batched forward, per-request sampler steps, decode.
 
+The decode of requests that finish denoising may be deferred (``run(batch, defer)``): they stay
+running with their decode pending, and a later step that serves them only decodes them.
+
 Failures stay with the request that caused them: when a batched call raises,
 the runner retries each request alone, marks the ones that still fail as FAILED
 and carries on with the rest.
@@ -22,11 +25,16 @@ class Runner:
     def __init__(self, family: Family):
         self.family = family
 
-    def run(self, batch: StepBatch) -> RunnerOutput:
+    def run(self, batch: StepBatch, defer: Callable | None = None, decode_chunk: int = 0) -> RunnerOutput:
+        """One step of ``batch``. ``defer(requests)``: asked after the sampler steps (and between decode
+        chunks of ``decode_chunk`` requests) which of the requests about to be decoded wait for a later
+        step instead; those stay running with their decode pending (``out.deferred``)."""
         out = RunnerOutput()
         start = time.perf_counter()
         self._isolated(self._admit, batch.new_requests, out.failed)
         live = [r for r in batch.requests if r.id not in out.failed]
+        pending = [r for r in live if r.decode_pending]  # deferred in an earlier step: decode only
+        live = [r for r in live if not r.decode_pending]
         cache = self.family.step_cache
         if cache is not None:
             cache.last = {}
@@ -40,8 +48,31 @@ class Runner:
             req.metrics.step_ms.append(out.step_ms)
             req.metrics.batch_sizes.append(len(live))
         done = [r for r in live if r.id in stepped and r.step_index >= r.total_steps]
-        out.finished = self._isolated(self._decode, done, out.failed)
+        out.finished = self._decode_some(pending, done, defer, decode_chunk, out)
+        if not live:  # a decode-only step: its time is the decode's
+            out.step_ms = (time.perf_counter() - start) * 1e3
         return out
+
+    def _decode_some(self, pending: list[Request], done: list[Request], defer: Callable | None, chunk: int,
+                     out: RunnerOutput) -> dict:
+        """Decode ``pending`` (deferred earlier) and ``done`` (denoised this step). With ``defer``: in
+        chunks of ``chunk`` requests (0: one call), asking ``defer(rest)`` before each chunk which of the
+        rest wait for a later step (``out.deferred``); a step that serves deferred decodes always decodes
+        its first chunk, so they progress."""
+        queue = pending + done
+        if defer is None:
+            return self._isolated(self._decode, queue, out.failed)
+        finished, must = {}, bool(pending)
+        while queue:
+            if not must:
+                later = set(map(id, defer(queue)))
+                out.deferred += [r.id for r in queue if id(r) in later]
+                queue = [r for r in queue if id(r) not in later]
+            must = False
+            n = chunk or len(queue)
+            finished.update(self._isolated(self._decode, queue[:n], out.failed))
+            queue = queue[n:]
+        return finished
 
     def _admit(self, requests: list[Request]) -> list[None]:
         self.family.faults.hit("encode", requests)

@@ -15,6 +15,9 @@ The rule, in full:
    CFG rows counted); waiting requests with other keys are skipped, not waited on.
 3. Running requests with other keys keep their state and resume when their key
    is served again.
+4. A request whose decode was deferred (``edf``, see ``dit_core.policies``) stays running under
+   its key plus ``DECODE``: it is bulk work like any other request without a deadline, and
+   the step that serves that key only decodes (it shares no forward).
 
 So a compatible request is never held back by an incompatible one ahead of it,
 and no request starves: the highest-priority request makes progress every step
@@ -32,6 +35,9 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 from .policies import POLICIES
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
+
+
+DECODE = ("decode",)  # appended to the key of a request whose decode was deferred
 
 
 @dataclass
@@ -55,6 +61,7 @@ class StepBatch:
 class RunnerOutput:
     finished: dict = field(default_factory=dict)  # request id -> list of decoded images
     failed: dict = field(default_factory=dict)  # request id -> error message
+    deferred: list = field(default_factory=list)  # ids denoised this step, decode left to a later step
     step_ms: float = 0.0
     cache: dict | None = None  # the step cache's counters for this forward (rows skipped, block evals)
 
@@ -125,6 +132,8 @@ class StepScheduler:
                 events.append(RequestEvent(req.id, EventKind.FINISHED, req.step_index, req.total_steps,
                                            output=output))
             else:
+                if req.id in out.deferred and req.key[-len(DECODE):] != DECODE:
+                    req.key = req.key + DECODE
                 events.append(RequestEvent(req.id, EventKind.STEP, req.step_index, req.total_steps))
             if req.status.done:
                 self.running.remove(req)
