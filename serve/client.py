@@ -8,6 +8,7 @@ to Ray Serve engine replicas. This module never imports Ray.
 from __future__ import annotations
 
 import abc
+import asyncio
 from typing import Any, AsyncIterator
 
 from dit_core import AsyncEngine
@@ -36,10 +37,18 @@ class EngineClient(abc.ABC):
         """Requests submitted and not yet admitted to a batch (the 429 queue limit counts these)."""
 
     @abc.abstractmethod
-    async def submit(self, prompt, params, model: str | None = None, progress: bool = True) -> tuple[str, Any]:
+    async def submit(self, prompt, params, model: str | None = None, progress: bool = True,
+                     request_id: str | None = None) -> tuple[str, Any]:
         """Validate and queue a request; returns its id and a stream handle for ``events``.
         Invalid input raises ``InvalidParamError`` here. ``progress=False`` lets a remote engine skip
-        the per-step events the caller does not need (the first step and the final event still come)."""
+        the per-step events the caller does not need (the first step and the final event still come).
+        ``request_id``: the id to give the request (default: a new one)."""
+
+    @abc.abstractmethod
+    async def resolve(self, prompt, params, model: str | None = None):
+        """Validate a request as ``submit`` would, without queueing it: its ``SamplingParams`` with the
+        model's defaults filled in and a seed drawn (submitting those gives the same result every time).
+        Invalid input raises ``InvalidParamError``."""
 
     @abc.abstractmethod
     def output_size(self, model: str, params) -> tuple[int, int, int]:
@@ -80,8 +89,12 @@ class LocalEngineClient(EngineClient):
     def num_waiting(self) -> int:
         return self.engine.num_unfinished - len(self.engine.engine.scheduler.running)
 
-    async def submit(self, prompt, params, model=None, progress=True):
-        return await self.engine.submit_async(prompt, params, model=model)
+    async def submit(self, prompt, params, model=None, progress=True, request_id=None):
+        return await self.engine.submit_async(prompt, params, request_id=request_id, model=model)
+
+    async def resolve(self, prompt, params, model=None):
+        request = await asyncio.to_thread(self.engine.engine.make_request, prompt, params, None, model)
+        return request.params
 
     def output_size(self, model, params):
         resolved = self.engine.engine.models[model].resolve(params)

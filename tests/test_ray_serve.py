@@ -1,8 +1,8 @@
 """serve/ray_app: `omnidit serve --replicas` on Ray Serve, end to end, on one Ray cluster for the module.
 
 The cluster is the CLI itself (``omnidit serve --replicas 1 --max-replicas 2 ...`` in a subprocess,
-the embedded digits model, its thinker as a shared stage, batch-aware routing with a budget of 4
-requests per forward). The first fixture loads it until the autoscaler adds the second replica;
+the embedded digits model with its thinker as a shared stage, plus the tiny Stable Audio and Wan
+checkpoints for the audio and video routes, batch-aware routing with a budget of 4 requests per forward). The first fixture loads it until the autoscaler adds the second replica;
 every later test runs against 2 replicas; the last stops it with SIGTERM and checks, by pid, that
 no Ray process is left.
 """
@@ -27,6 +27,7 @@ import pytest
 import torch
 from PIL import Image
 
+from dit_core.video import decode_mp4
 from dit_core.zoo import default_model
 from serve.app import ServeSettings
 from serve.server import free_port
@@ -78,9 +79,11 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 
 @contextmanager
-def cli_cluster():
+def cli_cluster(extra_models: dict):
     port = free_port()
-    cmd = [sys.executable, "-m", "serve.cli", "serve", "--model", "digits", "--port", str(port), "--api-key", KEY,
+    models = [arg for name, path in extra_models.items() for arg in ("--model", f"{name}={path}")]
+    cmd = [sys.executable, "-m", "serve.cli", "serve", "--model", "digits", *models, "--dtype", "float32",
+           "--port", str(port), "--api-key", KEY,
            "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
            "--autoscaling", json.dumps(AUTOSCALING), "--replica-threads", "1", "--replica-cpus", "0.5",
            "--max-batch-size", str(BUDGET), "--shared-thinker", "--shutdown-timeout", "5"]
@@ -110,8 +113,8 @@ def cli_cluster():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with cli_cluster() as (proc, url):
+def cluster(tiny_audio, wan_tiny):
+    with cli_cluster({"sound": tiny_audio, "clips": wan_tiny}) as (proc, url):
         yield proc, url
 
 
@@ -185,13 +188,76 @@ def test_streaming_errors_models_and_api_key(scaled):
     assert_error(httpx.post(f"{url}/v1/images/generations", json={"prompt": "x"}), 401, code="invalid_api_key")
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
-    assert [(m["id"], m["kind"]) for m in models["data"]] == [("digits", "image")]
+    assert [(m["id"], m["kind"]) for m in models["data"]] == [("digits", "image"), ("sound", "audio"),
+                                                              ("clips", "video")]
     detail = httpx.get(f"{url}/v1/models/digits", headers=AUTH).json()
     assert detail["details"]["defaults"]["height"] == 32
     # routes that still need the in-process engine say so, naming themselves
-    for path, body in (("/v1/videos", {"prompt": "x"}), ("/v1/audio/generate", {"prompt": "x"})):
+    for path, body in (("/v1/audio/speech", {"input": "x", "voice": "x"}),):
         err = assert_error(httpx.post(f"{url}{path}", json=body, headers=AUTH), 501, code="not_available_on_replicas")
         assert "--replicas" in err["message"]
+
+
+AUDIO = {"model": "sound", "prompt": "a bell", "seconds": 0.1, "num_inference_steps": 3, "seed": 5,
+         "guidance_scale": 3.0, "negative_prompt": "hiss", "response_format": "wav"}
+VIDEO = {"num_frames": 5, "num_inference_steps": 2, "max_sequence_length": 16, "seed": 3}
+
+
+def audio_and_videos(url: str, headers: dict) -> dict:
+    """Text-to-audio (httpx), a video job (the ``openai`` client) and a synchronous video (httpx)."""
+    audio = httpx.post(f"{url}/v1/audio/generate", json=AUDIO, headers=headers, timeout=120)
+    assert audio.status_code == 200, audio.text
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    job = client.videos.create_and_poll(model="clips", prompt="waves", size="32x32", extra_body=VIDEO,
+                                        poll_interval_ms=50)
+    assert job.status == "completed" and job.progress == 100, job
+    sync = httpx.post(f"{url}/v1/videos/sync", json={"model": "clips", "prompt": "a cat", "size": "48x32",
+                                                      **VIDEO, "seed": 4}, headers=headers, timeout=120)
+    assert sync.status_code == 200, sync.text
+    return {"audio": audio.content, "rate": audio.headers["x-sample-rate"], "job": job.size,
+            "job_mp4": client.videos.download_content(job.id).read(), "sync_mp4": sync.content,
+            "sync_headers": {k: sync.headers[k] for k in ("x-num-frames", "x-fps", "x-seed")}}
+
+
+def test_audio_and_videos_match_the_single_process_server(scaled, tiny_audio, wan_tiny, tmp_path):
+    url = scaled["url"]
+    remote = audio_and_videos(url, AUTH)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each replica runs: same kernels, same sums
+    try:
+        with live_server({"sound": tiny_audio, "clips": wan_tiny}, ServeSettings(video_dir=str(tmp_path))) as srv:
+            local = audio_and_videos(srv.url, {})
+    finally:
+        torch.set_num_threads(threads)
+    # one request at a time: each ran alone in its batch on both sides, so the bytes are the same
+    assert remote["audio"] == local["audio"] and remote["rate"] == local["rate"] == "8000"
+    assert remote["job"] == local["job"] == "32x32"
+    assert remote["sync_headers"] == local["sync_headers"] == {"x-num-frames": "5", "x-fps": "16", "x-seed": "4"}
+    for name, shape in (("job_mp4", (5, 32, 32, 3)), ("sync_mp4", (5, 32, 48, 3))):
+        frames = decode_mp4(remote[name])
+        assert frames.shape == shape and np.array_equal(frames, decode_mp4(local[name])), name
+        assert remote[name] == local[name], name
+
+
+def test_audio_and_video_errors_and_deleting_a_running_job_on_replicas(scaled):
+    url = scaled["url"]
+    # validated in a replica, the field named as the single-process server names it
+    assert_error(httpx.post(f"{url}/v1/audio/generate", json={**AUDIO, "seconds": 5.0}, headers=AUTH), 400,
+                 "seconds", "invalid_value")
+    assert_error(httpx.post(f"{url}/v1/audio/generate", json={"prompt": "x", "model": "clips"}, headers=AUTH),
+                 400, "model", "wrong_model_kind")
+    assert_error(httpx.post(f"{url}/v1/videos", json={"model": "clips", "prompt": "x", "size": "30x32"},
+                            headers=AUTH), 400, "size")
+    assert_error(httpx.post(f"{url}/v1/videos", json={"model": "digits", "prompt": "x"}, headers=AUTH), 400,
+                 "model", "model_not_video")
+    job = httpx.post(f"{url}/v1/videos", json={"model": "clips", "prompt": "slow", "size": "32x32",
+                                               "num_inference_steps": 1000, "max_sequence_length": 16},
+                     headers=AUTH).json()
+    wait_for(lambda: httpx.get(f"{url}/v1/videos/{job['id']}", headers=AUTH).json()["status"] == "in_progress",
+             60, "the job to start")
+    deleted = httpx.delete(f"{url}/v1/videos/{job['id']}", headers=AUTH).json()
+    assert deleted["deleted"]
+    wait_for(lambda: all(e["live"] == 0 for e in replicas(url)["engines"]), 30, "the job's request to be aborted")
 
 
 def test_metrics_expose_one_series_per_replica(scaled):

@@ -30,10 +30,15 @@ STATS_TIMEOUT_S = 10.0
 
 @dataclass
 class RemoteModel:
-    """What the routes need of a model served by the replicas."""
+    """What the routes need of a model served by the replicas: its kind, its family's name (as
+    ``Family.name``: e.g. "speech" tells a TTS model from a text-to-audio one) and ``describe()``."""
 
     output_kind: str
     details: dict
+
+    @property
+    def name(self) -> str:
+        return self.details.get("family", "")
 
     def describe(self) -> dict:
         return dict(self.details)
@@ -63,13 +68,14 @@ class RemoteEngineClient(EngineClient):
     def num_waiting(self) -> int:
         return sum(1 for s in self._live.values() if not s.started)
 
-    async def submit(self, prompt, params, model=None, progress=True):
+    async def submit(self, prompt, params, model=None, progress=True, request_id=None):
         if self._closed:
             raise EngineDeadError("the server is shutting down")
         name = model if model is not None else next(iter(self.models)) if len(self.models) == 1 else None
         key = route_key(name, params, self.defaults.get(name)) if name is not None else None
         gen = self.handle.options(stream=True).generate.remote(prompt, params, model=model, route_key=key,
-                                                               origin=self.origin, progress=progress)
+                                                               origin=self.origin, progress=progress,
+                                                               request_id=request_id)
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
@@ -83,6 +89,20 @@ class RemoteEngineClient(EngineClient):
         stream = _Stream(gen, first.replica)
         self._live[first.request_id] = stream
         return first.request_id, stream
+
+    async def resolve(self, prompt, params, model=None):
+        """Resolved by the least loaded replica (every replica holds the same models)."""
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+        try:
+            result = await self.handle.resolve.remote(prompt, params, model=model)
+        except RayTaskError as e:
+            raise EngineDeadError(f"the engine replica failed to check the request: {e.cause!r}") from None
+        except RayError as e:
+            raise EngineDeadError(f"no engine replica could check the request: {type(e).__name__}") from None
+        if isinstance(result, Rejected):
+            raise result.error()
+        return result
 
     async def events(self, rid, stream: _Stream):
         final = False

@@ -48,11 +48,11 @@ class EngineReplica:
         self.engine.step_listeners.append(self._on_step)
 
     async def generate(self, prompt, params=None, model: str | None = None, route_key: str | None = None,
-                       origin: str | None = None, progress: bool = True):
+                       origin: str | None = None, progress: bool = True, request_id: str | None = None):
         """First an ``Accepted`` (or a rejection naming the bad field), then the request's events.
         ``progress=False`` sends only the first step event and the final one."""
         try:
-            rid, events = self.engine.submit(prompt, params, model=model)
+            rid, events = self.engine.submit(prompt, params, request_id=request_id, model=model)
         except OmniditError as e:
             yield rejection(e)
             return
@@ -72,6 +72,14 @@ class EngineReplica:
             self.live.pop(rid, None)
             if not final:
                 self.engine.abort(rid, "client went away")
+
+    async def resolve(self, prompt, params=None, model: str | None = None):
+        """The request's resolved ``SamplingParams`` (defaults and seed filled in), or a rejection."""
+        try:
+            request = await asyncio.to_thread(self.engine.engine.make_request, prompt, params, None, model)
+        except OmniditError as e:
+            return rejection(e)
+        return request.params
 
     def describe(self) -> dict:
         """Per model: its kind, ``describe()`` details and default size (for routing keys)."""

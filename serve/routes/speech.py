@@ -32,7 +32,7 @@ from dit_core.audio.service import SpeechService
 from ..client import local_engine
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..guards import check_prompts, check_steps
-from .audio import check_queue, find_model
+from .audio import check_queue, find_model, is_speech
 
 router = APIRouter()
 DISCONNECT_POLL_S = 0.2
@@ -69,15 +69,11 @@ def speech_service(request: Request, name: str) -> SpeechService:
     return services[name]
 
 
-def _is_speech(family) -> bool:
-    return getattr(family, "pipeline_class", "") == "OmniditSpeechPipeline"
-
-
 @router.get("/v1/audio/voices")
 async def list_voices(request: Request, model: str | None = None):
     models = local_engine(request.app.state, "/v1/audio/voices").engine.models
-    names = [find_model(request, model, "audio", "/v1/audio/voices", check=_is_speech)] if model else \
-        [n for n, f in models.items() if _is_speech(f)]
+    names = [find_model(request, model, "audio", "/v1/audio/voices", check=is_speech)] if model else \
+        [n for n, f in models.items() if is_speech(f)]
     data = []
     for name in names:
         for voice, info in models[name].text.voices.items():
@@ -89,7 +85,8 @@ async def list_voices(request: Request, model: str | None = None):
 @router.post("/v1/audio/speech")
 async def create_speech(body: SpeechRequestBody, request: Request):
     state = request.app.state
-    name = find_model(request, body.model, "audio", "/v1/audio/speech", check=_is_speech)
+    local_engine(state, "/v1/audio/speech")
+    name = find_model(request, body.model, "audio", "/v1/audio/speech", check=is_speech)
     if body.instructions:
         raise APIError(400, "instructions are not supported by this model (it has no style control)",
                        "invalid_request_error", "instructions", "unsupported")
