@@ -94,7 +94,8 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.state.started = int(time.time())
     app.state.memory = MemoryKeeper(settings.gc_freeze, settings.malloc_trim_s)
     app.state.model_ids = served_models(client, settings)
-    app.state.speech = {}  # model name -> SpeechService, made on first use (serve/routes/speech.py)
+    # model name -> SpeechService of the in-process engine, made on first use (remote replicas run their own)
+    app.state.speech = client.speech if isinstance(client, LocalEngineClient) else {}
     install_handlers(app)
     app.include_router(images.router)
     app.include_router(audio.router)

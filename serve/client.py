@@ -8,12 +8,25 @@ to Ray Serve engine replicas. This module never imports Ray.
 from __future__ import annotations
 
 import abc
+import asyncio
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from dit_core import AsyncEngine
+from dit_core.audio.service import SpeechService
 from dit_core.request import RequestEvent
 
 from .metrics import Metrics
+
+
+@dataclass
+class SpeechStart:
+    """A text-to-speech utterance that was validated and started (see ``EngineClient.speak``)."""
+
+    request_id: str
+    words: int  # words after normalization (the usage's input tokens)
+    sample_rate: int
+    hop: int  # samples per acoustic token (the usage's output tokens)
 
 
 class EngineClient(abc.ABC):
@@ -36,10 +49,18 @@ class EngineClient(abc.ABC):
         """Requests submitted and not yet admitted to a batch (the 429 queue limit counts these)."""
 
     @abc.abstractmethod
-    async def submit(self, prompt, params, model: str | None = None, progress: bool = True) -> tuple[str, Any]:
+    async def submit(self, prompt, params, model: str | None = None, progress: bool = True,
+                     request_id: str | None = None) -> tuple[str, Any]:
         """Validate and queue a request; returns its id and a stream handle for ``events``.
         Invalid input raises ``InvalidParamError`` here. ``progress=False`` lets a remote engine skip
-        the per-step events the caller does not need (the first step and the final event still come)."""
+        the per-step events the caller does not need (the first step and the final event still come).
+        ``request_id``: the id to give the request (default: a new one)."""
+
+    @abc.abstractmethod
+    async def resolve(self, prompt, params, model: str | None = None):
+        """Validate a request as ``submit`` would, without queueing it: its ``SamplingParams`` with the
+        model's defaults filled in and a seed drawn (submitting those gives the same result every time).
+        Invalid input raises ``InvalidParamError``."""
 
     @abc.abstractmethod
     def output_size(self, model: str, params) -> tuple[int, int, int]:
@@ -52,6 +73,19 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
         """Abort a live request at its engine's next step boundary."""
+
+    @abc.abstractmethod
+    async def speak(self, model: str, text: str, voice: str, speed: float = 1.0, seed: int | None = None,
+                    steps: int | None = None, stream: bool = True) -> tuple[SpeechStart, AsyncIterator]:
+        """Validate an utterance for the TTS ``model`` (``InvalidParamError`` naming the field) and start
+        it: its ``SpeechStart`` and an async iterator of its audio pieces (float32 ``[channels, n]``) as
+        they are final (``stream=False``: one piece, the whole utterance). A failure ends the iterator
+        with ``RequestFailedError``; closing it early aborts the utterance and its chunks."""
+
+    async def engine_stats(self) -> dict:
+        """The playground engine panel's numbers (``serve.live_stats``) over every engine replica. The
+        single-process app reads its own ``LiveStats`` instead (``app.state.live_stats``)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def make_metrics(self):
@@ -68,6 +102,7 @@ class LocalEngineClient(EngineClient):
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self.models = engine.engine.models
+        self.speech: dict = {}  # model name -> SpeechService, made on first use (the app closes them)
 
     @property
     def is_alive(self) -> bool:
@@ -80,8 +115,12 @@ class LocalEngineClient(EngineClient):
     def num_waiting(self) -> int:
         return self.engine.num_unfinished - len(self.engine.engine.scheduler.running)
 
-    async def submit(self, prompt, params, model=None, progress=True):
-        return await self.engine.submit_async(prompt, params, model=model)
+    async def submit(self, prompt, params, model=None, progress=True, request_id=None):
+        return await self.engine.submit_async(prompt, params, request_id=request_id, model=model)
+
+    async def resolve(self, prompt, params, model=None):
+        request = await asyncio.to_thread(self.engine.engine.make_request, prompt, params, None, model)
+        return request.params
 
     def output_size(self, model, params):
         resolved = self.engine.engine.models[model].resolve(params)
@@ -92,6 +131,18 @@ class LocalEngineClient(EngineClient):
 
     def abort(self, rid, reason="aborted by client"):
         self.engine.abort(rid, reason)
+
+    async def speak(self, model, text, voice, speed=1.0, seed=None, steps=None, stream=True):
+        service = self.speech_service(model)
+        req = service.request(text, voice, speed, seed, steps=steps)
+        start = SpeechStart(req.id, len(req.words), service.text.sample_rate, service.text.hop)
+        return start, service.stream(req, stream=stream)
+
+    def speech_service(self, model: str):
+        """The ``SpeechService`` (talker thread) of the TTS ``model``, started on first use."""
+        if model not in self.speech:
+            self.speech[model] = SpeechService(self.engine, model)
+        return self.speech[model]
 
     def make_metrics(self) -> Metrics:
         return Metrics(self.engine)

@@ -183,10 +183,11 @@ class VideoJobStore:
                 os.unlink(job.path)
 
 
-async def run_job(store: VideoJobStore, engine, job: VideoJob, events: asyncio.Queue, encode) -> None:
-    """Follow a job's engine events to its end; ``encode(output) -> bytes`` makes the MP4."""
+async def run_job(store: VideoJobStore, client, job: VideoJob, events, encode) -> None:
+    """Follow a job's engine events to its end (``client``: the app's ``EngineClient``, ``events`` the
+    stream handle its ``submit`` returned); ``encode(output) -> bytes`` makes the MP4."""
     try:
-        async for event in engine.events(job.request_id, events):
+        async for event in client.events(job.request_id, events):
             if event.kind == EventKind.STEP:
                 job.status = "in_progress"
                 job.progress = min(99, int(100 * event.step / max(event.total, 1)))

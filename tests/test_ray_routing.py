@@ -1,5 +1,6 @@
 """serve/ray_app pieces that need no Ray cluster: the batch-aware ranking, routing keys, the merged
-/metrics exposition, the scale-out options, and that the single-process server never imports Ray."""
+/metrics exposition and /v1/engine/stats snapshot, the scale-out options, and that the single-process
+server never imports Ray."""
 
 import asyncio
 import subprocess
@@ -144,3 +145,36 @@ def test_build_app_takes_serve_run_style_string_args():
     assert cfg.deployment_options()["autoscaling_config"]["target_ongoing_requests"] == 6.0
     with pytest.raises(InvalidParamError, match="replicas"):
         ScaleOutConfig.from_args({"models": "digits", "replicas": "two"})
+
+
+def _replica_snapshot(rid: str, batches: list[int], finished: int, hits: int) -> dict:
+    """A real ``LiveStats.snapshot()`` of an engine that ran ``batches`` (requests per forward)."""
+    from serve.live_stats import LiveStats
+
+    cache = SimpleNamespace(stats=lambda: {"hits": hits, "misses": 1, "entries": 2, "bytes": 100})
+    engine = SimpleNamespace(step_listeners=[], listeners=[], num_unfinished=1, engine=SimpleNamespace(
+        scheduler=SimpleNamespace(running=[object()]), prompt_cache=cache, config=SimpleNamespace(cache="none")))
+    live = LiveStats(engine)
+    for i, n in enumerate(batches):
+        live.on_step(SimpleNamespace(step_ms=[10.0], batch_sizes=[n], batch_rows=[2 * n], rows_skipped=[0],
+                                     models=["digits"], steps=i + 1, block_evals=0, block_evals_full=0))
+    for _ in range(finished):
+        live.on_event(SimpleNamespace(kind=SimpleNamespace(final=True, value="finished")))
+    return {"replica": rid, **live.snapshot()}
+
+
+def test_engine_stats_merge_every_replica_into_the_single_process_shape():
+    from serve.ray_app.stats_merge import merge_snapshots
+
+    a, b = _replica_snapshot("r1", [1, 3], 2, 3), _replica_snapshot("r2", [2], 1, 0)
+    merged = merge_snapshots([b, a])
+    assert set(merged) == set(a) - {"replica"} | {"replicas"}  # what the panel reads, and each replica
+    assert set(merged["steps"]) == set(a["steps"]) and set(merged["step_cache"]) == set(a["step_cache"])
+    assert [r["replica"] for r in merged["replicas"]] == ["r1", "r2"]
+    assert merged["steps"]["total"] == 3 and merged["steps"]["max_batch_size"] == 3
+    assert merged["queue"] == {"waiting": 0, "running": 2} and merged["requests"]["finished"] == 3
+    assert merged["step_cache"]["rows"] == 12 and merged["step_cache"]["skip_rate"] == 0
+    assert merged["prompt_cache"]["hits"] == 3 and merged["prompt_cache"]["hit_rate"] == 0.6
+    assert sorted((r["replica"], r["batch_size"]) for r in merged["steps"]["recent"]) == [("r1", 1), ("r1", 3),
+                                                                                         ("r2", 2)]
+    assert merge_snapshots([])["steps"]["total"] == 0  # no replica answered

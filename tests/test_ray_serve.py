@@ -1,8 +1,9 @@
 """serve/ray_app: `omnidit serve --replicas` on Ray Serve, end to end, on one Ray cluster for the module.
 
 The cluster is the CLI itself (``omnidit serve --replicas 1 --max-replicas 2 ...`` in a subprocess,
-the embedded digits model, its thinker as a shared stage, batch-aware routing with a budget of 4
-requests per forward). The first fixture loads it until the autoscaler adds the second replica;
+the embedded digits model with its thinker as a shared stage, plus the tiny Stable Audio and Wan
+checkpoints, the embedded TTS model and the embedded reaching policy for the audio, video, speech and
+robot routes, batch-aware routing with a budget of 4 requests per forward). The first fixture loads it until the autoscaler adds the second replica;
 every later test runs against 2 replicas; the last stops it with SIGTERM and checks, by pid, that
 no Ray process is left.
 """
@@ -24,10 +25,14 @@ import numpy as np
 import openai
 import psutil
 import pytest
+import soundfile as sf
 import torch
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from PIL import Image
 
-from dit_core.zoo import default_model
+from dit_core.video import decode_mp4
+from dit_core.zoo import default_model, default_policy, tts_model
+from dit_core.zoo.reach_env import ReachEnv
 from serve.app import ServeSettings
 from serve.server import free_port
 from serve_helpers import assert_error, live_server
@@ -78,9 +83,12 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 
 @contextmanager
-def cli_cluster():
+def cli_cluster(extra_models: dict):
     port = free_port()
-    cmd = [sys.executable, "-m", "serve.cli", "serve", "--model", "digits", "--port", str(port), "--api-key", KEY,
+    models = [arg for name, path in extra_models.items() for arg in ("--model", f"{name}={path}")]
+    cmd = [sys.executable, "-m", "serve.cli", "serve", "--model", "digits", *models, "--model", "tts", "--model", "reach",
+           "--dtype", "float32",
+           "--port", str(port), "--api-key", KEY,
            "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
            "--autoscaling", json.dumps(AUTOSCALING), "--replica-threads", "1", "--replica-cpus", "0.5",
            "--max-batch-size", str(BUDGET), "--shared-thinker", "--shutdown-timeout", "5"]
@@ -110,8 +118,8 @@ def cli_cluster():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with cli_cluster() as (proc, url):
+def cluster(tiny_audio, wan_tiny):
+    with cli_cluster({"sound": tiny_audio, "clips": wan_tiny}) as (proc, url):
         yield proc, url
 
 
@@ -185,13 +193,145 @@ def test_streaming_errors_models_and_api_key(scaled):
     assert_error(httpx.post(f"{url}/v1/images/generations", json={"prompt": "x"}), 401, code="invalid_api_key")
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
-    assert [(m["id"], m["kind"]) for m in models["data"]] == [("digits", "image")]
+    assert [(m["id"], m["kind"]) for m in models["data"]] == [("digits", "image"), ("sound", "audio"),
+                                                              ("clips", "video"), ("tts", "audio"),
+                                                              ("reach", "actions")]
     detail = httpx.get(f"{url}/v1/models/digits", headers=AUTH).json()
     assert detail["details"]["defaults"]["height"] == 32
-    # routes that still need the in-process engine say so, naming themselves
-    for path, body in (("/v1/videos", {"prompt": "x"}), ("/v1/audio/generate", {"prompt": "x"})):
-        err = assert_error(httpx.post(f"{url}{path}", json=body, headers=AUTH), 501, code="not_available_on_replicas")
-        assert "--replicas" in err["message"]
+
+
+AUDIO = {"model": "sound", "prompt": "a bell", "seconds": 0.1, "num_inference_steps": 3, "seed": 5,
+         "guidance_scale": 3.0, "negative_prompt": "hiss", "response_format": "wav"}
+VIDEO = {"num_frames": 5, "num_inference_steps": 2, "max_sequence_length": 16, "seed": 3}
+
+
+SPEECH = {"model": "tts", "input": "3 1 4 hello", "voice": "adam"}
+
+
+def speech(url: str, headers: dict) -> dict:
+    """TTS through the ``openai`` client, streamed (wav) and whole (flac), as SSE (httpx), and the voices."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    with client.audio.speech.with_streaming_response.create(**SPEECH, response_format="wav",
+                                                            extra_body={"seed": 5}) as resp:
+        streamed = b"".join(resp.iter_bytes())
+    whole = client.audio.speech.create(**SPEECH, response_format="flac", extra_body={"seed": 6}).content
+    with httpx.stream("POST", f"{url}/v1/audio/speech", headers=headers, timeout=120,
+                      json={**SPEECH, "seed": 7, "response_format": "pcm", "stream_format": "sse"}) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    voices = httpx.get(f"{url}/v1/audio/voices", headers=headers, timeout=30).json()["data"]
+    return {"streamed": streamed, "whole": whole, "sse": events,
+            "voices": [(v["id"], v["model"], v["description"]) for v in voices]}
+
+
+def audio_and_videos(url: str, headers: dict) -> dict:
+    """Text-to-audio (httpx), a video job (the ``openai`` client) and a synchronous video (httpx)."""
+    audio = httpx.post(f"{url}/v1/audio/generate", json=AUDIO, headers=headers, timeout=120)
+    assert audio.status_code == 200, audio.text
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    job = client.videos.create_and_poll(model="clips", prompt="waves", size="32x32", extra_body=VIDEO,
+                                        poll_interval_ms=50)
+    assert job.status == "completed" and job.progress == 100, job
+    sync = httpx.post(f"{url}/v1/videos/sync", json={"model": "clips", "prompt": "a cat", "size": "48x32",
+                                                      **VIDEO, "seed": 4}, headers=headers, timeout=120)
+    assert sync.status_code == 200, sync.text
+    return {"audio": audio.content, "rate": audio.headers["x-sample-rate"], "job": job.size,
+            "job_mp4": client.videos.download_content(job.id).read(), "sync_mp4": sync.content,
+            "sync_headers": {k: sync.headers[k] for k in ("x-num-frames", "x-fps", "x-seed")}}
+
+
+def test_audio_speech_and_videos_match_the_single_process_server(scaled, tiny_audio, wan_tiny, tmp_path):
+    url = scaled["url"]
+    remote = {**audio_and_videos(url, AUTH), **speech(url, AUTH)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each replica runs: same kernels, same sums
+    try:
+        with live_server({"sound": tiny_audio, "clips": wan_tiny, "tts": tts_model()},
+                         ServeSettings(video_dir=str(tmp_path))) as srv:
+            local = {**audio_and_videos(srv.url, {}), **speech(srv.url, {})}
+    finally:
+        torch.set_num_threads(threads)
+    # one request at a time: each ran alone in its batch on both sides, so the bytes are the same
+    assert remote["audio"] == local["audio"] and remote["rate"] == local["rate"] == "8000"
+    assert remote["job"] == local["job"] == "32x32"
+    assert remote["sync_headers"] == local["sync_headers"] == {"x-num-frames": "5", "x-fps": "16", "x-seed": "4"}
+    for name, shape in (("job_mp4", (5, 32, 32, 3)), ("sync_mp4", (5, 32, 48, 3))):
+        frames = decode_mp4(remote[name])
+        assert frames.shape == shape and np.array_equal(frames, decode_mp4(local[name])), name
+        assert remote[name] == local[name], name
+    # speech: the talker's tokens are the same; its DiT chunks join forwards as they become ready (timing),
+    # and a row's result depends on its batchmates by < 1e-6, which 16-bit PCM can turn into one level
+    for name in ("streamed", "whole"):
+        (a, rate_a), (b, rate_b) = (sf.read(io.BytesIO(x[name]), dtype="int16") for x in (remote, local))
+        assert rate_a == rate_b == 8000 and a.shape == b.shape and len(a) > 8000, name
+        assert np.abs(a.astype(np.int32) - b).max() <= 1, name
+    pcm = [np.frombuffer(b"".join(base64.b64decode(e["audio"]) for e in x["sse"][:-1]), "<i2").astype(np.int32)
+           for x in (remote, local)]
+    assert pcm[0].shape == pcm[1].shape and len(pcm[0]) > 8000 and np.abs(pcm[0] - pcm[1]).max() <= 1
+    assert remote["sse"][-1] == local["sse"][-1] and remote["sse"][-1]["type"] == "speech.audio.done"
+    assert remote["sse"][-1]["usage"]["input_tokens"] == 4
+    assert remote["voices"] == local["voices"] and {v[0] for v in remote["voices"]} == {"adam", "eve"}
+
+
+def test_audio_and_video_errors_and_deleting_a_running_job_on_replicas(scaled):
+    url = scaled["url"]
+    # validated in a replica, the field named as the single-process server names it
+    assert_error(httpx.post(f"{url}/v1/audio/generate", json={**AUDIO, "seconds": 5.0}, headers=AUTH), 400,
+                 "seconds", "invalid_value")
+    assert_error(httpx.post(f"{url}/v1/audio/generate", json={"prompt": "x", "model": "clips"}, headers=AUTH),
+                 400, "model", "wrong_model_kind")
+    assert_error(httpx.post(f"{url}/v1/videos", json={"model": "clips", "prompt": "x", "size": "30x32"},
+                            headers=AUTH), 400, "size")
+    assert_error(httpx.post(f"{url}/v1/videos", json={"model": "digits", "prompt": "x"}, headers=AUTH), 400,
+                 "model", "model_not_video")
+    job = httpx.post(f"{url}/v1/videos", json={"model": "clips", "prompt": "slow", "size": "32x32",
+                                               "num_inference_steps": 1000, "max_sequence_length": 16},
+                     headers=AUTH).json()
+    wait_for(lambda: httpx.get(f"{url}/v1/videos/{job['id']}", headers=AUTH).json()["status"] == "in_progress",
+             60, "the job to start")
+    deleted = httpx.delete(f"{url}/v1/videos/{job['id']}", headers=AUTH).json()
+    assert deleted["deleted"]
+    wait_for(lambda: all(e["live"] == 0 for e in replicas(url)["engines"]), 30, "the job's request to be aborted")
+    # speech: validated in the replica's talker service; a client that hangs up aborts the utterance there
+    assert_error(httpx.post(f"{url}/v1/audio/speech", json={**SPEECH, "voice": "nova"}, headers=AUTH), 400, "voice")
+    assert_error(httpx.post(f"{url}/v1/audio/speech", json={**SPEECH, "model": "sound"}, headers=AUTH), 400,
+                 "model", "wrong_model_kind")
+    forwards = {e["replica"]: e["forwards"] for e in replicas(url)["engines"]}
+    with httpx.stream("POST", f"{url}/v1/audio/speech", headers=AUTH, timeout=60,
+                      json={**SPEECH, "input": " ".join(["7"] * 30), "response_format": "pcm"}) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())  # the first audio, then hang up
+    wait_for(lambda: all(e["live"] == 0 for e in replicas(url)["engines"]), 30, "the utterance to be aborted")
+    time.sleep(1)
+    settled = {e["replica"]: e["forwards"] for e in replicas(url)["engines"]}
+    time.sleep(1)
+    assert {e["replica"]: e["forwards"] for e in replicas(url)["engines"]} == settled  # no chunk runs any more
+    assert sum(settled.values()) > sum(forwards.values())  # (it did run some)
+
+
+def robot_actions(url: str, key: str | None) -> tuple[dict, list]:
+    """Two observations of the reaching task through the stock openpi client, on one session (seeds 3, 4)."""
+    policy = WebsocketClientPolicy(url.replace("http://", "ws://") + "/v1/realtime/robot/openpi?model=reach&seed=3",
+                                   api_key=key)
+    env = ReachEnv()
+    observation, _ = env.reset(seed=0)
+    first = policy.infer(observation)
+    observation, *_ = env.step(first["actions"][0])
+    return policy.get_server_metadata(), [first["actions"], policy.infer(observation)["actions"]]
+
+
+def test_robot_socket_matches_the_single_process_server(scaled):
+    meta, remote = robot_actions(scaled["url"], KEY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with live_server({"reach": default_policy()}, ServeSettings()) as srv:
+            local_meta, local = robot_actions(srv.url, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert meta == local_meta and meta["model"] == "reach" and meta["action_horizon"] == 16
+    for a, b in zip(remote, local):
+        assert a.shape == (16, 2) and a.dtype == np.float32 and np.array_equal(a, b)
 
 
 def test_metrics_expose_one_series_per_replica(scaled):
@@ -204,6 +344,12 @@ def test_metrics_expose_one_series_per_replica(scaled):
     finished = re.findall(r'^omnidit_requests_total\{outcome="finished",replica="\w+"\} (\S+)', text, re.M)
     assert sum(float(v) for v in finished) >= 6
     assert re.search(r'^omnidit_errors_total\{kind="invalid_api_key"\} ', text, re.M)  # counted at the ingress
+    # the playground's engine panel: every replica's numbers merged, and each replica's own
+    stats = httpx.get(f"{url}/v1/engine/stats", headers=AUTH).json()
+    assert {"queue", "steps", "step_cache", "prompt_cache", "requests"} < set(stats)
+    assert {r["replica"] for r in stats["replicas"]} == ids
+    assert stats["steps"]["total"] == sum(r["steps"]["total"] for r in stats["replicas"]) > 0
+    assert stats["requests"]["finished"] == sum(r["requests"]["finished"] for r in stats["replicas"]) >= 6
 
 
 def routed(url, size: str, n: int, steps: int = 80) -> dict:

@@ -17,23 +17,29 @@ from dataclasses import dataclass
 
 from ray.exceptions import RayError, RayTaskError
 
-from dit_core import EngineDeadError
+from dit_core import EngineDeadError, RequestFailedError
 from dit_core.request import EventKind, RequestEvent
 
-from ..client import EngineClient
+from ..client import EngineClient, SpeechStart
 from .cluster_metrics import ClusterMetrics
 from .keys import route_key
-from .wire import Rejected
+from .stats_merge import merge_snapshots
+from .wire import Failed, Rejected
 
 STATS_TIMEOUT_S = 10.0
 
 
 @dataclass
 class RemoteModel:
-    """What the routes need of a model served by the replicas."""
+    """What the routes need of a model served by the replicas: its kind, its family's name (as
+    ``Family.name``: e.g. "speech" tells a TTS model from a text-to-audio one) and ``describe()``."""
 
     output_kind: str
     details: dict
+
+    @property
+    def name(self) -> str:
+        return self.details.get("family", "")
 
     def describe(self) -> dict:
         return dict(self.details)
@@ -63,13 +69,14 @@ class RemoteEngineClient(EngineClient):
     def num_waiting(self) -> int:
         return sum(1 for s in self._live.values() if not s.started)
 
-    async def submit(self, prompt, params, model=None, progress=True):
+    async def submit(self, prompt, params, model=None, progress=True, request_id=None):
         if self._closed:
             raise EngineDeadError("the server is shutting down")
         name = model if model is not None else next(iter(self.models)) if len(self.models) == 1 else None
         key = route_key(name, params, self.defaults.get(name)) if name is not None else None
         gen = self.handle.options(stream=True).generate.remote(prompt, params, model=model, route_key=key,
-                                                               origin=self.origin, progress=progress)
+                                                               origin=self.origin, progress=progress,
+                                                               request_id=request_id)
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
@@ -83,6 +90,66 @@ class RemoteEngineClient(EngineClient):
         stream = _Stream(gen, first.replica)
         self._live[first.request_id] = stream
         return first.request_id, stream
+
+    async def speak(self, model, text, voice, speed=1.0, seed=None, steps=None, stream=True):
+        """The utterance runs in one replica (its talker and its DiT chunks); its pieces stream back."""
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+        gen = self.handle.options(stream=True).speak.remote(
+            model, text, voice, speed, seed, steps, stream,
+            route_key=route_key(model, None, self.defaults.get(model)), origin=self.origin)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise EngineDeadError("the engine replica closed the utterance's stream before taking it") from None
+        except RayTaskError as e:
+            raise EngineDeadError(f"the engine replica failed to take the utterance: {e.cause!r}") from None
+        except RayError as e:
+            raise EngineDeadError(f"no engine replica could take the utterance: {type(e).__name__}") from None
+        if isinstance(first, Rejected):
+            raise first.error()
+        if not isinstance(first, SpeechStart):
+            raise EngineDeadError(f"the engine replica answered the utterance with {type(first).__name__}")
+        return first, self._pieces(first.request_id, gen)
+
+    @staticmethod
+    async def _pieces(rid: str, gen):
+        """The utterance's audio pieces; a failure in the replica is raised here as the same error."""
+        done = False
+        try:
+            while True:
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    done = True
+                    return
+                except RayTaskError as e:
+                    raise RequestFailedError(rid, f"engine replica error: {e.cause!r}") from None
+                except RayError as e:
+                    raise EngineDeadError(f"the engine replica died while speaking utterance {rid} "
+                                          f"({type(e).__name__}); send it again (with the same seed it gives the "
+                                          "same audio)") from None
+                if isinstance(item, Failed):
+                    done = True
+                    raise item.error()
+                yield item
+        finally:
+            if not done:
+                gen.cancel()  # the replica's stream is cancelled, which aborts the utterance there
+
+    async def resolve(self, prompt, params, model=None):
+        """Resolved by the least loaded replica (every replica holds the same models)."""
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+        try:
+            result = await self.handle.resolve.remote(prompt, params, model=model)
+        except RayTaskError as e:
+            raise EngineDeadError(f"the engine replica failed to check the request: {e.cause!r}") from None
+        except RayError as e:
+            raise EngineDeadError(f"no engine replica could check the request: {type(e).__name__}") from None
+        if isinstance(result, Rejected):
+            raise result.error()
+        return result
 
     async def events(self, rid, stream: _Stream):
         final = False
@@ -134,6 +201,12 @@ class RemoteEngineClient(EngineClient):
         results = await self.handle.broadcast("metrics_text").results_async(
             timeout_s=STATS_TIMEOUT_S, return_exceptions=True)
         return [r for r in results if not isinstance(r, BaseException)]
+
+    async def engine_stats(self) -> dict:
+        """The engine panel's numbers over every live replica (see ``stats_merge``)."""
+        found = await self.handle.broadcast("engine_stats").results_async(timeout_s=STATS_TIMEOUT_S,
+                                                                         return_exceptions=True)
+        return merge_snapshots([s for s in found if not isinstance(s, BaseException)])
 
     async def replica_stats(self) -> dict:
         """Every engine replica's ``stats()``, and every shared thinker stage's."""

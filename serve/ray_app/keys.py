@@ -3,7 +3,10 @@
 A replica batches requests whose batch key matches (model, height, width, frames, dtype; see
 ``Family.batch_key``). The ingress cannot resolve a request's defaults without the model, so each
 replica tells it every model's default size once (``route_defaults``) and the ingress fills them in.
-Replicas report their live requests under the same keys. No Ray import here.
+Models without a size (text-to-audio, TTS, robot policies) batch every request of the model together
+(their batch key is the model and its fixed latent length), so their key, ``"MODEL|-x-x1"``, is right
+for them too; a video's key carries its frames. Replicas report their live requests under the same
+keys. No Ray import here.
 """
 
 from __future__ import annotations

@@ -15,16 +15,18 @@ import os
 import torch
 from ray import serve
 
-from dit_core import AsyncEngine, Engine, EngineConfig, OmniditError
+from dit_core import AsyncEngine, Engine, EngineConfig, OmniditError, RequestFailedError
 from dit_core.families import load_family
 from dit_core.quantize import apply_quant
 from dit_core.request import EventKind
 
+from ..client import LocalEngineClient
+from ..live_stats import LiveStats
 from ..metrics import Metrics
 from .keys import route_defaults, route_key
 from .options import ScaleOutConfig
 from .thinker import remote_thinker
-from .wire import Accepted, rejection
+from .wire import Accepted, failure, rejection
 
 
 class EngineReplica:
@@ -39,7 +41,9 @@ class EngineReplica:
             remote[name] = remote_thinker(cfg.models[name], handle, info)
         engine = await asyncio.to_thread(build_engine, cfg.models, cfg.engine, remote)
         self.engine = AsyncEngine(engine)
+        self.local = LocalEngineClient(self.engine)  # TTS runs here, as in the single-process server
         self.metrics = Metrics(self.engine)
+        self.live_stats = LiveStats(self.engine)  # the playground's engine panel, merged at the ingress
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.shutdown_timeout_s = cfg.shutdown_timeout_s
         self.live: dict[str, tuple[str, str | None]] = {}  # request id -> (routing key, origin)
@@ -48,11 +52,11 @@ class EngineReplica:
         self.engine.step_listeners.append(self._on_step)
 
     async def generate(self, prompt, params=None, model: str | None = None, route_key: str | None = None,
-                       origin: str | None = None, progress: bool = True):
+                       origin: str | None = None, progress: bool = True, request_id: str | None = None):
         """First an ``Accepted`` (or a rejection naming the bad field), then the request's events.
         ``progress=False`` sends only the first step event and the final one."""
         try:
-            rid, events = self.engine.submit(prompt, params, model=model)
+            rid, events = self.engine.submit(prompt, params, request_id=request_id, model=model)
         except OmniditError as e:
             yield rejection(e)
             return
@@ -72,6 +76,39 @@ class EngineReplica:
             self.live.pop(rid, None)
             if not final:
                 self.engine.abort(rid, "client went away")
+
+    async def speak(self, model: str, text: str, voice: str, speed: float = 1.0, seed: int | None = None,
+                    steps: int | None = None, stream: bool = True, route_key: str | None = None,
+                    origin: str | None = None):
+        """A TTS utterance: first its ``SpeechStart`` (or a rejection naming the bad field), then its
+        audio pieces, or a ``Failed`` that ends them. Its talker runs in this replica
+        (``EngineClient.speak`` of the in-process client); cancelling the stream aborts the utterance."""
+        try:
+            start, pieces = await self.local.speak(model, text, voice, speed, seed, steps, stream)
+        except OmniditError as e:
+            yield rejection(e)
+            return
+        key = route_key or self._route_key(model, None)
+        self.live[start.request_id] = (key, origin)
+        self.accepted[key] += 1
+        try:
+            yield start
+            try:
+                async for piece in pieces:
+                    yield piece
+            except RequestFailedError as e:
+                yield failure(e)
+        finally:  # finished, failed, or the caller cancelled the stream (its HTTP client went away)
+            self.live.pop(start.request_id, None)
+            await pieces.aclose()  # aborts the utterance (talker and chunks) unless it finished
+
+    async def resolve(self, prompt, params=None, model: str | None = None):
+        """The request's resolved ``SamplingParams`` (defaults and seed filled in), or a rejection."""
+        try:
+            request = await asyncio.to_thread(self.engine.engine.make_request, prompt, params, None, model)
+        except OmniditError as e:
+            return rejection(e)
+        return request.params
 
     def describe(self) -> dict:
         """Per model: its kind, ``describe()`` details and default size (for routing keys)."""
@@ -99,6 +136,10 @@ class EngineReplica:
                 "lm_parameters": sum(p.numel() for t in thinkers.values() if t is not None
                                      for p in getattr(getattr(t, "model", None), "parameters", list)())}
 
+    def engine_stats(self) -> dict:
+        """This replica's ``LiveStats.snapshot()`` (``GET /v1/engine/stats`` merges every replica's)."""
+        return {"replica": self.replica_id, **self.live_stats.snapshot()}
+
     def metrics_text(self) -> tuple[str, str]:
         """(replica id, this replica's Prometheus text)."""
         return self.replica_id, self.metrics.render().decode()
@@ -108,6 +149,8 @@ class EngineReplica:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self):
+        for service in getattr(getattr(self, "local", None), "speech", {}).values():
+            service.close()
         engine = getattr(self, "engine", None)
         if engine is not None and engine.is_alive:
             engine.shutdown(drain_timeout_s=self.shutdown_timeout_s)

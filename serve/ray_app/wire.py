@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dit_core import EngineDeadError, InvalidParamError, OmniditError
+from dit_core import EngineDeadError, InvalidParamError, OmniditError, RequestFailedError
+from dit_core.errors import failed_error
 
 
 @dataclass
@@ -31,6 +32,25 @@ class Rejected:
         if self.kind == "dead":
             return EngineDeadError(self.message)
         return OmniditError(self.message)
+
+
+@dataclass
+class Failed:
+    """A request that failed in the replica after it was accepted (e.g. its TTS talker died): raised at
+    the ingress as the same ``RequestFailedError`` (``StageUnavailableError`` with ``retry_after_s``)."""
+
+    request_id: str
+    message: str  # the error's text, word for word
+    retry_after_s: float | None = None
+
+    def error(self) -> RequestFailedError:
+        e = failed_error(self.request_id, "", self.retry_after_s)
+        e.args = (self.message,)
+        return e
+
+
+def failure(e: RequestFailedError) -> Failed:
+    return Failed(e.request_id, str(e), getattr(e, "retry_after_s", None))
 
 
 def rejection(e: OmniditError) -> Rejected:

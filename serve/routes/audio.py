@@ -2,6 +2,8 @@
 
 The text-to-speech routes (``/v1/audio/speech``, ``/v1/audio/voices``) live in ``speech.py``.
 Models are found by the engine's model names; a model of the wrong kind is a 400 naming ``model``.
+Everything goes through ``app.state.client`` (an ``EngineClient``), so these routes work the same on
+an in-process engine and on Ray Serve engine replicas.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.audio import content_type, encode
 
-from ..client import local_engine
 from ..errors import APIError
 from ..guards import check_prompts, check_steps, faults_of
 from .images import _until_final
@@ -45,7 +46,7 @@ def find_model(request: Request, name: str | None, kind: str, route: str, check=
     """The engine's name for the model a request names (None: the only model of ``kind``); 404 for
     an unknown model, 400 for one of another kind (or one ``check(family)`` rejects)."""
     state = request.app.state
-    models = local_engine(state, route).engine.models
+    models = state.client.models  # name -> an object with output_kind, name (its family) and describe()
     settings = state.settings
     if name is None:
         fitting = [n for n, f in models.items() if f.output_kind == kind and (check is None or check(f))]
@@ -66,10 +67,15 @@ def find_model(request: Request, name: str | None, kind: str, route: str, check=
     return name
 
 
+def is_speech(model) -> bool:
+    """Whether an engine model (a family, or a remote replica's description of one) is a TTS model."""
+    return model.name == "speech"
+
+
 def check_queue(state) -> None:
     """429 + Retry-After when too many requests wait for admission (as the image API)."""
-    engine, settings = local_engine(state, "the audio API"), state.settings
-    waiting = engine.num_unfinished - len(engine.engine.scheduler.running)
+    settings = state.settings
+    waiting = state.client.num_waiting()
     if waiting >= settings.max_queue:
         raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
                        None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
@@ -79,7 +85,7 @@ def check_queue(state) -> None:
 async def generate_audio(body: AudioGenerateRequest, request: Request):
     state = request.app.state
     name = find_model(request, body.model, "audio", "/v1/audio/generate",
-                      check=lambda f: getattr(f, "pipeline_class", "") != "OmniditSpeechPipeline")
+                      check=lambda f: not is_speech(f))
     check_prompts(state.settings, body)
     check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
@@ -87,13 +93,13 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
         params = SamplingParams(negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
                                 guidance_scale=body.guidance_scale, seed=body.seed,
                                 audio_end_in_s=body.seconds)
-        rid, events = await state.engine.submit_async(body.prompt, params, model=name)
+        rid, events = await state.client.submit(body.prompt, params, model=name, progress=False)
     except InvalidParamError as e:
         if e.field in ("audio_end_in_s", "audio_start_in_s"):
             raise APIError(400, f"seconds={body.seconds} is invalid: expected {e.allowed}", "invalid_request_error",
                            "seconds", "invalid_value") from None
         raise
-    event = await _until_final(state.engine, rid, events, request)
+    event = await _until_final(state.client, rid, events, request)
     faults_of(state).hit("output_encoding", [body.prompt])
     audio = await asyncio.to_thread(encode, event.output.outputs[0], body.response_format)
     wave = event.output.outputs[0]

@@ -25,6 +25,9 @@ WebsocketClientPolicy`` works unchanged (give it ``host="ws://HOST:PORT/v1/realt
    ``omnidit_ws_sessions_total``). The server reads at most one frame ahead: a frame sent before the
    answer to the previous one is answered next (a disconnect after it is then seen once that answer
    is done).
+
+Each observation goes through ``app.state.client`` (an ``EngineClient``): the socket works the same on
+an in-process engine and on Ray Serve engine replicas (each observation's request runs in a replica).
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ import numpy as np
 from fastapi import APIRouter, Request, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from dit_core import InvalidParamError, OmniditError
+from dit_core import EngineDeadError, InvalidParamError, OmniditError, RequestAbortedError
+from dit_core.errors import failed_error
+from dit_core.request import EventKind
 
-from ..client import local_engine
 from ..errors import APIError, count_error, error_response
 from ..models import resolve_model
 from ..openpi_wire import WireError, pack, unpack
@@ -107,7 +111,6 @@ async def robot_socket(ws: WebSocket):
                                  "invalid_request_error", None, "invalid_api_key"))
         return
     try:
-        local_engine(state, "the robot WebSocket")
         session = _open_session(ws)
     except APIError as e:
         count_error(ws.app, e.code or str(e.status))
@@ -118,9 +121,9 @@ async def robot_socket(ws: WebSocket):
         await _deny(ws, APIError(400, str(e), "invalid_request_error", e.field, "invalid_value"))
         return
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in (ws.scope.get("subprotocols") or ()) else None)
-    family = state.engine.engine.models[session.model]
     public = next(p for p, n in state.model_ids.items() if n == session.model)
-    await ws.send_bytes(pack({**family.metadata, "model": public, "session": session.describe()}))
+    await ws.send_bytes(pack({**_metadata(state.client.models[session.model]), "model": public,
+                              "session": session.describe()}))
     previous_end, receiving, answering = None, None, None
     try:
         while True:
@@ -170,9 +173,28 @@ async def _cancel(task: asyncio.Task) -> None:
 def _open_session(ws: WebSocket) -> RobotSession:
     state = ws.app.state
     name = resolve_model(state, ws.query_params.get("model"), "actions")
-    family = state.engine.engine.models[name]
-    return RobotSession.from_query(dict(ws.query_params), name, family.cfg.action_horizon,
-                                   state.settings.robot_deadline_ms)
+    horizon = state.client.models[name].describe()["action_horizon"]
+    return RobotSession.from_query(dict(ws.query_params), name, horizon, state.settings.robot_deadline_ms)
+
+
+def _metadata(model) -> dict:
+    """The policy's metadata for the client (``Pi0Family.metadata``: what ``describe()`` adds to the
+    kind, family and defaults every model describes)."""
+    return {k: v for k, v in model.describe().items() if k not in ("kind", "family", "defaults")}
+
+
+async def _generate(client, observation, params, model: str):
+    """One observation's request to completion through the ``EngineClient`` (as ``AsyncEngine.generate``);
+    cancelling it (the robot went away) leaves the event stream, which aborts the request."""
+    rid, events = await client.submit(observation, params, model=model, progress=False)
+    async for event in client.events(rid, events):
+        if event.kind == EventKind.FINISHED:
+            return event.output
+        if event.kind == EventKind.FAILED:
+            raise failed_error(rid, event.error, event.retry_after_s)
+        if event.kind == EventKind.ABORTED:
+            raise RequestAbortedError(rid, event.error)
+    raise EngineDeadError("the request's event stream ended without a final event")
 
 
 async def _answer(state, session: RobotSession, message: dict) -> dict:
@@ -188,7 +210,7 @@ async def _answer(state, session: RobotSession, message: dict) -> dict:
         session.reset()
         return {"reset": True}
     obs, params = session.request(frame)
-    output = await state.engine.generate(obs, params, model=session.model)
+    output = await _generate(state.client, obs, params, session.model)
     actions = np.asarray(output.actions, dtype=np.float32)
     session.answered(actions)
     m = output.metrics

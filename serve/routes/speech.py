@@ -6,6 +6,7 @@ stream_format=...)`` and ``with_streaming_response`` work unchanged. ``stream_fo
 finishes; ``sse`` sends ``speech.audio.delta`` events (base64 of the same bytes) and a final
 ``speech.audio.done``. FLAC cannot be streamed (its header carries the length), so it is sent
 whole, and is a 400 with ``sse``. A client that disconnects aborts its talker request and DiT chunks.
+The routes drive TTS through ``EngineClient.speak``: in process, or in a Ray Serve engine replica.
 
 Failures (e.g. the talker's engine process died): before any audio, the response is the error's HTTP
 status with the OpenAI error body (the first piece is awaited before the response starts); ``sse``
@@ -27,12 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dit_core import InvalidParamError, RequestAbortedError, RequestFailedError, StageUnavailableError
 from dit_core.audio import StreamEncoder, Waveform, content_type, encode
-from dit_core.audio.service import SpeechService
 
-from ..client import local_engine
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..guards import check_prompts, check_steps
-from .audio import check_queue, find_model
+from .audio import check_queue, find_model, is_speech
 
 router = APIRouter()
 DISCONNECT_POLL_S = 0.2
@@ -62,34 +61,30 @@ class SpeechRequestBody(BaseModel):
         return self.voice
 
 
-def speech_service(request: Request, name: str) -> SpeechService:
-    services = request.app.state.speech
-    if name not in services:
-        services[name] = SpeechService(request.app.state.engine, name)
-    return services[name]
-
-
-def _is_speech(family) -> bool:
-    return getattr(family, "pipeline_class", "") == "OmniditSpeechPipeline"
+def _note_first_bytes(state, model: str, rid: str) -> None:
+    """Server-side timeline of an in-process utterance (``SpeechService.timelines``); replicas keep their own."""
+    service = state.speech.get(model)
+    if service is not None:
+        service.timelines.setdefault(rid, {}).setdefault("first_bytes", time.perf_counter())
 
 
 @router.get("/v1/audio/voices")
 async def list_voices(request: Request, model: str | None = None):
-    models = local_engine(request.app.state, "/v1/audio/voices").engine.models
-    names = [find_model(request, model, "audio", "/v1/audio/voices", check=_is_speech)] if model else \
-        [n for n, f in models.items() if _is_speech(f)]
+    models = request.app.state.client.models
+    names = [find_model(request, model, "audio", "/v1/audio/voices", check=is_speech)] if model else \
+        [n for n, f in models.items() if is_speech(f)]
     data = []
     for name in names:
-        for voice, info in models[name].text.voices.items():
+        for voice, description in models[name].describe()["voices"].items():
             data.append({"id": voice, "object": "audio.voice", "name": voice, "model": name,
-                         "created_at": request.app.state.started, "description": info.get("description", "")})
+                         "created_at": request.app.state.started, "description": description})
     return {"object": "list", "data": data}
 
 
 @router.post("/v1/audio/speech")
 async def create_speech(body: SpeechRequestBody, request: Request):
     state = request.app.state
-    name = find_model(request, body.model, "audio", "/v1/audio/speech", check=_is_speech)
+    name = find_model(request, body.model, "audio", "/v1/audio/speech", check=is_speech)
     if body.instructions:
         raise APIError(400, "instructions are not supported by this model (it has no style control)",
                        "invalid_request_error", "instructions", "unsupported")
@@ -99,23 +94,23 @@ async def create_speech(body: SpeechRequestBody, request: Request):
     check_prompts(state.settings, body, ("input",))
     check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
-    service = speech_service(request, name)
-    req = service.request(body.input, body.voice_name(), body.speed, body.seed, steps=body.num_inference_steps)
     fmt = body.response_format
-    headers = {"X-Request-Id": req.id, "X-Sample-Rate": str(service.text.sample_rate), "Cache-Control": "no-cache"}
+    start, gen = await state.client.speak(name, body.input, body.voice_name(), body.speed, body.seed,
+                                          steps=body.num_inference_steps, stream=fmt != "flac")
+    headers = {"X-Request-Id": start.request_id, "X-Sample-Rate": str(start.sample_rate), "Cache-Control": "no-cache"}
     if fmt == "flac":  # whole: a FLAC stream could not say its length
-        audio = await _whole(service, req, request)
-        return Response(content=encode(Waveform(audio, service.text.sample_rate), fmt), media_type=content_type(fmt),
+        audio = await _watched(_whole(gen), start.request_id, request)
+        return Response(content=encode(Waveform(audio, start.sample_rate), fmt), media_type=content_type(fmt),
                         headers=headers)
     if body.stream_format == "sse":
-        return StreamingResponse(_sse(service, req, fmt), media_type="text/event-stream", headers=headers)
-    gen = service.stream(req)
+        return StreamingResponse(_sse(start, gen, fmt), media_type="text/event-stream", headers=headers)
     try:
-        first = await _watched(_first(gen), req, request)
+        first = await _watched(_first(gen), start.request_id, request)
     except BaseException:
         await gen.aclose()
         raise
-    return StreamingResponse(_bytes(service, req, fmt, gen, first), media_type=content_type(fmt), headers=headers)
+    return StreamingResponse(_bytes(state, name, start, fmt, gen, first), media_type=content_type(fmt),
+                             headers=headers)
 
 
 async def _first(gen):
@@ -125,20 +120,15 @@ async def _first(gen):
         return None
 
 
-async def _whole(service, req, request: Request):
-    """The utterance's whole audio; aborted if the client disconnects while it is being made."""
-
-    async def collect():
-        gen = service.stream(req, stream=False)
-        try:
-            return [piece async for piece in gen][0]
-        finally:
-            await gen.aclose()
-
-    return await _watched(collect(), req, request)
+async def _whole(gen):
+    """The utterance's whole audio (one piece: ``speak(..., stream=False)``)."""
+    try:
+        return [piece async for piece in gen][0]
+    finally:
+        await gen.aclose()
 
 
-async def _watched(coro, req, request: Request):
+async def _watched(coro, rid: str, request: Request):
     """``coro``'s result; cancelled (which aborts the utterance) if the client disconnects first."""
     task = asyncio.ensure_future(coro)
     try:
@@ -147,7 +137,7 @@ async def _watched(coro, req, request: Request):
             if not task.done() and await request.is_disconnected():
                 task.cancel()  # closing the stream aborts the talker request and its chunks
                 await asyncio.wait({task})  # it has left the stream before the caller closes it
-                raise RequestAbortedError(req.id, "client disconnected")
+                raise RequestAbortedError(rid, "client disconnected")
     except asyncio.CancelledError:
         task.cancel()
         raise
@@ -161,13 +151,13 @@ async def _pieces(gen, first):
         yield piece
 
 
-async def _bytes(service, req, fmt: str, gen, first):
-    enc = StreamEncoder(fmt, service.text.sample_rate, 1)
+async def _bytes(state, model: str, start, fmt: str, gen, first):
+    enc = StreamEncoder(fmt, start.sample_rate, 1)
     try:
         async for piece in _pieces(gen, first):
             data = enc.write(piece)
             if data:
-                service.timelines.setdefault(req.id, {}).setdefault("first_bytes", time.perf_counter())
+                _note_first_bytes(state, model, start.request_id)
                 yield data
         tail = enc.close()
         if tail:
@@ -176,9 +166,8 @@ async def _bytes(service, req, fmt: str, gen, first):
         await gen.aclose()  # a client that went away cancels us here: the utterance is aborted
 
 
-async def _sse(service, req, fmt: str):
-    enc = StreamEncoder(fmt, service.text.sample_rate, 1)
-    gen = service.stream(req)
+async def _sse(start, gen, fmt: str):
+    enc = StreamEncoder(fmt, start.sample_rate, 1)
     samples = 0
     try:
         try:
@@ -189,16 +178,15 @@ async def _sse(service, req, fmt: str):
                     yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
         except RequestFailedError as e:  # the stream ends with the error, as the image stream's does
             code = STAGE_UNAVAILABLE if isinstance(e, StageUnavailableError) else "generation_failed"
-            yield _event({"type": "error", "id": req.id, "error": {"message": scrub(str(e)), "type": "server_error",
-                                                                  "param": None, "code": code}})
+            yield _event({"type": "error", "id": start.request_id, "error": {
+                "message": scrub(str(e)), "type": "server_error", "param": None, "code": code}})
             return
         tail = enc.close()
         if tail:
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
-        words = len(req.words)
-        tokens = round(samples / service.text.hop)
-        yield _event({"type": "speech.audio.done",
-                      "usage": {"input_tokens": words, "output_tokens": tokens, "total_tokens": words + tokens}})
+        tokens = round(samples / start.hop)
+        yield _event({"type": "speech.audio.done", "usage": {"input_tokens": start.words, "output_tokens": tokens,
+                                                            "total_tokens": start.words + tokens}})
     finally:
         await gen.aclose()
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ..client import local_engine
-
 router = APIRouter()
 
 
 @router.get("/v1/engine/stats")
 async def engine_stats(request: Request) -> dict:
-    """Queue, batch size per step, steps/s, step-cache skips and prompt-cache hit rate, right now."""
+    """Queue, batch size per step, steps/s, step-cache skips and prompt-cache hit rate, right now. On
+    Ray Serve engine replicas: every replica's numbers merged, and each under ``replicas``."""
     live = request.app.state.live_stats
-    if live is None:  # engine replicas on Ray Serve: see GET /v1/replicas and /metrics instead
-        local_engine(request.app.state, "/v1/engine/stats")
+    if live is None:  # engine replicas: see serve/ray_app/stats_merge.py
+        return await request.app.state.client.engine_stats()
     return live.snapshot()

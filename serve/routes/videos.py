@@ -5,6 +5,8 @@ Bodies come as JSON or as a multipart / url-encoded form (the ``openai`` client 
 Beyond OpenAI's fields (prompt, model, seconds, size) a body may carry omnidit's: num_frames,
 fps, num_inference_steps, guidance_scale, negative_prompt, seed, max_sequence_length, use_cache.
 ``seconds`` x fps becomes the nearest frame count the model can make (Wan: 4k + 1).
+Everything goes through ``app.state.client`` (an ``EngineClient``): the routes work the same on an
+in-process engine and on Ray Serve engine replicas (jobs live in the ingress; their requests in a replica).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
 
-from ..client import local_engine
 from ..errors import APIError
 from ..guards import check_prompts, check_work, faults_of
 from ..video_jobs import StoreFullError, run_job
@@ -110,13 +111,14 @@ def pick_model(request: Request, name: str | None) -> tuple[str, str]:
     """(the engine's model name, the name clients see) of a video model, or a 400/404 naming ``model``.
     None means the server's model (the first video model when it holds several)."""
     state = request.app.state
-    models = local_engine(state, "the Videos API").engine.models
+    models = state.client.models
     single = len(models) == 1
+    default = next(iter(models))  # the engine's default model (its first)
     if name is None:
         videos = [n for n, f in models.items() if f.output_kind == "video"]
-        engine_name = state.engine.engine.default_model if single or not videos else videos[0]
+        engine_name = default if single or not videos else videos[0]
     elif single and name == state.settings.model_name:
-        engine_name = state.engine.engine.default_model
+        engine_name = default
     elif name in models:
         engine_name = name
     else:
@@ -133,14 +135,14 @@ def pick_model(request: Request, name: str | None) -> tuple[str, str]:
 
 def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, SamplingParams, int]:
     """Check a create body against the model: (engine model, public model, params, fps)."""
-    settings, engine = request.app.state.settings, request.app.state.engine
+    settings, client = request.app.state.settings, request.app.state.client
     check_prompts(settings, body)
     name, public = pick_model(request, body.model)
-    family = engine.engine.models[name]
-    fps = body.fps or getattr(family, "fps", 16)
+    details = client.models[name].describe()
+    fps = body.fps or details.get("fps", 16)
     frames = body.num_frames
     if frames is None and body.seconds is not None:
-        frames = frame_count(body.seconds, fps, family.describe().get("frame_step", 1))
+        frames = frame_count(body.seconds, fps, details.get("frame_step", 1))
     width, height = parse_size(body.size)
     params = SamplingParams(height=height, width=width, num_frames=frames, num_inference_steps=body.num_inference_steps,
                             guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt, seed=body.seed,
@@ -148,22 +150,22 @@ def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, Sampling
     return name, public, params, fps
 
 
-def submit(request: Request, body: VideoCreateRequest, name: str, params: SamplingParams):
-    """Queue the request in the engine (429 when the engine's queue is full); size errors name ``size``."""
+async def resolve(request: Request, body: VideoCreateRequest, name: str, params: SamplingParams) -> SamplingParams:
+    """Check the request against the engine's queue (429 when full) and the model (size errors name
+    ``size``); its resolved parameters (the size, frames and seed the video will have)."""
     state = request.app.state
-    engine = state.engine
-    waiting = engine.num_unfinished - len(engine.engine.scheduler.running)
+    waiting = state.client.num_waiting()
     if waiting >= state.settings.max_queue:
         raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
                        None, "queue_full", headers={"Retry-After": str(state.settings.retry_after_s)})
     try:
-        request_obj = engine.engine.make_request(body.prompt, params, model=name)
+        resolved = await state.client.resolve(body.prompt, params, model=name)
     except InvalidParamError as e:
         if e.field in ("height", "width") and body.size is not None:
             raise InvalidParamError("size", body.size, f"{e.field} {e.allowed}") from None
         raise
-    check_work(state.settings, request_obj.params)
-    return request_obj
+    check_work(state.settings, resolved)
+    return resolved
 
 
 def _mp4(fps: int, faults, prompt: str):
@@ -178,8 +180,7 @@ async def create_video(request: Request):
     state = request.app.state
     body = await read_body(request)
     name, public, params, fps = plan(request, body)
-    req = submit(request, body, name, params)
-    p = req.params
+    p = await resolve(request, body, name, params)
     try:
         job = state.videos.create(model=public, prompt=body.prompt, width=p.width, height=p.height,
                                   num_frames=p.num_frames, fps=fps)
@@ -187,11 +188,11 @@ async def create_video(request: Request):
         raise APIError(429, str(e), "rate_limit_error", None, "video_store_full",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
     try:
-        job.request_id, events = await state.engine.submit_async(body.prompt, p, request_id=job.id, model=name)
+        job.request_id, events = await state.client.submit(body.prompt, p, model=name, request_id=job.id)
     except BaseException:
         state.videos.delete(job.id)
         raise
-    job.task = asyncio.ensure_future(run_job(state.videos, state.engine, job, events,
+    job.task = asyncio.ensure_future(run_job(state.videos, state.client, job, events,
                                                  _mp4(fps, faults_of(state), body.prompt)))
     return job.to_dict()
 
@@ -202,11 +203,10 @@ async def create_video_sync(request: Request):
     state = request.app.state
     body = await read_body(request)
     name, _, params, fps = plan(request, body)
-    req = submit(request, body, name, params)
-    rid, events = await state.engine.submit_async(body.prompt, req.params, model=name)
-    event = await _until_final(state.engine, rid, events, request)
+    p = await resolve(request, body, name, params)
+    rid, events = await state.client.submit(body.prompt, p, model=name, progress=False)
+    event = await _until_final(state.client, rid, events, request)
     mp4 = await asyncio.to_thread(_mp4(fps, faults_of(state), body.prompt), event.output)
-    p = req.params
     return Response(mp4, media_type="video/mp4", headers={
         "X-Request-Id": rid, "X-Num-Frames": str(p.num_frames), "X-Fps": str(fps), "X-Seed": str(p.seed)})
 
@@ -253,7 +253,7 @@ async def delete_video(video_id: str, request: Request):
     state = request.app.state
     job = _job(request, video_id)
     if job.status in ("queued", "in_progress"):
-        state.engine.abort(job.request_id, "deleted by the client")
+        state.client.abort(job.request_id, "deleted by the client")
     if job.task is not None and not job.task.done():
         job.task.cancel()
     state.videos.delete(video_id)
