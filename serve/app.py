@@ -86,7 +86,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.state.settings = settings
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s, settings.max_file_bytes)
     app.state.metrics = client.make_metrics()
-    # the playground's engine panel reads the in-process engine (None on Ray Serve replicas: 501)
+    # the engine panel's live figures of the in-process engine (on Ray Serve replicas the stats route merges theirs)
     app.state.live_stats = LiveStats(engine) if isinstance(engine, AsyncEngine) else None
     app.state.videos = VideoJobStore(settings.video_dir, settings.max_videos, settings.max_video_bytes,
                                      settings.video_ttl_s)

@@ -149,15 +149,3 @@ class LocalEngineClient(EngineClient):
 
     def shutdown(self, drain_timeout_s=0.0):
         self.engine.shutdown(drain_timeout_s=drain_timeout_s)
-
-
-def local_engine(state, feature: str) -> AsyncEngine:
-    """The in-process ``AsyncEngine`` a route needs, or a 501 naming ``feature`` when the app serves
-    remote engine replicas (``omnidit serve --replicas``), where that route is not available yet."""
-    if state.engine is None:
-        from .errors import APIError
-
-        raise APIError(501, f"{feature} is not available on engine replicas (omnidit serve --replicas) yet; "
-                            "run a single-process server (no --replicas) for it",
-                       "invalid_request_error", None, "not_available_on_replicas")
-    return state.engine
