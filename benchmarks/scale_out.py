@@ -84,7 +84,10 @@ def batch_totals(url: str) -> tuple[int, int]:
 
 
 async def closed_loop(url: str, model: str, sizes, steps: int, seconds: float) -> dict:
-    """CLIENTS clients, each sending its next request when the last one returns, for ``seconds``."""
+    """CLIENTS clients, each sending its next request when the last one returns, for ``seconds``;
+    then the run waits for the requests in flight. Throughput is every image over the time until the
+    last one returned: counting only what finished inside the window would drop whole batches of a
+    model whose batch takes longer than the window (small FLUX at 16 rows: ~20 s here)."""
     latencies, images, errors = [], 0, 0
     stop = time.perf_counter() + seconds
 
@@ -99,16 +102,15 @@ async def closed_loop(url: str, model: str, sizes, steps: int, seconds: float) -
             if r.status_code != 200:
                 errors += 1
                 continue
-            if time.perf_counter() <= stop:  # count what finished inside the window
-                latencies.append(time.perf_counter() - start)
-                images += 1
+            latencies.append(time.perf_counter() - start)
+            images += 1
 
     forwards0, batched0 = batch_totals(url)
     limits = httpx.Limits(max_connections=2 * CLIENTS, max_keepalive_connections=2 * CLIENTS)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         began = time.perf_counter()
         await asyncio.gather(*(client(i, http) for i in range(CLIENTS)))
-        wall = min(time.perf_counter(), stop) - began
+        wall = time.perf_counter() - began
     forwards1, batched1 = batch_totals(url)
     forwards = forwards1 - forwards0
     return {"images_per_s": images / wall, "images": images, "errors": errors, **percentiles(latencies or [0.0]),
