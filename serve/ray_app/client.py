@@ -77,19 +77,26 @@ class RemoteEngineClient(EngineClient):
         gen = self.handle.options(stream=True).generate.remote(prompt, params, model=model, route_key=key,
                                                                origin=self.origin, progress=progress,
                                                                request_id=request_id)
-        try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            raise EngineDeadError("the engine replica closed the request's stream before taking it") from None
-        except RayTaskError as e:
-            raise EngineDeadError(f"the engine replica failed to take the request: {e.cause!r}") from None
-        except RayError as e:
-            raise EngineDeadError(f"no engine replica could take the request: {type(e).__name__}") from None
-        if isinstance(first, Rejected):
-            raise first.error()
+        first = await self._taken(gen, "request")
         stream = _Stream(gen, first.replica)
         self._live[first.request_id] = stream
         return first.request_id, stream
+
+    @staticmethod
+    async def _taken(gen, what: str):
+        """The stream's first item (whether the replica took the request); a rejection or a replica
+        that could not take it is raised here as the same typed error the single-process server gives."""
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise EngineDeadError(f"the engine replica closed the {what}'s stream before taking it") from None
+        except RayTaskError as e:
+            raise EngineDeadError(f"the engine replica failed to take the {what}: {e.cause!r}") from None
+        except RayError as e:
+            raise EngineDeadError(f"no engine replica could take the {what}: {type(e).__name__}") from None
+        if isinstance(first, Rejected):
+            raise first.error()
+        return first
 
     async def speak(self, model, text, voice, speed=1.0, seed=None, steps=None, stream=True):
         """The utterance runs in one replica (its talker and its DiT chunks); its pieces stream back."""
@@ -98,16 +105,7 @@ class RemoteEngineClient(EngineClient):
         gen = self.handle.options(stream=True).speak.remote(
             model, text, voice, speed, seed, steps, stream,
             route_key=route_key(model, None, self.defaults.get(model)), origin=self.origin)
-        try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            raise EngineDeadError("the engine replica closed the utterance's stream before taking it") from None
-        except RayTaskError as e:
-            raise EngineDeadError(f"the engine replica failed to take the utterance: {e.cause!r}") from None
-        except RayError as e:
-            raise EngineDeadError(f"no engine replica could take the utterance: {type(e).__name__}") from None
-        if isinstance(first, Rejected):
-            raise first.error()
+        first = await self._taken(gen, "utterance")
         if not isinstance(first, SpeechStart):
             raise EngineDeadError(f"the engine replica answered the utterance with {type(first).__name__}")
         return first, self._pieces(first.request_id, gen)
