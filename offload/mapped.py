@@ -17,6 +17,8 @@ one case this cannot catch; the read path, ``sources.DiskSource``, has no such c
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -29,6 +31,12 @@ from .errors import WeightFileError
 from .safetensors_file import TensorEntry
 
 PAGE = mmap.PAGESIZE
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+except (OSError, AttributeError):  # no libc with mincore: every block is warmed
+    _LIBC = None
+WARM_CHUNK = 8 << 20  # bytes mapped at once while warming a block (a multiple of PAGE)
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; older kernels: touch instead
 
 
@@ -45,6 +53,21 @@ class _Mapping:
             self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
+        with warnings.catch_warnings():  # the mapping's address, for mincore (never written through)
+            warnings.simplefilter("ignore", UserWarning)
+            self.address = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+
+    def cached(self, start: int, stop: int) -> bool:
+        """Whether every page of [start, stop) is in the page cache (``mincore``; False where it
+        cannot tell, e.g. without the right to write the file, which mincore then requires)."""
+        if _LIBC is None or self.size == 0:
+            return False
+        stop = min(stop, self.size)
+        pages = -(-(stop - start) // PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        if _LIBC.mincore(ctypes.c_void_p(self.address + start), ctypes.c_size_t(stop - start), vec) != 0:
+            return False
+        return b"\x00" not in bytes(vec)  # bit 0: cached (the kernel sets no other bit)
 
 
 class MappedSource:
@@ -72,20 +95,53 @@ class MappedSource:
                 m = self._maps[path] = _Mapping(path)  # the old map closes once no tensor uses it
             return m
 
-    def host_tensors(self, k: int) -> dict[str, torch.Tensor]:
+    def host_tensors(self, k: int, populate: bool = True) -> dict[str, torch.Tensor]:
+        """Block k's tensors as views of the mapped files (each file checked once: present, same
+        inode and size, long enough); ``populate``: map their pages now (else they come into the
+        resident set when first touched, or with ``populate``)."""
+        need: dict[Path, int] = {}
+        for e in self.blocks[k].values():
+            need[e.file] = max(need.get(e.file, 0), e.start + e.nbytes)
+        maps = {path: self._mapping(path, end) for path, end in need.items()}
         out = {}
-        for name, e in self.blocks[k].items():
-            m = self._mapping(e.file, e.start + e.nbytes)
-            with warnings.catch_warnings():  # read-only pages: weights are never written
-                warnings.simplefilter("ignore", UserWarning)
-                t = torch.frombuffer(m.map, dtype=e.dtype, count=e.nbytes // e.dtype.itemsize, offset=e.start)
-            out[name] = t.view(e.shape)
-        for m, start, stop in self._ranges(k):
-            self._prefault(m, start, stop)
+        with warnings.catch_warnings():  # read-only pages: weights are never written
+            warnings.simplefilter("ignore", UserWarning)
+            for name, e in self.blocks[k].items():
+                t = torch.frombuffer(maps[e.file].map, dtype=e.dtype, count=e.nbytes // e.dtype.itemsize,
+                                     offset=e.start)
+                out[name] = t.view(e.shape)
+        if populate:
+            self.populate(k)
         return out
 
+    def populate(self, k: int, keys=None) -> None:
+        """Map block k's pages (of the tensors named ``keys``: all by default) into the process,
+        reading them from disk if they are not cached."""
+        for m, start, stop in self._ranges(k, keys):
+            self._prefault(m, start, stop)
+
+    def warm(self, k: int) -> dict[str, torch.Tensor]:
+        """Read block k into the page cache without keeping it in the process's resident set:
+        its pages are mapped and dropped again ``WARM_CHUNK`` bytes at a time, so the read is
+        done (synchronously, on the calling thread) when this returns while the process holds
+        at most one chunk of it. The block that computes next then only maps cached pages.
+        Returns the block's tensors (``host_tensors(k, populate=False)``), and raises
+        ``WeightFileError`` if a file of the block is missing or shorter than its header says."""
+        tensors = self.host_tensors(k, populate=False)  # checks the files (and maps a replaced one anew)
+        with self._lock:
+            ranges = list(self._ranges(k))
+        for m, start, stop in ranges:  # other ranges of a mapping, or the compute thread, are not held up
+            if m.cached(start, stop):  # mapping cached pages again would only cost CPU (the compute's)
+                continue
+            for lo in range(start, stop, WARM_CHUNK):
+                hi = min(stop, lo + WARM_CHUNK)
+                if not m.cached(lo, hi):
+                    self._prefault(m, lo, hi)
+                    m.map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        return tensors
+
     def _prefault(self, m: _Mapping, start: int, stop: int) -> None:
-        """Map the pages now, on the loader thread (reading them from disk if they are not cached)."""
+        """Map the pages now (reading them from disk if they are not cached)."""
         # WILLNEED reads the block's range into the page cache in large requests first (readahead
         # only fills the page cache, not the process's resident set). The mapping keeps the default
         # advice: with MADV_RANDOM, uncached pages were read 4 KiB at a time (measured ~4 MB/s here,
@@ -95,14 +151,18 @@ class MappedSource:
             try:
                 m.map.madvise(MADV_POPULATE_READ, start, stop - start)
                 return
-            except OSError:  # a kernel without MADV_POPULATE_READ
-                self._populate = False
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EFAULT: the file shrank under the mapping
+                    raise WeightFileError(m.path, f"unreadable while mapped ({e.strerror})") from None
+                self._populate = False  # a kernel without MADV_POPULATE_READ
         torch.frombuffer(m.map, dtype=torch.uint8, count=stop - start, offset=start)[::PAGE].sum()
 
-    def _ranges(self, k: int):
-        """Block k's bytes as page-aligned (mapping, start, stop) ranges, adjacent tensors merged."""
+    def _ranges(self, k: int, keys=None):
+        """Block k's bytes (of the tensors named ``keys``: all by default) as page-aligned
+        (mapping, start, stop) ranges, adjacent tensors merged."""
         by_file: dict[Path, list[tuple[int, int]]] = {}
-        for e in self.blocks[k].values():
+        entries = self.blocks[k]
+        for e in entries.values() if keys is None else (entries[key] for key in keys):
             by_file.setdefault(e.file, []).append((e.start - e.start % PAGE, e.start + e.nbytes))
         for path, spans in by_file.items():
             m = self._maps.get(path)
@@ -130,10 +190,13 @@ class MappedSource:
             if m is None or m is not self._mapping(path, end):
                 raise WeightFileError(path, "changed while its block was loaded")
 
-    def release(self, k: int) -> None:
-        """Drop block k's pages from the resident set (the data stays in the file and the page cache)."""
+    def release(self, k: int, keys=None) -> None:
+        """Drop block k's pages (of the tensors named ``keys``: all by default) from the resident
+        set. The data stays in the file and the page cache: a page touched again (a neighbour's,
+        sharing a page at a range's edge) is mapped again from there, so this never changes
+        what is read."""
         with self._lock:
-            for m, start, stop in self._ranges(k):
+            for m, start, stop in self._ranges(k, keys):
                 m.map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def read_into(self, k: int, outs: dict[str, torch.Tensor]) -> int:

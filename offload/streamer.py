@@ -13,7 +13,11 @@ memory stays bounded by construction: no allocator churn, nothing left to releas
 the loader thread reads into pinned staging buffers and copies on a side stream with
 ``non_blocking=True``; the compute stream waits on the copy's event, and a slot is reused
 only after an event recorded when its block finished computing. On CPU a host-tier source
-is zero-copy (host memory is the device's) and a disk-tier source is read into the slot.
+is zero-copy (host memory is the device's) and a disk-tier source is read into the slot,
+or, mapped (``offload.mapped``), read ahead into the page cache only: then the process holds
+just the computing part of a block (a submodule holding weights, e.g. one linear layer),
+whose cached pages are mapped when it runs and dropped when it returns. Weights read
+outside their part's forward are mapped on first touch and dropped with their block.
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ class StreamStats:
     load_s: float = 0.0
     wait_s: float = 0.0
     waits: int = 0
+    map_s: float = 0.0  # compute-thread time mapping cached pages of warmed blocks' parts
     trace: list | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def as_dict(self) -> dict:
         return {"loads": self.loads, "bytes": self.bytes, "load_s": self.load_s, "wait_s": self.wait_s,
-                "waits": self.waits}
+                "waits": self.waits, "map_s": self.map_s}
 
     def record(self, kind: str, block: int, start: float, end: float) -> None:
         if self.trace is not None:
@@ -93,6 +98,13 @@ class BlockStreamer:
         self._slots: list[torch.Tensor | None] = [self._new_slot(self.device) for _ in range(self.nslots)]
         if getattr(source, "zero_copy", False) and self.device.type == "cpu":
             self._slots = [None] * self.nslots  # zero-copy: blocks are the source's own tensors
+        # A mapped disk tier (CPU) holds no more than the computing part of a block in the process:
+        # the blocks ahead are read into the page cache (``warm``), each part (a submodule holding
+        # weights) maps its cached pages when it runs and drops them when it returns.
+        self._part_keys: dict[int, list[str]] = {}
+        for plist in self.params:
+            for p in plist:
+                self._part_keys.setdefault(id(p.module), []).append(p.key)
         self._free = list(range(self.nslots - 1, -1, -1))
         self._pending: dict[int, tuple[int, Future]] = {}
         self._loaded: dict[int, int] = {}  # block -> slot
@@ -111,6 +123,7 @@ class BlockStreamer:
             for module in block.modules():
                 if module is not block and module._parameters:
                     self._hooks.append(module.register_forward_pre_hook(partial(self._before_part, k)))
+                    self._hooks.append(module.register_forward_hook(partial(self._after_part, k)))
 
     # ---- layout ----
 
@@ -149,6 +162,22 @@ class BlockStreamer:
     def _before_part(self, k: int, module, args) -> None:
         if k not in self._loaded:
             self._advance(k)
+        keys = self._part_keys.get(id(module))  # none: a part whose weights another part owns (tied)
+        if keys and self.warm_ahead:  # this part's cached pages, mapped in one call, not page by page
+            start = time.perf_counter()
+            self.source.populate(k, keys)
+            self.stats.map_s += time.perf_counter() - start
+
+    def _after_part(self, k: int, module, args, output) -> None:
+        keys = self._part_keys.get(id(module))
+        if keys and self.warm_ahead:
+            self.source.release(k, keys)
+
+    @property
+    def warm_ahead(self) -> bool:
+        """Whether blocks ahead go to the page cache only (a mapped disk tier on CPU, not ``:all``)."""
+        return (self.device.type == "cpu" and not self.keep_all and getattr(self.source, "zero_copy", False)
+                and hasattr(self.source, "warm"))
 
     def _before_block(self, k: int, module, args) -> None:
         self._advance(k)
@@ -243,6 +272,8 @@ class BlockStreamer:
         start = time.perf_counter()
         if self._cuda:
             tensors, ready, nbytes = self._load_cuda(k, slot)
+        elif self.warm_ahead:
+            tensors, ready, nbytes = self.source.warm(k), None, self.block_bytes(k)
         elif getattr(self.source, "zero_copy", False):
             tensors, ready = self.source.host_tensors(k), None
             nbytes = 0 if self.source.tier == "host" else self.block_bytes(k)
