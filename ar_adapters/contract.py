@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +32,17 @@ class TalkerEvent:
     finish_reason: str | None = None
 
 
-def run_to_end(talker, prompts: list[list[int]], max_tokens: int = 256,
+def run_to_end(talker, prompts: list[list[int]], max_tokens: "int | list[int]" = 256,
                stop_token_ids: list[int] | None = None) -> list[list[int]]:
     """Every prompt's whole token sequence, in prompt order, through a talker's incremental
-    ``add`` / ``step`` (the ``generate_all`` of the talkers that step in-process)."""
-    names = [f"all-{i}-{id(prompts)}" for i in range(len(prompts))]
-    for name, prompt in zip(names, prompts):
-        talker.add(name, prompt, max_tokens, stop_token_ids)
+    ``add`` / ``step`` (the ``generate_all`` of the talkers that step in-process).
+    ``max_tokens``: one limit for all, or one per prompt."""
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(limits) != len(prompts):
+        raise ValueError(f"max_tokens: {len(limits)} limits for {len(prompts)} prompts")
+    names = [f"all-{uuid.uuid4().hex}" for _ in prompts]
+    for name, prompt, limit in zip(names, prompts, limits):
+        talker.add(name, prompt, limit, stop_token_ids)
     tokens: dict[str, list[int]] = {n: [] for n in names}
     pending = set(names)
     while pending:

@@ -67,3 +67,18 @@ def full_block_evals(engine: Engine, since_step: int = 0) -> int:
     the scheduler put in each forward times the transformer's blocks."""
     steps = engine.stats.steps - since_step
     return sum(list(engine.stats.batch_rows)[-steps:]) * engine.family.num_blocks if steps else 0
+
+
+def engine_maker(model: str, max_batch_size: int):
+    """``get(policy, **config)``: one Engine per (policy, config) on ``model``, made on first use and
+    shared by the tests of a module; each must hand it back with nothing unfinished."""
+    made = {}
+
+    def get(policy: str, **kw) -> Engine:
+        key = (policy, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = Engine.from_pretrained(model, policy=policy, max_batch_size=max_batch_size, **kw)
+        assert not made[key].has_unfinished()
+        return made[key]
+
+    return get

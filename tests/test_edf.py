@@ -4,21 +4,12 @@ import pytest
 
 from dit_core import Engine, InvalidParamError, SamplingParams
 from dit_core.request import EventKind
-from tests.helpers import params
+from tests.helpers import engine_maker, params
 
 
 @pytest.fixture(scope="module")
 def engine_for(tiny_models):
-    made = {}
-
-    def get(policy: str, **kw) -> Engine:
-        key = (policy, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = Engine.from_pretrained(tiny_models["flux"], policy=policy, max_batch_size=4, **kw)
-        assert not made[key].has_unfinished()
-        return made[key]
-
-    return get
+    return engine_maker(tiny_models["flux"], max_batch_size=4)
 
 
 FINALS: dict = {}  # request id -> final event, across the helpers below

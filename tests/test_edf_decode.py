@@ -12,22 +12,18 @@ import torch
 from dit_core import AsyncEngine, Engine, EngineConfig, InvalidParamError
 from dit_core.request import EventKind
 from dit_core.scheduler import DECODE
-from tests.helpers import params
+from tests.helpers import engine_maker, params
 
 URGENT = dict(height=48, width=48, num_inference_steps=2, deadline_ms=1e5)  # another batch key
 
 
 @pytest.fixture(scope="module")
 def engine_for(tiny_models):
-    made = {}
+    make = engine_maker(tiny_models["flux"], max_batch_size=8)
 
     def get(policy: str, **kw) -> Engine:
-        key = (policy, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = Engine.from_pretrained(tiny_models["flux"], policy=policy, max_batch_size=8, **kw)
-        engine = made[key]
-        assert not engine.has_unfinished()
-        engine.poll = None
+        engine = make(policy, **kw)
+        engine.poll = None  # a test's arrival hook does not outlive it
         return engine
 
     return get

@@ -22,6 +22,8 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from ar_adapters.contract import run_to_end
+
 from ..errors import RequestFailedError, failed_error
 from ..params import SamplingParams
 from ..request import EventKind
@@ -66,7 +68,7 @@ def synthesize(engine, requests: list[SpeechRequest], model: str | None = None) 
     text = family.text
     groups = [(i, g) for i, r in enumerate(requests) for g in text.groups(r.words)]
     prompts = [text.prompt(g, requests[i].voice, requests[i].speed) for i, g in groups]
-    talker_out = _talk_all(family.talker, prompts, [text.max_tokens(g) for _, g in groups], [text.special["eos"]])
+    talker_out = run_to_end(family.talker, prompts, [text.max_tokens(g) for _, g in groups], [text.special["eos"]])
     units_of = [[] for _ in requests]
     for (i, _), tokens in zip(groups, talker_out):
         units_of[i] += (text.gap(requests[i].speed) if units_of[i] else []) + text.to_units(tokens)
@@ -87,21 +89,6 @@ def synthesize(engine, requests: list[SpeechRequest], model: str | None = None) 
         tail = asm.finish()
         result.append(np.concatenate(pieces + ([tail] if tail is not None else []), axis=1))
     return result
-
-
-def _talk_all(talker, prompts, max_tokens, stop):
-    names = [f"sync-{uuid.uuid4().hex}" for _ in prompts]
-    for name, prompt, n in zip(names, prompts, max_tokens):
-        talker.add(name, prompt, n, stop)
-    tokens = {n: [] for n in names}
-    live = set(names)
-    while live:
-        for ev in talker.step():
-            if ev.request_id in tokens:
-                tokens[ev.request_id] += ev.token_ids
-                if ev.finished:
-                    live.discard(ev.request_id)
-    return [tokens[n] for n in names]
 
 
 @dataclass
