@@ -90,3 +90,23 @@ def test_bfloat16_equals_the_bfloat16_pipeline_batched_or_alone(tiny_models, eng
     # bf16 keeps ~3 significant digits: against fp32, every pixel stays within 0.05 (0.021 measured)
     low = torch.stack(bf16.generate(*specs[0])).float()
     assert (low - torch.stack(engines("flux").generate(*specs[0]))).abs().max().item() <= 0.05
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_requests_finishing_together_decode_within_the_pixel_budget(family, engines, monkeypatch):
+    """The VAE decodes the requests of one finishing step in calls of at most
+    ``decode_pixel_budget`` output pixels (a request alone always fits), with the images of one call."""
+    engine = engines(family)
+    fam = engine.family
+    specs = [(f"a cat {i}", params(num_inference_steps=2, seed=i, num_outputs=n)) for i, n in enumerate([1, 2, 1, 1])]
+    calls = []
+    original = fam.decode_latents
+    monkeypatch.setattr(fam, "decode_latents", lambda latents, p: calls.append(len(latents)) or original(latents, p))
+    whole, _ = run_staggered(engine, specs, arrivals=[0, 0, 0, 0])
+    assert calls == [5]  # 32 x 32: all five images in one call under the default budget
+    calls.clear()
+    monkeypatch.setattr(fam, "decode_pixel_budget", 2 * 32 * 32)
+    chunked, _ = run_staggered(engine, specs, arrivals=[0, 0, 0, 0])
+    assert calls == [1, 2, 2]  # [1 image], [2 images of one request], [1 + 1]
+    for i in range(len(specs)):
+        assert (assert_finished(chunked[i]) - assert_finished(whole[i])).abs().max().item() <= 1e-5, f"request {i}"

@@ -30,6 +30,10 @@ class DiffusersFamily(Family):
     defaults: ClassVar[dict]  # SamplingParams defaults of the diffusers pipeline
     max_text_tokens: ClassVar[int]
     supports_step_cache = True
+    # output pixels per VAE call (see decode_chunks); images: two 256 x 256 pictures, about the
+    # most this CPU decodes per call without a slower, cache-missing decode or a memory peak
+    # (8 rows of 256 x 256 in one call of the medium FLUX checkpoint's VAE added ~0.25 GB)
+    decode_pixel_budget: ClassVar[int] = 2 * 256 * 256
 
     def __init__(self, components: dict[str, Any], dtype: torch.dtype, device: torch.device,
                  checkpoint: dict | None = None):
@@ -42,6 +46,21 @@ class DiffusersFamily(Family):
         self.transformer = components["transformer"]
         self.vae = components["vae"]
         self.scheduler = components["scheduler"]
+
+    def decode_chunks(self, requests: list[Request]) -> list[list[Request]]:
+        """Consecutive groups whose outputs fit ``decode_pixel_budget`` together (outputs x frames x
+        height x width; a request alone always fits): the VAE decoder's activations grow with rows x
+        pixels, so this bounds a decode's memory whatever the batch."""
+        chunks, current, used = [], [], 0
+        for req in requests:
+            p = req.params
+            cost = p.num_outputs * (p.num_frames or 1) * p.height * p.width
+            if current and used + cost > self.decode_pixel_budget:
+                chunks.append(current)
+                current, used = [], 0
+            current.append(req)
+            used += cost
+        return chunks + [current] if current else chunks
 
     @classmethod
     def load(cls, path, index, dtype, device, thinker="auto", thinker_options=None) -> "DiffusersFamily":
@@ -202,14 +221,15 @@ class ImageFamily(DiffusersFamily):
         return (self.name, params.height, params.width, params.num_frames or 1, str(self.dtype))
 
     def decode(self, requests: list[Request]) -> list[list]:
-        """Decode ``requests`` (one latent shape) in one VAE call; per request its list of outputs.
+        """Decode ``requests`` (one latent shape) in VAE calls of at most ``decode_pixel_budget``
+        output pixels (``decode_chunks``); per request its list of outputs.
         ``output_type="latent"`` returns the final latents as the pipeline does."""
         pixel = [r for r in requests if r.params.output_type != "latent"]
         decoded = {}
-        if pixel:
+        for chunk in self.decode_chunks(pixel):
             with torch.no_grad():
-                images = self.decode_latents(torch.cat([r.latents for r in pixel]), pixel[0].params)
-            for req, outputs in zip(pixel, self.postprocess(images, pixel)):
+                images = self.decode_latents(torch.cat([r.latents for r in chunk]), chunk[0].params)
+            for req, outputs in zip(chunk, self.postprocess(images, chunk)):
                 decoded[req.id] = outputs
         return [decoded[r.id] if r.id in decoded else list(r.latents) for r in requests]
 

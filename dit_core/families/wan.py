@@ -210,19 +210,6 @@ class WanFamily(DiffusersFamily):
                 start += n
         return [out[r.id] for r in requests]
 
-    def decode_chunks(self, requests: list[Request]) -> list[list[Request]]:
-        """Consecutive groups whose videos fit ``decode_pixel_budget`` together (a request alone always fits)."""
-        chunks, current, used = [], [], 0
-        for req in requests:
-            p = req.params
-            cost = p.num_outputs * p.num_frames * p.height * p.width
-            if current and used + cost > self.decode_pixel_budget:
-                chunks.append(current)
-                current, used = [], 0
-            current.append(req)
-            used += cost
-        return chunks + [current] if current else chunks
-
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents [N, C, F', H', W'] -> videos in [-1, 1], [N, 3, F, H, W]."""
         vae = self.vae
