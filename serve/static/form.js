@@ -68,3 +68,41 @@ export function setOptions(select, options, preferred) {
   const want = [keep, preferred].map((v) => (v === undefined || v === null ? "" : String(v)));
   select.value = want.find((v) => values.includes(v)) ?? values[0] ?? "";
 }
+
+/** Width x height inputs sharing one hint and one error line (ids ``{prefix}-width`` / ``-height``);
+ * sets ``fields.size`` (the FormErrors entry: either input may be the one the server names). */
+export function sizeFieldset(prefix, fields) {
+  const hint = el("p", { class: "hint", id: `${prefix}-size-hint` });
+  const error = el("p", { class: "field-error", id: `${prefix}-size-error`, role: "alert" });
+  const side = (id, label) => {
+    const input = el("input", { id, name: id, type: "number", inputmode: "numeric", "aria-describedby": `${hint.id} ${error.id}` });
+    return [input, el("div", { class: "field" }, el("label", { for: id, text: label }), input)];
+  };
+  const [width, widthWrap] = side(`${prefix}-width`, "Width");
+  const [height, heightWrap] = side(`${prefix}-height`, "Height");
+  fields.size = { input: width, inputs: { width, height }, error, width, height, hint };
+  return el("fieldset", { class: "size" }, el("legend", { text: "Size in pixels" }),
+    el("div", { class: "row" }, widthWrap, el("span", { "aria-hidden": "true", text: "×" }), heightWrap), hint, error);
+}
+
+/** Fetch the chosen model's details (GET /v1/models/{id}) for a tab with ``api``, ``f`` (its
+ * fields, with ``model`` and ``size``), ``errors`` and ``onAuthError``; set the size inputs to
+ * the model's defaults and limits and return the details (undefined after an error, shown). */
+export async function loadModelLimits(tab) {
+  tab.errors.clear();
+  let details;
+  try {
+    details = (await tab.api.json(`v1/models/${encodeURIComponent(tab.f.model.input.value)}`)).details;
+  } catch (e) {
+    if (e.needsKey) tab.onAuthError(e);
+    tab.errors.show(e);
+    return undefined;
+  }
+  const defaults = details.defaults || {};
+  const { width, height, hint } = tab.f.size;
+  for (const [input, value] of [[width, defaults.width], [height, defaults.height]]) {
+    Object.assign(input, { value: value ?? "", min: details.size_multiple, step: details.size_multiple, max: details.max_side });
+  }
+  hint.textContent = `Multiples of ${details.size_multiple}, up to ${details.max_side}.`;
+  return details;
+}

@@ -2,7 +2,7 @@
 // request per submit (POST /v1/images/generations, "stream": true), several in flight at once.
 
 import { el } from "../dom.js";
-import { field, FormErrors } from "../form.js";
+import { field, FormErrors, loadModelLimits, onSubmit, sizeFieldset } from "../form.js";
 import { Job } from "../jobs.js";
 
 // the server's ``param`` names -> this form's fields
@@ -38,7 +38,7 @@ class ImageTab {
     });
     for (const m of models) f.model.input.append(el("option", { value: m.id, text: m.id }));
     f.model.input.addEventListener("change", () => this.loadModel());
-    const size = this.sizeFieldset();
+    const size = sizeFieldset("image", f);
     const submit = el("button", { type: "submit", class: "primary", text: "Generate" });
     this.general = el("p", { class: "field-error", id: "image-form-error", role: "alert" });
     this.form = el("form", { class: "card image-form", novalidate: "", "aria-label": "Image request" },
@@ -47,52 +47,18 @@ class ImageTab {
       el("div", { class: "row" }, submit, el("span", { class: "note", text: "Ctrl+Enter in a text box submits too." })),
       this.general);
     this.errors = new FormErrors(f, this.general, PARAMS);
-    this.form.addEventListener("submit", (e) => {
-      e.preventDefault();
-      this.submit();
-    });
-    this.form.addEventListener("keydown", (e) => {
-      if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
-        e.preventDefault();
-        this.submit();
-      }
-    });
+    onSubmit(this.form, () => this.submit());
     this.jobs = el("ol", { class: "jobs", "aria-label": "Image requests" });
     panel.append(this.form, this.jobs);
     this.loadModel();
   }
 
-  sizeFieldset() {
-    const hint = el("p", { class: "hint", id: "image-size-hint" });
-    const error = el("p", { class: "field-error", id: "image-size-error", role: "alert" });
-    const side = (id, label) => {
-      const input = el("input", { id, name: id, type: "number", inputmode: "numeric", "aria-describedby": `${hint.id} ${error.id}` });
-      return [input, el("div", { class: "field" }, el("label", { for: id, text: label }), input)];
-    };
-    const [width, widthWrap] = side("image-width", "Width");
-    const [height, heightWrap] = side("image-height", "Height");
-    this.f.size = { input: width, inputs: { width, height }, error, width, height, hint };
-    return el("fieldset", { class: "size" }, el("legend", { text: "Size in pixels" }),
-      el("div", { class: "row" }, widthWrap, el("span", { "aria-hidden": "true", text: "×" }), heightWrap), hint, error);
-  }
-
   /** Fetch the chosen model's defaults and limits and set the form to them. */
   async loadModel() {
-    const id = this.f.model.input.value;
-    this.errors.clear();
-    try {
-      this.details = (await this.api.json(`v1/models/${encodeURIComponent(id)}`)).details;
-    } catch (e) {
-      if (e.needsKey) this.onAuthError(e);
-      return this.errors.show(e);
-    }
+    this.details = await loadModelLimits(this);
+    if (!this.details) return;
     const d = this.details;
     const defaults = d.defaults || {};
-    const { width, height, hint } = this.f.size;
-    for (const [input, value] of [[width, defaults.width], [height, defaults.height]]) {
-      Object.assign(input, { value: value ?? "", min: d.size_multiple, step: d.size_multiple, max: d.max_side });
-    }
-    hint.textContent = `Multiples of ${d.size_multiple}, up to ${d.max_side}.`;
     Object.assign(this.f.steps.input, { value: defaults.num_inference_steps ?? "", min: d.min_steps ?? 1, max: d.max_steps ?? "" });
     Object.assign(this.f.n.input, { value: 1, max: d.max_outputs ?? "" });
     this.f.guidance.input.value = defaults[d.cfg_param] ?? "";

@@ -3,7 +3,7 @@
 // the MP4 (GET /v1/videos/{id}/content) when it is done. Cancel deletes the job, which aborts it.
 
 import { el } from "../dom.js";
-import { field, FormErrors, onSubmit } from "../form.js";
+import { field, FormErrors, loadModelLimits, onSubmit, sizeFieldset } from "../form.js";
 import { Job } from "../jobs.js";
 import { mediaFigure } from "../media.js";
 
@@ -47,7 +47,7 @@ class VideoTab {
     const submit = el("button", { type: "submit", class: "primary", text: "Generate video" });
     this.general = el("p", { class: "field-error", id: "video-form-error", role: "alert" });
     this.form = el("form", { class: "card video-form", novalidate: "", "aria-label": "Video request" },
-      f.model.wrap, f.prompt.wrap, f.negative.wrap, this.sizeFieldset(),
+      f.model.wrap, f.prompt.wrap, f.negative.wrap, sizeFieldset("video", f),
       el("div", { class: "row" }, f.frames.wrap, f.fps.wrap, f.steps.wrap, f.guidance.wrap, f.seed.wrap),
       el("div", { class: "row" }, submit, el("span", { class: "note", text: "Ctrl+Enter in a text box submits too." })),
       this.general);
@@ -58,37 +58,12 @@ class VideoTab {
     this.loadModel();
   }
 
-  sizeFieldset() {
-    const hint = el("p", { class: "hint", id: "video-size-hint" });
-    const error = el("p", { class: "field-error", id: "video-size-error", role: "alert" });
-    const side = (id, label) => {
-      const input = el("input", { id, name: id, type: "number", inputmode: "numeric", "aria-describedby": `${hint.id} ${error.id}` });
-      return [input, el("div", { class: "field" }, el("label", { for: id, text: label }), input)];
-    };
-    const [width, widthWrap] = side("video-width", "Width");
-    const [height, heightWrap] = side("video-height", "Height");
-    this.f.size = { input: width, inputs: { width, height }, error, width, height, hint };
-    return el("fieldset", { class: "size" }, el("legend", { text: "Size in pixels" }),
-      el("div", { class: "row" }, widthWrap, el("span", { "aria-hidden": "true", text: "×" }), heightWrap), hint, error);
-  }
-
   /** Fetch the chosen model's defaults and limits and set the form to them. */
   async loadModel() {
-    const id = this.f.model.input.value;
-    this.errors.clear();
-    try {
-      this.details = (await this.api.json(`v1/models/${encodeURIComponent(id)}`)).details;
-    } catch (e) {
-      if (e.needsKey) this.onAuthError(e);
-      return this.errors.show(e);
-    }
+    this.details = await loadModelLimits(this);
+    if (!this.details) return;
     const d = this.details;
     const defaults = d.defaults || {};
-    const { width, height, hint } = this.f.size;
-    for (const [input, value] of [[width, defaults.width], [height, defaults.height]]) {
-      Object.assign(input, { value: value ?? "", min: d.size_multiple, step: d.size_multiple, max: d.max_side });
-    }
-    hint.textContent = `Multiples of ${d.size_multiple}, up to ${d.max_side}.`;
     const k = d.frame_step || 1;
     Object.assign(this.f.frames.input, { value: defaults.num_frames ?? "", min: k + 1, step: k });
     this.framesHint.textContent = k > 1 ? `${k} k + 1 frames: ${[1, 2, 3].map((i) => k * i + 1).join(", ")}, …` : "";
