@@ -17,7 +17,6 @@ on the same software (about 10 minutes on 2 CPU cores).
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -43,6 +42,7 @@ from ..params import SamplingParams
 from ..random_models.qwenimage import SCHEDULER, thinker
 from ..random_models.tokenizers import qwen_tokenizer
 from . import digits_data
+from .flow_training import FlowTrainer, flow_sample
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +119,7 @@ def train_dit(family: QwenImageFamily, latents, labels: np.ndarray, cfg: TrainCo
     conds = dict(zip(prompts + [""], family.encode_prompts(prompts + [""], family.resolve(SamplingParams()))))
     by_digit = {d: digits_data.phrasings(d) for d in range(10)}
     labels_t = torch.from_numpy(labels)
-    ema = copy.deepcopy(transformer).requires_grad_(False)
-    opt = torch.optim.AdamW(transformer.parameters(), lr=cfg.dit_lr, weight_decay=0.01)
-    warmup = 100
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * min(s, cfg.dit_steps) / cfg.dit_steps)))
+    trainer = FlowTrainer(transformer, cfg.dit_lr, cfg.dit_steps, cfg.ema)
     transformer.train().requires_grad_(True)
     img_shapes = [[(1, 4, 4)]] * cfg.dit_batch
     start = time.perf_counter()
@@ -131,9 +127,7 @@ def train_dit(family: QwenImageFamily, latents, labels: np.ndarray, cfg: TrainCo
         idx = torch.randint(len(labels_t), (cfg.dit_batch,), generator=gen)
         z = mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=gen)
         x0 = pack_2x2((z - ch_mean[None, :, None, None]) / ch_std[None, :, None, None])
-        noise = torch.randn(x0.shape, generator=gen)
-        sigma = torch.sigmoid(torch.randn(cfg.dit_batch, generator=gen))
-        x_t = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+        x_t, sigma, noise = flow_sample(x0, gen)
         drop = torch.rand(cfg.dit_batch, generator=gen) < cfg.drop_prompt
         choice = torch.randint(len(digits_data.TEMPLATES), (cfg.dit_batch,), generator=gen)
         texts = ["" if drop[i] else by_digit[int(labels_t[j])][int(choice[i])] for i, j in enumerate(idx)]
@@ -141,19 +135,11 @@ def train_dit(family: QwenImageFamily, latents, labels: np.ndarray, cfg: TrainCo
         pred = transformer(hidden_states=x_t, timestep=sigma, encoder_hidden_states=emb,
                            encoder_hidden_states_mask=mask, img_shapes=img_shapes, return_dict=False)[0]
         loss = F.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            decay = min(cfg.ema, (1 + step) / (10 + step))
-            for pe, p in zip(ema.parameters(), transformer.parameters()):
-                pe.lerp_(p, 1 - decay)
+        trainer.update(loss, step)
         if step % 200 == 0 or step == cfg.dit_steps - 1:
             logger.info("dit step %d/%d loss %.4f (%.0f s)", step + 1, cfg.dit_steps, loss.item(),
                         time.perf_counter() - start)
-    return ema.eval()
+    return trainer.ema.eval()
 
 
 def train(out_dir: str | Path, cfg: TrainConfig | None = None) -> Path:

@@ -21,14 +21,12 @@ the same software.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan, WanPipeline
@@ -38,6 +36,7 @@ from ..families.wan import FPS_KEY, WanFamily
 from ..params import SamplingParams
 from ..random_models.wan import scheduler, transformer, umt5
 from . import digits_data, moving_digits as md
+from .flow_training import FlowTrainer, flow_sample
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +134,7 @@ def train_dit(family: WanFamily, latents, digits: torch.Tensor, dirs: torch.Tens
     prompts = sorted({p for d in range(10) for r in md.DIRECTIONS for p in md.phrasings(d, r)})
     encoded = family.encode_prompts(prompts + [""], params)
     conds = {p: F.pad(c.embeds, (0, 0, 0, TEXT_TOKENS - c.embeds.shape[0])) for p, c in zip(prompts + [""], encoded)}
-    ema = copy.deepcopy(model).requires_grad_(False)  # keeps the float64 rotary tables
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.dit_lr, weight_decay=0.01)
-    warmup = 100
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * min(s, cfg.dit_steps) / cfg.dit_steps)))
+    trainer = FlowTrainer(model, cfg.dit_lr, cfg.dit_steps, cfg.ema)  # the EMA keeps the float64 rotary tables
     model.train().requires_grad_(True)
     # float32 rotary tables while training (the model keeps float64 ones for serving): float64
     # elementwise work dominated a training step on CPU
@@ -150,10 +145,7 @@ def train_dit(family: WanFamily, latents, digits: torch.Tensor, dirs: torch.Tens
         idx = torch.randint(len(mean), (cfg.dit_batch,), generator=gen)
         z = mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=gen)
         x0 = (z - ch_mean.view(shape)) / ch_std.view(shape)
-        noise = torch.randn(x0.shape, generator=gen)
-        sigma = torch.sigmoid(torch.randn(cfg.dit_batch, generator=gen))
-        s = sigma.view(-1, 1, 1, 1, 1)
-        x_t = (1 - s) * x0 + s * noise
+        x_t, sigma, noise = flow_sample(x0, gen)
         drop = torch.rand(cfg.dit_batch, generator=gen) < cfg.drop_prompt
         choice = torch.randint(len(md.TEMPLATES), (cfg.dit_batch,), generator=gen)
         texts = ["" if drop[k] else md.prompt(int(digits[i]), md.DIRECTIONS[int(dirs[i])], int(choice[k]))
@@ -161,19 +153,11 @@ def train_dit(family: WanFamily, latents, digits: torch.Tensor, dirs: torch.Tens
         emb = torch.stack([conds[t] for t in texts])
         pred = model(hidden_states=x_t, timestep=sigma * 1000, encoder_hidden_states=emb, return_dict=False)[0]
         loss = F.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            decay = min(cfg.ema, (1 + step) / (10 + step))
-            for pe, p in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(p, 1 - decay)
+        trainer.update(loss, step)
         if step % 100 == 0 or step == cfg.dit_steps - 1:
             logger.info("dit step %d/%d loss %.4f (%.0f s)", step + 1, cfg.dit_steps, loss.item(),
                         time.perf_counter() - start)
-    return ema.eval()
+    return trainer.ema.eval()
 
 
 def train(out_dir: str | Path, cfg: TrainConfig | None = None) -> Path:
