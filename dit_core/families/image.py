@@ -30,9 +30,10 @@ class DiffusersFamily(Family):
     defaults: ClassVar[dict]  # SamplingParams defaults of the diffusers pipeline
     max_text_tokens: ClassVar[int]
     supports_step_cache = True
-    # output pixels per VAE call (see decode_chunks); images: two 256 x 256 pictures, about the
-    # most this CPU decodes per call without a slower, cache-missing decode or a memory peak
-    # (8 rows of 256 x 256 in one call of the medium FLUX checkpoint's VAE added ~0.25 GB)
+    # output pixels per VAE call (see decode_chunks); images: two 256 x 256 pictures. A decoder's
+    # activations are rows x pixels x its widest channels at full resolution: 128 channels (FLUX.1's
+    # VAE) are 64 MiB per fp32 tensor for 2 x 256 x 256, and 8 x 1024 x 1024 in one call would need
+    # 4 GB per tensor. (On the tiny random checkpoints, 16 channels wide, it changes little.)
     decode_pixel_budget: ClassVar[int] = 2 * 256 * 256
 
     def __init__(self, components: dict[str, Any], dtype: torch.dtype, device: torch.device,
