@@ -9,8 +9,9 @@ Spec grammar (``EngineConfig.offload`` / ``--offload``): comma-separated parts,
   the one computing (so at most N + 1 are on the device); ``blocks:all`` keeps every block
   once loaded;
 * ``disk[:N]``: as ``blocks`` with the checkpoint's safetensors files as the slower tier, so
-  only N + 1 blocks are in memory at any time (on CPU with the file's dtype, one: the N ahead
-  are read into the page cache, not the process; see ``offload.mapped``).
+  only N + 1 blocks are in memory at any time (on CPU with the file's dtype, the running part
+  of one block: the N ahead are read into the page cache, not the process; see
+  ``offload.streamer``).
 
 ``components`` combines with one of ``blocks`` / ``disk`` (``components,disk:1``). Without
 N, N comes from the memory budget (``max_resident_gb``) when one is given, else 1.
