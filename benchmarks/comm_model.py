@@ -176,6 +176,28 @@ def flux_workload(config: dict, image: int, text: int, rows: int, elem: int = 4)
                     elem=elem)
 
 
+def wan_workload(config: dict, latent: tuple[int, int, int], text: int, rows: int, elem: int = 4,
+                 timestep_elem: int = 8) -> Workload:
+    """WanTransformer3DModel inputs as dit_core.families.wan builds them (per row: the latent video
+    [C, F, H, W], its timestep (int64, as Wan's scheduler gives it), the padded text embeddings). Text enters only through cross
+    attention, whose keys every rank holds whole: no sequence-parallel traffic, so the workload's
+    joint text is 0 (the text still rides in each row's inputs)."""
+    f, h, w = latent
+    pt, ph, pw = config["patch_size"]
+    image = (f // pt) * (h // ph) * (w // pw)
+    per_row = config["in_channels"] * f * h * w * elem + timestep_elem + text * config["text_dim"] * elem
+    out_channels = config.get("out_channels") or config["in_channels"]
+    return Workload(rows=rows, image=image, text=0, row_input_bytes=per_row, shared_input_bytes=0,
+                    row_output_bytes=out_channels * f * h * w * elem, elem=elem)
+
+
+def wan_shape(config: dict) -> Shape:
+    """Wan's blocks: self attention (sequence-parallel), cross attention to the text (local), FFN."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    return Shape("Wan", blocks=config["num_layers"], hidden=hidden, heads=config["num_attention_heads"],
+                 linear_per_token=6 * hidden ** 2 + 2 * hidden * config["ffn_dim"])
+
+
 def flux_shape(config: dict) -> Shape:
     blocks = config["num_layers"] + config["num_single_layers"]
     return Shape("FLUX", blocks=blocks, hidden=config["num_attention_heads"] * config["attention_head_dim"],

@@ -3,8 +3,10 @@
     python -m benchmarks.parallel [--quick] [--sizes 512,1024] [--repeats 3] [--steps 4]
 
 * The small FLUX checkpoint (random weights) at each size, one CFG request (2 rows, text 128
-  tokens, final latents out): world 1 with 2 torch threads against world 2 with 1 thread per rank,
-  for Ulysses-2, Ring-2 and row-parallel-2. Runs alternate world 1 / world 2 (A B A B, same
+  tokens, final latents out), and the small Wan video checkpoint (random weights; one CFG request
+  for a 33-frame 256x256 video, 2,304 video tokens; ``--quick``: 17 frames at 128x128, 320): world
+  1 with 2 torch threads against world 2 with 1 thread per rank, for Ulysses-2, Ring-2 and
+  row-parallel-2. Runs alternate world 1 / world 2 (A B A B, same
   warm-up, ``benchmarks.common.interleaved``); a step's time is the median engine step time of the
   steps between the first (prompt encoding) and the last, and the ratio is the median over rounds
   of world 2 / world 1 within the round. Per plan: median and relative spread of the step time,
@@ -16,7 +18,8 @@
   rate, beside vLLM-Omni's published Ulysses figures on H800.
 
 Writes benchmarks/results/parallel.json (``--quick`` too, marked in settings) with a ``summary`` of
-max_abs_diff, comm_bytes_model_error, ulysses2_step_ratio, ring2_step_ratio, row2_step_ratio.
+max_abs_diff, comm_bytes_model_error (both over FLUX and Wan), ulysses2_step_ratio, ring2_step_ratio,
+row2_step_ratio (FLUX at the largest size) and wan_step_ratios.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,37 +46,69 @@ TEXT = 128
 VLLM_OMNI = {1: 112.5, 2: 65.2, 4: 39.6, 8: 30.8}
 
 
-def request_params(side: int, steps: int) -> SamplingParams:
-    return SamplingParams(height=side, width=side, num_inference_steps=steps, seed=11, true_cfg_scale=2.0,
-                          negative_prompt="blurry", max_sequence_length=TEXT, output_type="latent")
+WAN_TEXT = 64
 
 
-def run_once(engine: Engine, side: int, steps: int, threads: int) -> tuple[list[float], torch.Tensor, dict]:
+@dataclass(frozen=True)
+class Case:
+    """One request of one model: its parameters and what the communication model needs to know."""
+
+    model: str  # "flux" | "wan"
+    label: str
+    params: SamplingParams
+    tokens: int  # image (video) tokens per row
+    latent: tuple = ()  # Wan: latent frames, height, width
+
+    def predicted(self, config: dict, plan: dict) -> dict:
+        """Bytes per step the communication model predicts for this request under ``plan``."""
+        if self.model == "flux":
+            shape, work = cm.flux_shape(config), cm.flux_workload(config, self.tokens, TEXT, rows=2)
+        else:
+            shape, work = cm.wan_shape(config), cm.wan_workload(config, self.latent, WAN_TEXT, rows=2)
+        return cm.step_bytes(shape, work, cm.Plan(plan.get("row_parallel", 1), plan.get("ring", 1),
+                                                  plan.get("ulysses", 1)))
+
+
+def flux_case(side: int, steps: int) -> Case:
+    p = SamplingParams(height=side, width=side, num_inference_steps=steps, seed=11, true_cfg_scale=2.0,
+                       negative_prompt="blurry", max_sequence_length=TEXT, output_type="latent")
+    return Case("flux", f"{side}x{side}", p, (side // 16) ** 2)
+
+
+def wan_case(frames: int, side: int, steps: int) -> Case:
+    """Wan 2.1's VAE: 4x in time (4k + 1 frames), 8x in space; patches of 1 x 2 x 2."""
+    p = SamplingParams(height=side, width=side, num_frames=frames, num_inference_steps=steps, seed=11,
+                       guidance_scale=5.0, negative_prompt="blurry", max_sequence_length=WAN_TEXT,
+                       output_type="latent")
+    latent = ((frames - 1) // 4 + 1, side // 8, side // 8)
+    return Case("wan", f"{frames}x{side}x{side}", p, latent[0] * (latent[1] // 2) * (latent[2] // 2), latent)
+
+
+def run_once(engine: Engine, case: Case, threads: int) -> tuple[list[float], torch.Tensor, dict]:
     """One request through ``engine``; (middle steps' ms, final latents, bytes counted per kind)."""
     torch.set_num_threads(threads)
     before = dict(engine.parallel.bytes) if engine.parallel else {}
     first = engine.stats.steps
-    out = engine.generate_outputs("a lighthouse on a cliff at dusk", request_params(side, steps))[0]
+    out = engine.generate_outputs("a lighthouse on a cliff at dusk", case.params)[0]
     step_ms = list(engine.stats.step_ms)[first - engine.stats.steps:][1:-1]
     sent = {k: v - before.get(k, 0) for k, v in engine.parallel.bytes.items()} if engine.parallel else {}
     return step_ms, out.outputs[0], sent
 
 
-def measure(model: Path, name: str, plan: dict, world1: Engine, sides: list[int], steps: int,
-            repeats: int) -> list[dict]:
+def measure(model: Path, name: str, plan: dict, world1: Engine, cases: list[Case], repeats: int) -> list[dict]:
     """World 1 (2 threads) against this plan's world 2 (1 thread per rank), through the shared
     interleaved measurement: the same warm-up, alternating order, median of per-round ratios."""
     engine = Engine.from_pretrained(model, parallel_threads=1, **plan)
-    config = engine.family.transformer.config
+    config = dict(engine.family.transformer.config)
     rows = []
     try:
-        for side in sides:
+        for case in cases:
             outs: dict[str, dict[int, torch.Tensor]] = {"world1": {}, "world2": {}}
             sent_per_round: dict[int, dict] = {}
 
             def side_fn(label: str, engine_: Engine, threads: int):
                 def run(round_: int) -> dict:
-                    ms, out, sent = run_once(engine_, side, steps, threads)
+                    ms, out, sent = run_once(engine_, case, threads)
                     outs[label][round_] = out
                     if label == "world2":
                         sent_per_round[round_] = sent
@@ -82,14 +118,13 @@ def measure(model: Path, name: str, plan: dict, world1: Engine, sides: list[int]
             comp = interleaved({"world1": side_fn("world1", world1, 2), "world2": side_fn("world2", engine, 1)},
                                repeats, warmup=1)
             diff = max((outs["world2"][r] - outs["world1"][r]).abs().max().item() for r in range(repeats))
+            steps = case.params.num_inference_steps
             counted = {k: v / steps for k, v in sent_per_round[repeats - 1].items()}  # same shapes every forward
-            tokens = (side // 16) ** 2
-            work = cm.flux_workload(dict(config), tokens, TEXT, rows=2)
-            predicted = cm.step_bytes(cm.flux_shape(dict(config)), work,
-                                      cm.Plan(plan.get("row_parallel", 1), plan.get("ring", 1), plan.get("ulysses", 1)))
+            predicted = case.predicted(config, plan)
             total_counted, total_predicted = sum(counted.values()), sum(predicted.values())
             rows.append({
-                "plan": name, "size": f"{side}x{side}", "image_tokens": tokens, "text_tokens": TEXT, "rows": 2,
+                "model": case.model, "plan": name, "size": case.label, "image_tokens": case.tokens,
+                "text_tokens": TEXT if case.model == "flux" else WAN_TEXT, "rows": 2,
                 "world1_step_ms": comp.median("world1", "step_ms"), "world1_spread": comp.spread("world1", "step_ms"),
                 "world2_step_ms": comp.median("world2", "step_ms"), "world2_spread": comp.spread("world2", "step_ms"),
                 "step_ratio": comp.ratio("world2", "world1", "step_ms"),
@@ -99,10 +134,10 @@ def measure(model: Path, name: str, plan: dict, world1: Engine, sides: list[int]
                 "bytes_model_error": abs(total_predicted - total_counted) / total_counted,
             })
             r = rows[-1]
-            print(f"{name:9s} {side}x{side}: world1 {r['world1_step_ms']:8.1f} ms (±{r['world1_spread']:.0%})  "
-                  f"world2 {r['world2_step_ms']:8.1f} ms (±{r['world2_spread']:.0%})  ratio {r['step_ratio']:.2f} "
-                  f"(±{r['step_ratio_spread']:.0%})  diff {diff:.1e}  bytes/step {total_counted / 1e6:.2f} MB "
-                  f"counted, {total_predicted / 1e6:.2f} MB predicted", flush=True)
+            print(f"{case.model:4s} {name:9s} {case.label}: world1 {r['world1_step_ms']:8.1f} ms "
+                  f"(±{r['world1_spread']:.0%})  world2 {r['world2_step_ms']:8.1f} ms (±{r['world2_spread']:.0%})  "
+                  f"ratio {r['step_ratio']:.2f} (±{r['step_ratio_spread']:.0%})  diff {diff:.1e}  bytes/step "
+                  f"{total_counted / 1e6:.2f} MB counted, {total_predicted / 1e6:.2f} MB predicted", flush=True)
     finally:
         engine.close()
     return rows
@@ -151,26 +186,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per plan and size (default 3; --quick 2)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps per request (default 4)")
     parser.add_argument("--model", default=None, help="a FLUX folder (default: build the small random one)")
+    parser.add_argument("--wan-model", default=None, help="a Wan folder (default: build the small random one)")
+    parser.add_argument("--no-wan", action="store_true", help="FLUX only (skip the Wan video rows)")
     args = parser.parse_args()
     sides = [int(s) for s in (args.sizes or ("512" if args.quick else "512,1024")).split(",")]
     repeats = args.repeats or (2 if args.quick else 3)
     steps = args.steps or (3 if args.quick else 4)
     model = Path(args.model or build("flux", "small", Path(tempfile.mkdtemp()) / "flux-small"))
+    video = (17, 128) if args.quick else (33, 256)
+    wan_model = None if args.no_wan else Path(args.wan_model or build("wan", "small", Path(tempfile.mkdtemp()) / "wan"))
     started = time.perf_counter()
     torch.set_num_threads(2)
     gflops = mm_gflops()
-    world1 = Engine.from_pretrained(model)
+    subjects = [(model, [flux_case(side, steps) for side in sides])]
+    if wan_model is not None:
+        subjects.append((wan_model, [wan_case(*video, steps)]))
     rows = []
-    for name, plan in PLANS.items():
-        rows += measure(model, name, plan, world1, sides, steps, repeats)
+    for path, cases in subjects:
+        world1 = Engine.from_pretrained(path)
+        for name, plan in PLANS.items():
+            rows += measure(path, name, plan, world1, cases, repeats)
+        world1.close()
     largest = f"{max(sides)}x{max(sides)}"
-    ratio = {r["plan"]: r["step_ratio"] for r in rows if r["size"] == largest}
+    ratio = {r["plan"]: r["step_ratio"] for r in rows if r["model"] == "flux" and r["size"] == largest}
     pred = predictions()
     comparison = vllm_omni_comparison()
     summary = {"max_abs_diff": max(r["max_abs_diff"] for r in rows),
                "comm_bytes_model_error": max(r["bytes_model_error"] for r in rows),
                "ulysses2_step_ratio": ratio["ulysses2"], "ring2_step_ratio": ratio["ring2"],
-               "row2_step_ratio": ratio["row2"]}
+               "row2_step_ratio": ratio["row2"],
+               "wan_step_ratios": {r["plan"]: r["step_ratio"] for r in rows if r["model"] == "wan"} or None}
     print(f"\nQwen-Image transformer, predicted per step (H100-class: {cm.H100_CLASS_FLOPS / 1e12:.0f} TFLOP/s "
           "sustained bf16):")
     for p in pred.values():
@@ -184,6 +229,9 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     payload = {"summary": summary, "machine": {**machine(), "mm_gflops_2_threads": gflops},
                "settings": {"model": "flux small (random weights)", "sizes": sides, "repeats": repeats,
+                            "wan": None if wan_model is None else {
+                                "model": "wan small (random weights)", "frames": video[0],
+                                "size": f"{video[1]}x{video[1]}", "text_tokens": WAN_TEXT},
                             "steps": steps, "text_tokens": TEXT, "rows": 2, "quick": args.quick,
                             "world1_threads": 2, "world2_threads_per_rank": 1,
                             "step_ratio_at": largest, "output": "final latents (no VAE decode)"},

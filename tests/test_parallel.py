@@ -16,7 +16,7 @@ from dit_core import Engine, InvalidParamError
 from helpers import CFG, assert_finished, params, run_staggered
 from procs import alive
 
-FAMILIES = ("flux", "sd3", "qwenimage")
+FAMILIES = ("flux", "sd3", "qwenimage", "wan")
 PLANS = {
     "ulysses2": dict(ulysses=2),
     "ring2": dict(ring=2),
@@ -26,20 +26,28 @@ PLANS = {
 }
 TEACACHE = "teacache:0.5"
 TOL = 1e-5
-# image sizes whose token counts do not divide by 2 or 4: uneven sequence shards
-ODD_SIZE = {"flux": (20, 28), "sd3": (20, 28), "qwenimage": (24, 40)}
+# image sizes whose token counts do not divide by 2 or 4: uneven sequence shards (Wan: 9 frames at
+# 48x48 are 3 latent frames of 3 x 3 patches, 27 tokens)
+ODD_SIZE = {"flux": (20, 28), "sd3": (20, 28), "qwenimage": (24, 40), "wan": (48, 48)}
+VIDEO = dict(num_frames=9, max_sequence_length=16)
+FAMILY_CFG = {**CFG, "wan": dict(guidance_scale=5.0, negative_prompt="blurry")}
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory):
+def models(tiny_models, wan_tiny, tmp_path_factory):
     """The tiny checkpoints; SD3 gets a TeaCache polynomial (none is published for SD3, and any
-    polynomial serves an equivalence test) so that TeaCache runs on every family."""
+    polynomial serves an equivalence test) so that TeaCache runs on every family, and the tiny Wan
+    one that skips rows at the shared threshold (its timestep embedding moves far more per step
+    than a trained model's, so Wan's published polynomial would skip nothing at 0.5)."""
     root = tmp_path_factory.mktemp("parallel")
-    sd3 = shutil.copytree(tiny_models["sd3"], root / "sd3")
-    index = json.loads((sd3 / "model_index.json").read_text())
-    index["_omnidit_teacache"] = {"coefficients": [4.98e02, -2.84e02, 5.59e01, -3.82e00, 2.64e-01]}
-    (sd3 / "model_index.json").write_text(json.dumps(index))
-    return {"flux": tiny_models["flux"], "sd3": sd3, "qwenimage": tiny_models["qwenimage"]}
+    copies = {}
+    for name, source, coefficients in (("sd3", tiny_models["sd3"], [4.98e02, -2.84e02, 5.59e01, -3.82e00, 2.64e-01]),
+                                       ("wan", wan_tiny, [0.01, 0.0])):
+        copy = copies[name] = shutil.copytree(source, root / name)
+        index = json.loads((copy / "model_index.json").read_text())
+        index["_omnidit_teacache"] = {"coefficients": coefficients}
+        (copy / "model_index.json").write_text(json.dumps(index))
+    return {"flux": tiny_models["flux"], "qwenimage": tiny_models["qwenimage"], **copies}
 
 
 @contextlib.contextmanager
@@ -56,17 +64,25 @@ def cache(engine: Engine, on: bool):
             family.step_cache = saved[name]
 
 
+def fparams(family, **kw):
+    """Image params, or for Wan 9-frame video params (no CFG unless asked: guidance_scale 1)."""
+    if family == "wan":
+        kw = {"guidance_scale": 1.0, **VIDEO, **kw}
+    return params(**kw)
+
+
 def single(family):
     h, w = ODD_SIZE[family]
-    return [("a cat", params(height=h, width=w, num_inference_steps=4, seed=7, **CFG[family]))]
+    return [("a cat", fparams(family, height=h, width=w, num_inference_steps=4, seed=7, **FAMILY_CFG[family]))]
 
 
 def mixed(family):
     """Different CFG settings, step counts, seeds and output counts, arriving at different steps."""
-    return [("a cat", params(num_inference_steps=5, seed=1, **CFG[family])),
-            ("a dog in a field", params(num_inference_steps=4, seed=2)),
-            ("x", params(num_inference_steps=6, seed=3, num_outputs=2, **CFG[family])),
-            ("a red car", params(num_inference_steps=4, seed=4))]
+    cfg = FAMILY_CFG[family]
+    return [("a cat", fparams(family, num_inference_steps=5, seed=1, **cfg)),
+            ("a dog in a field", fparams(family, num_inference_steps=4, seed=2)),
+            ("x", fparams(family, num_inference_steps=6, seed=3, num_outputs=2, **cfg)),
+            ("a red car", fparams(family, num_inference_steps=4, seed=4))]
 
 
 CASES = {"single": (single, [0]), "mixed": (mixed, [0, 0, 1, 2])}
@@ -194,18 +210,23 @@ def test_first_block_cache_matches(parallel, reference):
         assert (got - want).abs().max().item() <= TOL
 
 
-def test_counted_bytes_match_the_communication_model(parallel):
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_counted_bytes_match_the_communication_model(parallel, family):
     """benchmarks/comm_model.py predicts, from the model's shape alone, the bytes every rank sends
     per step; gloo traffic counted here must equal it (uneven shards included)."""
     from benchmarks import comm_model as cm
 
-    config = dict(parallel.models["flux"].transformer.config)
-    p = params(height=20, width=28, num_inference_steps=4, seed=1, max_sequence_length=48, **CFG["flux"])
+    config = dict(parallel.models[family].transformer.config)
+    if family == "flux":
+        p = params(height=20, width=28, num_inference_steps=4, seed=1, max_sequence_length=48, **CFG["flux"])
+        shape, work = cm.flux_shape(config), cm.flux_workload(config, image=5 * 7, text=48, rows=2)
+    else:  # 9 frames at 48x48: 3 latent frames of 6 x 6 (27 tokens); CFG: 2 rows
+        p = fparams("wan", height=48, width=48, num_inference_steps=4, seed=1, **FAMILY_CFG["wan"])
+        shape, work = cm.wan_shape(config), cm.wan_workload(config, (3, 6, 6), text=16, rows=2)
     before = dict(parallel.parallel.bytes)
     with cache(parallel, False):
-        parallel.generate("a cat", p, model="flux")
+        parallel.generate("a cat", p, model=family)
     counted = {k: (v - before.get(k, 0)) / 4 for k, v in parallel.parallel.bytes.items()}
     plan = parallel.config.parallel
-    work = cm.flux_workload(config, image=5 * 7, text=48, rows=2)
-    predicted = cm.step_bytes(cm.flux_shape(config), work, cm.Plan(plan.rows, plan.ring, plan.ulysses))
+    predicted = cm.step_bytes(shape, work, cm.Plan(plan.rows, plan.ring, plan.ulysses))
     assert {k: v for k, v in counted.items() if v} == {k: v for k, v in predicted.items() if v}

@@ -56,7 +56,8 @@ class WanFamily(DiffusersFamily):
         checkpoint = checkpoint or {}
         if self.transformer.config.image_dim is not None or self.transformer.config.added_kv_proj_dim is not None:
             raise UnknownModelError("image-to-video Wan checkpoints are not supported (text-to-video only)")
-        self.tokenizer, self.text_encoder = components["tokenizer"], components["text_encoder"]
+        # (a parallel worker loads no text encoder: it only runs the transformer)
+        self.tokenizer, self.text_encoder = components["tokenizer"], components.get("text_encoder")
         self.t_scale = self.vae.config.scale_factor_temporal
         self.s_scale = self.vae.config.scale_factor_spatial
         self.patch = tuple(self.transformer.config.patch_size)
@@ -110,10 +111,14 @@ class WanFamily(DiffusersFamily):
         return ((params.num_frames - 1) // self.t_scale + 1, params.height // self.s_scale,
                 params.width // self.s_scale)
 
-    def row_tokens(self, prompt: str, params: SamplingParams, inputs=None) -> int:
+    def latent_tokens(self, params: SamplingParams) -> int:
+        """Video tokens of one row: latent frames x patches per frame."""
         f, h, w = self.latent_shape(params)
         pt, ph, pw = self.patch
-        return (f // pt) * (h // ph) * (w // pw) + params.max_sequence_length
+        return (f // pt) * (h // ph) * (w // pw)
+
+    def row_tokens(self, prompt: str, params: SamplingParams, inputs=None) -> int:
+        return self.latent_tokens(params) + params.max_sequence_length
 
     def batch_key(self, params: SamplingParams) -> tuple:
         return (self.name, params.height, params.width, params.num_frames, params.max_sequence_length,

@@ -6,10 +6,13 @@ A plan says:
 * ``attention``: per attention role, where the text tokens sit in the sequence the processor
   hands to ``attention.attend`` (``front``: [text, image]; ``back``: [image, text]; ``None``: image
   only). Roles listed here run sequence-parallel; a role not listed must not see a split sequence.
+  ``{"local": True}``: the role's queries are this rank's image tokens and its keys and values are
+  whole on every rank (cross attention to the text), so it runs as it is, with no communication.
 * ``rows``: the transformer's keyword arguments that carry one entry per batch row (split across
   row groups); every other argument is replicated.
-* ``forward``: module path inside the transformer -> how its inputs (``Shard`` by keyword) or its
-  output (``Shard`` / ``Gather``) are split across the sequence ranks during a plain forward.
+* ``forward``: module path inside the transformer -> how its inputs (``Shard`` by keyword, or by
+  position for a module its parent calls with positional arguments) or its output (``Shard`` /
+  ``Gather``) are split across the sequence ranks during a plain forward.
 * ``blocks``: for the block loop the step caches drive (``Family.run_blocks``), how the
   ``BlockInputs`` are split: ``img`` along the sequence, entries of ``shared`` by spec; ``txt`` and
   the per-row tensors are split by rows only.
@@ -17,7 +20,8 @@ A plan says:
   tokens than sequence ranks are refused).
 * ``unsupported``: (attribute path, message): configurations the plan does not cover.
 
-Text tokens are REPLICATED on every sequence rank in all three image families: only image tokens
+Text tokens are REPLICATED on every sequence rank in all three image families (and Wan, whose text
+only enters through cross attention): only image tokens
 are split. Each rank projects the full prompt (text is short next to the image: 77-512 tokens
 against 1,024-16,384), attends with all text keys locally, and -- because every rank holds every
 text query -- gets the text stream's output whole without communication (Ring), or after one
@@ -93,6 +97,22 @@ PLANS: dict[str, dict] = {
         "blocks": {"img": Shard(1), "shared": {"image_rotary_emb": Shard(0, item=0)}},
         "image_tokens": "latent_tokens",
         "unsupported": (("transformer.zero_cond_t", "zero_cond_t Qwen-Image checkpoints modulate per image token"),),
+    },
+    # Wan 2.1 text-to-video: self attention over the video tokens (frames x patches, one flat
+    # sequence); cross attention from them to the text. The blocks are called positionally, so the
+    # plain forward splits the first block's input (argument 0) and the rotary table (rope's output).
+    "wan": {
+        "heads": "transformer.config.num_attention_heads",
+        "attention": {"self": {"text": None}, "cross": {"local": True}},
+        "rows": ("hidden_states", "timestep", "encoder_hidden_states"),
+        "forward": {
+            "rope": {"output": Shard(1)},  # (cos, sin), each [1, tokens, 1, head_dim]
+            "blocks.0": {"inputs": {0: Shard(1)}},
+            "proj_out": {"output": Gather(1)},  # unpatchify needs the whole grid
+        },
+        "blocks": {"img": Shard(1), "shared": {"rotary": Shard(1)}},
+        "image_tokens": "latent_tokens",
+        "unsupported": (),
     },
 }
 

@@ -110,13 +110,20 @@ def _pre_hook(specs: dict, state: SeqState, path: str):
     def hook(module, args, kwargs):
         if state.kind != "forward":
             return None
-        if args:
-            raise RuntimeError(f"sequence parallel: {path or 'the transformer'} must be called with keyword "
-                               "arguments for its plan to split them")
+        args = list(args)
         for name, spec in specs.items():
-            if kwargs.get(name) is not None:
-                kwargs[name] = state.shard(kwargs[name], spec)
-        return args, kwargs
+            if isinstance(name, int):  # a positional argument
+                if name >= len(args):
+                    raise RuntimeError(f"sequence parallel: {path or 'the transformer'} was called with "
+                                       f"{len(args)} positional arguments; its plan splits argument {name}")
+                args[name] = state.shard(args[name], spec)
+            elif name in kwargs or not args:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = state.shard(kwargs[name], spec)
+            else:
+                raise RuntimeError(f"sequence parallel: {path or 'the transformer'} must be called with keyword "
+                                   f"argument {name!r} for its plan to split it")
+        return tuple(args), kwargs
 
     return hook
 

@@ -38,6 +38,8 @@ def _wrap(inner: Backend, role: str, role_plan: dict | None, state: SeqState) ->
             return attend(q, k, v, inner, valid=valid, scale=scale, causal=causal)
         if role_plan is None:
             raise RuntimeError(f"attention role {role!r} has no sequence-parallel plan for this model")
+        if role_plan.get("local"):  # this rank's queries against keys every rank holds whole
+            return attend(q, k, v, inner, valid=valid, scale=scale, causal=causal)
         if causal:
             raise ValueError("sequence parallel attention is not causal")
         return joint_attention(q, k, v, inner, role_plan["text"], valid, scale, state)
@@ -81,6 +83,8 @@ def joint_attention(q, k, v, inner: Backend, text: str | None, valid, scale, sta
         oi = to_sequence(oi, state)
         if t:
             ot = torch.cat(state.comm.all_gather(ot.contiguous(), mesh.uly_group, mesh.uly, "ulysses"), dim=2)
+    if not t:  # image-only attention (SD3.5's second attention, Wan's self attention)
+        return oi
     return torch.cat([ot, oi], 1) if text == "front" else torch.cat([oi, ot], 1)
 
 

@@ -62,7 +62,9 @@ def _check_sequence(name: str, family: Family, plan: dict, config: ParallelConfi
                                 f"a divisor of the {heads} attention heads of model {name!r} (Ulysses gives every "
                                 "rank the same number of heads)")
     if config.ring > 1:
-        for role in plan["attention"]:
+        for role, role_plan in plan["attention"].items():
+            if role_plan.get("local"):
+                continue  # runs as it is on each rank: no log-sum-exp merge
             backend = roles[role]
             if backend.lse is None:
                 raise InvalidParamError(flag("ring"), config.ring,
