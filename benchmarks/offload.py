@@ -14,6 +14,11 @@ transformer (block level, one block per group): in memory (``diffusers-group``) 
 (``diffusers-disk``, its ``offload_to_disk_path``). On CPU diffusers' ``use_stream`` is not
 available (it needs a device with streams), so its offload is synchronous here.
 
+``none+mmap`` and ``disk:1+mmap`` (full run only) run the same policies with glibc malloc's
+mmap threshold fixed at 256 KiB (``MALLOC_MMAP_THRESHOLD_``, the worker's environment): what the
+heap's holes add to the peak, and what returning freed memory at once costs in time; reported
+apart (``summary.fixed_mmap_threshold``), not in the main keys.
+
 Overhead per image = time per image - ``none``'s, at the same size and batch; the
 amortization is its batch-8 / batch-1 ratio. ``--quick``: 64x64 only, ``none`` / ``disk:1`` /
 ``diffusers-disk``, one repeat (every summary key, under 5 minutes).
@@ -37,9 +42,13 @@ import torch
 from benchmarks.common import RESULTS, machine, mm_gflops, write_json
 
 FULL = ["none", "components", "blocks:1", "blocks:2", "blocks:all", "disk:1", "disk:2", "diffusers-group",
-        "diffusers-disk"]
+        "diffusers-disk", "none+mmap", "disk:1+mmap"]
 QUICK = ["none", "disk:1", "diffusers-disk"]
 ROOT = Path(__file__).resolve().parents[1]
+# "+mmap": the same policy with glibc malloc's mmap threshold fixed at 256 KiB (environment, set
+# at the worker's start): freed activations go back to the OS at once instead of leaving holes
+# in the heap, which lowers the peak but makes every large allocation fault in fresh pages
+ALLOCATOR = {"mmap": {"MALLOC_MMAP_THRESHOLD_": "262144"}}
 TOLERANCE = 1e-6  # "identical": max abs difference to none (see tests/test_offload.py on alignment)
 
 
@@ -87,7 +96,7 @@ def worker(args) -> None:
     peak = Peak()
     imported_rss = status("VmRSS")
     start = time.perf_counter()
-    offload = "none" if args.worker.startswith("diffusers") else args.worker
+    offload = "none" if args.worker.startswith("diffusers") else args.worker.partition("+")[0]
     engine = Engine.from_pretrained(args.model, max_batch_size=8, offload=offload)
     if args.worker.startswith("diffusers"):
         disk = tempfile.mkdtemp(prefix="diffusers-offload-") if args.worker == "diffusers-disk" else None
@@ -122,7 +131,10 @@ def run_config(config: str, args, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.offload", "--worker", config, "--model", str(args.model),
            "--steps", str(args.steps), "--text-len", str(args.text_len), "--out-dir", str(out_dir),
            "--sizes", *map(str, args.sizes)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    allocator = config.partition("+")[2]
+    if allocator and allocator not in ALLOCATOR:
+        raise ValueError(f"config {config!r}: the suffix after '+' must be one of {sorted(ALLOCATOR)}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **ALLOCATOR.get(allocator, {}))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{config} failed:\n{proc.stderr[-3000:]}")
@@ -191,6 +203,16 @@ def summarize(rows: dict, diffs: dict, sizes: list[int]) -> dict:
         "time_ratios_at": f"{max(sizes)}x{max(sizes)}",
         "overhead_ratio_at": f"{min(sizes)}x{min(sizes)}",
     }
+    if "disk:1+mmap" in rows and "none+mmap" in rows:  # the allocator's share of the peak, measured
+        fixed, fixed_none = rows["disk:1+mmap"], rows["none+mmap"]
+        summary["fixed_mmap_threshold"] = {
+            "env": ALLOCATOR["mmap"],
+            "disk_rss_ratio": fixed["peak_rss_gb"] / none["peak_rss_gb"],
+            "disk_rss_ratio_both_fixed": fixed["peak_rss_gb"] / fixed_none["peak_rss_gb"],
+            "disk_time_ratio_b8": fixed[big + "8"]["time_per_image"] / none[big + "8"]["time_per_image"],
+            "none_time_ratio_b8": fixed_none[big + "8"]["time_per_image"] / none[big + "8"]["time_per_image"],
+            "none_time_ratio_b1": fixed_none[big + "1"]["time_per_image"] / none[big + "1"]["time_per_image"],
+        }
     summary["targets"] = {
         "disk_rss_ratio <= 0.35": summary["disk_rss_ratio"] <= 0.35,
         "disk_time_ratio_b8 <= 1.5": summary["disk_time_ratio_b8"] <= 1.5,
