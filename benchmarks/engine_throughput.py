@@ -234,8 +234,8 @@ def plot(results: list[dict], main_label: str, name: str = "engine_throughput"):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="64x64 and 64 text tokens only, 8 requests, sweep 1; dtype/compile at 64 and 128 with 4 "
-                         "requests, 1 round (every summary key; writes *_quick.json)")
+                    help="64x64 and 64 text tokens only, 8 requests, sweep 1; dtype/compile and the profile at "
+                         "128x128 with 4 requests, 1 round (every summary key, about 5 minutes; writes *_quick.json)")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sizes", default="64,256", help="comma-separated square image sizes")
@@ -249,14 +249,14 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="a FLUX folder (default: build the small random one)")
     ap.add_argument("--no-speed", action="store_true", help="skip the dtype / compile comparison (benchmarks.speed)")
     ap.add_argument("--speed-sizes", default=None,
-                    help="image sizes of the dtype / compile comparison (default 64,256; quick 64,128); the "
+                    help="image sizes of the dtype / compile comparison (default 64,256; quick 128); the "
                          "largest gives the throughput_ratio_256* keys (large_size says which it was)")
     ap.add_argument("--speed-requests", type=int, default=16, help="requests per round there (quick: 4)")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     if args.quick:
         args.requests, args.sizes, args.text_tokens, args.sweep, args.speed_requests = 8, "64", "64", "1", 4
-    args.speed_sizes = args.speed_sizes or ("64,128" if args.quick else "64,256")
+    args.speed_sizes = args.speed_sizes or ("128" if args.quick else "64,256")
     out_name = "engine_throughput_quick" if args.quick else "engine_throughput"
 
     from diffusers import FluxPipeline
@@ -303,7 +303,7 @@ def main(argv=None):
                              "steps": 4 if args.quick else args.steps, "repeats": 1 if args.quick else args.repeats})
         speed = speed_bench.dtype_compile(model, sargs, [int(s) for s in args.speed_sizes.split(",")], texts[0])
         speed["profile"] = str(speed_bench.profile_and_write(model, max(int(s) for s in args.speed_sizes.split(",")),
-                                                             texts[0], quick=args.quick))
+                                                             texts[0], quick=args.quick))  # quick: that size only
         speed["summary"]["cli_first_image_s"] = speed_bench.cli_first_image()
         print(f"omnidit generate, first image: {speed['summary']['cli_first_image_s']:.1f} s", flush=True)
 

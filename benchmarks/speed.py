@@ -186,7 +186,7 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
 def profile_and_write(model: str, size: int, text: int, quick: bool = False) -> Path:
     table = {"benchmark": "profile_bf16", "model": "small FLUX (random weights)",
              "note": "self CPU ms per transformer forward (batch 8), torch.profiler, fp32 vs bf16",
-             "profiles": [profile_ops(model, s, text) for s in sorted({64, size})]}
+             "profiles": [profile_ops(model, s, text) for s in ([size] if quick else sorted({64, size}))]}
     from benchmarks.common import machine
 
     table["machine"] = machine()
