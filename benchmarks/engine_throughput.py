@@ -216,7 +216,7 @@ def prompt_cache_gain(model, args, repeats: int) -> dict:
     return r
 
 
-def plot(results: list[dict], main_label: str):
+def plot(results: list[dict], main_label: str, name: str = "engine_throughput"):
     panels = []
     for r in (r for r in results if r["scenario"].endswith("together")):
         sides = r["sides"]
@@ -227,13 +227,15 @@ def plot(results: list[dict], main_label: str):
         panels.append({"xlabel": "engine max_batch_size", "ylabel": "seconds per image", "xscale": "log",
                        "series": series, "title": r["scenario"],
                        "hlines": {"diffusers, one at a time": sides["diffusers"]["seconds_per_image"]["median"]}})
-    return save_plot("engine_throughput", f"small FLUX: time per image vs batch size ({main_label}; median of "
+    return save_plot(name, f"small FLUX: time per image vs batch size ({main_label}; median of "
                                           "interleaved repeats, band = min..max)", panels)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="64x64 only, 8 requests, sweep 1 (about 5 minutes)")
+    ap.add_argument("--quick", action="store_true",
+                    help="64x64 and 64 text tokens only, 8 requests, sweep 1; dtype/compile and the profile at "
+                         "128x128 with 4 requests, 1 round (every summary key, about 5 minutes; writes *_quick.json)")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sizes", default="64,256", help="comma-separated square image sizes")
@@ -246,11 +248,16 @@ def main(argv=None):
                     help="Poisson arrival rate as a multiple of the sequential pipeline's capacity")
     ap.add_argument("--model", default=None, help="a FLUX folder (default: build the small random one)")
     ap.add_argument("--no-speed", action="store_true", help="skip the dtype / compile comparison (benchmarks.speed)")
-    ap.add_argument("--speed-sizes", default="64,256", help="image sizes of the dtype / compile comparison")
+    ap.add_argument("--speed-sizes", default=None,
+                    help="image sizes of the dtype / compile comparison (default 64,256; quick 128); the "
+                         "largest gives the throughput_ratio_256* keys (large_size says which it was)")
     ap.add_argument("--speed-requests", type=int, default=16, help="requests per round there (quick: 4)")
     args = ap.parse_args(argv)
+    started = time.perf_counter()
     if args.quick:
-        args.requests, args.sizes, args.sweep, args.speed_requests = 8, "64", "1", 4
+        args.requests, args.sizes, args.text_tokens, args.sweep, args.speed_requests = 8, "64", "64", "1", 4
+    args.speed_sizes = args.speed_sizes or ("128" if args.quick else "64,256")
+    out_name = "engine_throughput_quick" if args.quick else "engine_throughput"
 
     from diffusers import FluxPipeline
 
@@ -296,7 +303,7 @@ def main(argv=None):
                              "steps": 4 if args.quick else args.steps, "repeats": 1 if args.quick else args.repeats})
         speed = speed_bench.dtype_compile(model, sargs, [int(s) for s in args.speed_sizes.split(",")], texts[0])
         speed["profile"] = str(speed_bench.profile_and_write(model, max(int(s) for s in args.speed_sizes.split(",")),
-                                                             texts[0]))
+                                                             texts[0], quick=args.quick))  # quick: that size only
         speed["summary"]["cli_first_image_s"] = speed_bench.cli_first_image()
         print(f"omnidit generate, first image: {speed['summary']['cli_first_image_s']:.1f} s", flush=True)
 
@@ -319,14 +326,15 @@ def main(argv=None):
         "prompt_cache_gain": cache["speedup"],
         **(speed["summary"] if speed else {}),
         "repeats": args.repeats,
+        "run_seconds": time.perf_counter() - started,
         "method": "interleaved rounds, fresh prompts every round, engine prompt cache off; median of per-round "
                   "ratios",
     }
     payload = {"benchmark": "engine_throughput", "machine": machine(), "args": vars(args),
                "summary": summary, "scenarios": results, "prompt_cache": cache,
                "dtype_compile": speed and {"by_size": speed["by_size"], "profile": speed["profile"]}}
-    path = write_json("engine_throughput", payload)
-    png = plot(results, main_label)
+    path = write_json(out_name, payload)
+    png = plot(results, main_label, out_name)
     default = "" if default_text is None else f", x{default_text['throughput_ratio']:.2f} at {default_text['scenario']}"
     print(f"summary: throughput x{summary['throughput_ratio']:.2f} (spread {summary['throughput_ratio_spread']:.0%}) "
           f"at {main_result['scenario']}{default}; outputs identical: "

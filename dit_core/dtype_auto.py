@@ -116,10 +116,17 @@ def _write(path: Path, table: dict) -> None:
 # ---- the measurement ----
 
 
+MEASURE_SIDE = 256  # pixels: the measured request's largest side
+
+
 def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: float = 0.05) -> dict[str, float]:
     """Seconds per transformer forward of the model at ``path`` in fp32 and in bf16, on inputs
-    captured from one short request (2 steps, several outputs) through an fp32 engine built with
-    ``config`` (the caller's EngineConfig fields). Rounds alternate the dtypes; medians."""
+    captured from one short request (2 steps, 4 outputs, the model's default size capped at
+    ``MEASURE_SIDE``) through an fp32 engine built with ``config`` (the caller's EngineConfig
+    fields). Rounds alternate the dtypes; medians. The cap keeps a first start with ``auto``
+    to seconds: at a 1024x1024 default one bf16 forward took over a minute on a CPU without
+    native bf16, while 4 rows of 256x256 already give the GEMMs thousands of rows, where the
+    bf16 / fp32 ratio no longer depends on the size."""
     from .engine import Engine
     from .params import SamplingParams
 
@@ -137,10 +144,12 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
         def grab(_module, args, kwargs):
             captured.setdefault("call", (args, kwargs))
 
+        side = min(family.default_size(), MEASURE_SIDE)
+        side -= side % family.size_multiple
         handle = tr.register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            engine.generate(["a measurement"], SamplingParams(num_inference_steps=2, num_outputs=4,
-                                                               output_type="latent", seed=0))
+            engine.generate(["a measurement"], SamplingParams(height=side, width=side, num_inference_steps=2,
+                                                               num_outputs=4, output_type="latent", seed=0))
         finally:
             handle.remove()
         args, kwargs = captured["call"]

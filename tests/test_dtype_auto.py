@@ -69,3 +69,23 @@ def test_auto_with_families_loaded_takes_their_dtype(tiny_models):
 def test_unknown_dtype_names_auto():
     with pytest.raises(InvalidParamError, match="auto"):
         EngineConfig(dtype="float8")
+
+
+def test_measurement_runs_at_most_measure_side(tiny_models, monkeypatch):
+    """The measured request is the default size capped at MEASURE_SIDE (a first start with auto on
+    a 1024x1024 model would otherwise spend minutes in emulated bf16)."""
+    from dit_core.engine import Engine as EngineClass
+
+    seen, generate = [], EngineClass.generate
+
+    def spy(self, prompts, params=None, **kw):
+        seen.append(params)
+        return generate(self, prompts, params, **kw)
+
+    monkeypatch.setattr(EngineClass, "generate", spy)
+    monkeypatch.setattr(dtype_auto, "MEASURE_SIDE", 64)  # below the tiny FLUX's 256x256 default
+    family = load_family(tiny_models["flux"], torch.float32, torch.device("cpu"))
+    assert family.default_size() > 64
+    seconds = dtype_auto.measure_forward(tiny_models["flux"], {}, rounds=1, min_s=0.0)
+    assert (seen[0].height, seen[0].width) == (64, 64)
+    assert min(seconds.values()) > 0
