@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,28 +52,27 @@ WAN_TEXT = 64
 
 @dataclass(frozen=True)
 class Case:
-    """One request of one model: its parameters and what the communication model needs to know."""
+    """One request of one model: its parameters and its communication workload (for the model)."""
 
     model: str  # "flux" | "wan"
     label: str
     params: SamplingParams
     tokens: int  # image (video) tokens per row
-    latent: tuple = ()  # Wan: latent frames, height, width
+    text: int
+    workload: Callable[[dict], tuple]  # transformer config -> (cm.Shape, cm.Workload)
 
     def predicted(self, config: dict, plan: dict) -> dict:
         """Bytes per step the communication model predicts for this request under ``plan``."""
-        if self.model == "flux":
-            shape, work = cm.flux_shape(config), cm.flux_workload(config, self.tokens, TEXT, rows=2)
-        else:
-            shape, work = cm.wan_shape(config), cm.wan_workload(config, self.latent, WAN_TEXT, rows=2)
-        return cm.step_bytes(shape, work, cm.Plan(plan.get("row_parallel", 1), plan.get("ring", 1),
-                                                  plan.get("ulysses", 1)))
+        return cm.step_bytes(*self.workload(config), cm.Plan(plan.get("row_parallel", 1), plan.get("ring", 1),
+                                                             plan.get("ulysses", 1)))
 
 
 def flux_case(side: int, steps: int) -> Case:
     p = SamplingParams(height=side, width=side, num_inference_steps=steps, seed=11, true_cfg_scale=2.0,
                        negative_prompt="blurry", max_sequence_length=TEXT, output_type="latent")
-    return Case("flux", f"{side}x{side}", p, (side // 16) ** 2)
+    tokens = (side // 16) ** 2
+    return Case("flux", f"{side}x{side}", p, tokens, TEXT,
+                lambda config: (cm.flux_shape(config), cm.flux_workload(config, tokens, TEXT, rows=2)))
 
 
 def wan_case(frames: int, side: int, steps: int) -> Case:
@@ -81,7 +81,8 @@ def wan_case(frames: int, side: int, steps: int) -> Case:
                        guidance_scale=5.0, negative_prompt="blurry", max_sequence_length=WAN_TEXT,
                        output_type="latent")
     latent = ((frames - 1) // 4 + 1, side // 8, side // 8)
-    return Case("wan", f"{frames}x{side}x{side}", p, latent[0] * (latent[1] // 2) * (latent[2] // 2), latent)
+    return Case("wan", f"{frames}x{side}x{side}", p, latent[0] * (latent[1] // 2) * (latent[2] // 2), WAN_TEXT,
+                lambda config: (cm.wan_shape(config), cm.wan_workload(config, latent, WAN_TEXT, rows=2)))
 
 
 def run_once(engine: Engine, case: Case, threads: int) -> tuple[list[float], torch.Tensor, dict]:
@@ -124,7 +125,7 @@ def measure(model: Path, name: str, plan: dict, world1: Engine, cases: list[Case
             total_counted, total_predicted = sum(counted.values()), sum(predicted.values())
             rows.append({
                 "model": case.model, "plan": name, "size": case.label, "image_tokens": case.tokens,
-                "text_tokens": TEXT if case.model == "flux" else WAN_TEXT, "rows": 2,
+                "text_tokens": case.text, "rows": 2,
                 "world1_step_ms": comp.median("world1", "step_ms"), "world1_spread": comp.spread("world1", "step_ms"),
                 "world2_step_ms": comp.median("world2", "step_ms"), "world2_spread": comp.spread("world2", "step_ms"),
                 "step_ratio": comp.ratio("world2", "world1", "step_ms"),

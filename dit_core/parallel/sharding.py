@@ -117,10 +117,10 @@ def _pre_hook(specs: dict, state: SeqState, path: str):
                     raise RuntimeError(f"sequence parallel: {path or 'the transformer'} was called with "
                                        f"{len(args)} positional arguments; its plan splits argument {name}")
                 args[name] = state.shard(args[name], spec)
-            elif name in kwargs or not args:
-                if kwargs.get(name) is not None:
+            elif name in kwargs:
+                if kwargs[name] is not None:
                     kwargs[name] = state.shard(kwargs[name], spec)
-            else:
+            elif args:
                 raise RuntimeError(f"sequence parallel: {path or 'the transformer'} must be called with keyword "
                                    f"argument {name!r} for its plan to split it")
         return tuple(args), kwargs
