@@ -1,8 +1,9 @@
 """The dtype / compile part of ``benchmarks.engine_throughput`` (issue 21), in its own module.
 
 Per image size, in one interleaved comparison (benchmarks.common.interleaved): the engine in fp32,
-bf16, ``dtype="auto"`` and fp32 + ``compile``; diffusers' FluxPipeline in fp32, bf16, and fp32 with
-``torch.compile`` on its transformer (what an experienced user runs instead). Besides: ``torch.mm``
+bf16, ``dtype="auto"`` and fp32 + ``compile``; diffusers' FluxPipeline in fp32, bf16 (not in
+``--quick``: no summary key reads it), and fp32 with ``torch.compile`` on its transformer (what an
+experienced user runs instead). Besides: ``torch.mm``
 at the transformer's main shape (the MLP's up projection, batch 8) in fp32 and bf16 in the same
 run; a torch.profiler per-op table of one transformer forward in bf16 against fp32
 (results/profile_bf16.json); and one default-model image through ``omnidit generate`` timed from
@@ -129,6 +130,8 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
     pipes = {"diffusers fp32": FluxPipeline.from_pretrained(model),
              "diffusers bf16": FluxPipeline.from_pretrained(model, torch_dtype=torch.bfloat16),
              "diffusers fp32 compile": FluxPipeline.from_pretrained(model)}
+    if getattr(args, "quick", False):  # no summary key reads it, and emulated bf16 is slow here
+        del pipes["diffusers bf16"]
     pipes["diffusers fp32 compile"].transformer = torch.compile(pipes["diffusers fp32 compile"].transformer)
     for pipe in pipes.values():
         pipe.set_progress_bar_config(disable=True)

@@ -29,6 +29,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 MARGIN = 0.95  # bf16 must take at most this share of fp32's time
+# A measurement stops after its first round when that round is this far from the margin either
+# way (bf16 over 2x fp32's time, or under half the margin): more rounds could not change the choice.
+DECISIVE = 2.0
 CANDIDATES = ("float32", "bfloat16")
 
 
@@ -123,7 +126,8 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
     """Seconds per transformer forward of the model at ``path`` in fp32 and in bf16, on inputs
     captured from one short request (2 steps, 4 outputs, the model's default size capped at
     ``MEASURE_SIDE``) through an fp32 engine built with ``config`` (the caller's EngineConfig
-    fields). Rounds alternate the dtypes; medians. The cap keeps a first start with ``auto``
+    fields). Rounds alternate the dtypes; medians; it stops after a round that already decides
+    (``DECISIVE``: bf16 at under half or over twice the time the margin allows). The cap keeps a first start with ``auto``
     to seconds: at a 1024x1024 default one bf16 forward took over a minute on a CPU without
     native bf16, while 4 rows of 256x256 already give the GEMMs thousands of rows, where the
     bf16 / fp32 ratio no longer depends on the size."""
@@ -170,9 +174,18 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
                         if time.perf_counter() - start >= min_s:
                             break
                     times[name].append((time.perf_counter() - start) / n)
+                if _decided(times):
+                    break
         return {k: statistics.median(v) for k, v in times.items()}
     finally:
         engine.close()
+
+
+def _decided(times: dict[str, list[float]]) -> bool:
+    """True when the rounds so far put bf16 so far from the margin that more cannot change the
+    choice (``DECISIVE``); close calls get every round."""
+    ratio = statistics.median(times["bfloat16"]) / statistics.median(times["float32"])
+    return ratio > DECISIVE or ratio < MARGIN / DECISIVE
 
 
 def _cast(value, dtype):

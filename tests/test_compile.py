@@ -11,14 +11,17 @@ import torch
 from torch._dynamo.utils import counters
 
 from dit_core import Engine, InvalidParamError
-from dit_core.compile import compile_family, parse_shapes, transformer_blocks
+from dit_core.compile import _is_plain, _plain_inputs, compile_family, parse_shapes, transformer_blocks
 from dit_core.families import load_family
 from helpers import CFG, assert_finished, params, run_staggered
 
 
 @pytest.fixture(scope="session")
 def compiled_flux(tiny_models):
-    return Engine.from_pretrained(tiny_models["flux"], compile=True, compile_warmup="32x32")
+    before = counters["stats"]["unique_graphs"]
+    engine = Engine.from_pretrained(tiny_models["flux"], compile=True, compile_warmup="32x32")
+    engine.warmup_graphs = counters["stats"]["unique_graphs"] - before  # the first compile of these classes
+    return engine
 
 
 def graphs() -> dict:
@@ -41,6 +44,22 @@ def test_compile_reports_blocks_and_warmup_time(compiled_flux):
     assert info.warmup_s > 0 and compiled_flux.compile_warmup_s == info.warmup_s
     assert info.warmup_shapes == [(32, 32)]
     assert compiled_flux.stats.steps == 0  # the warm-up is not in the engine's stats
+
+
+def test_warm_up_builds_one_graph_per_block_class_and_batch_class(compiled_flux):
+    """FLUX has two block classes and dynamo specialises batch 1: 4 graphs. Before the blocks got
+    plain inputs (``_plain_inputs``), each class's first block had a layout of its own: 8."""
+    assert compiled_flux.warmup_graphs == 4
+
+
+def test_blocks_get_plain_inputs():
+    base = torch.randn(2, 10, 4)
+    fresh, view, row = base.clone(), base[:, 3:], base[:1, 3:]  # row: size-1 batch, odd batch stride
+    args, kwargs = _plain_inputs(None, (view, 3), {"a": fresh, "b": row, "c": None, "d": (view,)})
+    assert kwargs["a"] is fresh and args[1] == 3 and kwargs["c"] is None and kwargs["d"][0] is view
+    for got, src in ((args[0], view), (kwargs["b"], row)):
+        assert _is_plain(got) and torch.equal(got, src)
+    assert not _is_plain(view) and not _is_plain(row) and _is_plain(fresh)
 
 
 def test_single_request_matches_eager(compiled_flux, engines):

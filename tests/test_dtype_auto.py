@@ -89,3 +89,29 @@ def test_measurement_runs_at_most_measure_side(tiny_models, monkeypatch):
     seconds = dtype_auto.measure_forward(tiny_models["flux"], {}, rounds=1, min_s=0.0)
     assert (seen[0].height, seen[0].width) == (64, 64)
     assert min(seconds.values()) > 0
+
+
+def test_a_decisive_first_round_ends_the_measurement():
+    """Rounds stop once bf16 is so far from the margin that more cannot change the choice."""
+    assert dtype_auto._decided({"float32": [1.0], "bfloat16": [2.5]})  # clearly fp32
+    assert dtype_auto._decided({"float32": [1.0], "bfloat16": [0.4]})  # clearly bf16
+    assert not dtype_auto._decided({"float32": [1.0], "bfloat16": [0.9]})  # close: measure on
+    assert not dtype_auto._decided({"float32": [1.0], "bfloat16": [1.5]})
+
+
+@pytest.mark.parametrize("decisive, rounds_run", [(0.0, 1), (1e9, 3)])
+def test_measurement_rounds_follow_the_decision(tiny_models, monkeypatch, decisive, rounds_run):
+    """End to end: with every ratio decisive one round runs, with none all three do."""
+    checked = []
+    decided = dtype_auto._decided
+
+    def spy(times):
+        checked.append({k: len(v) for k, v in times.items()})
+        return decided(times)
+
+    monkeypatch.setattr(dtype_auto, "DECISIVE", decisive)
+    monkeypatch.setattr(dtype_auto, "_decided", spy)
+    monkeypatch.setattr(dtype_auto, "MEASURE_SIDE", 64)
+    seconds = dtype_auto.measure_forward(tiny_models["flux"], {}, rounds=3, min_s=0.0)
+    assert len(checked) == rounds_run and checked[-1] == {"float32": rounds_run, "bfloat16": rounds_run}
+    assert min(seconds.values()) > 0
