@@ -1,7 +1,8 @@
 """The dtype / compile part of ``benchmarks.engine_throughput`` (issue 21), in its own module.
 
 Per image size, in one interleaved comparison (benchmarks.common.interleaved): the engine in fp32,
-bf16, ``dtype="auto"`` and fp32 + ``compile``; diffusers' FluxPipeline in fp32, bf16 (not in
+bf16, ``dtype="auto"``, fp32 + ``compile`` and with ``quant="int8-dynamic"`` (reported beside the
+others, never picked as the best configuration: its outputs carry the quantization error); diffusers' FluxPipeline in fp32, bf16 (not in
 ``--quick``: no summary key reads it), and fp32 with ``torch.compile`` on its transformer (what an
 experienced user runs instead). Besides: ``torch.mm``
 at the transformer's main shape (the MLP's up projection, batch 8) in fp32 and bf16 in the same
@@ -24,6 +25,7 @@ import torch
 from benchmarks.common import interleaved, write_json
 
 BATCH = 8
+INT8 = "engine int8-dynamic"
 
 
 def main_shape(tr, size: int, text: int) -> tuple[int, int, int]:
@@ -126,7 +128,10 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
                "engine bf16": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0, dtype="bfloat16"),
                "engine auto": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0,
                                                      dtype=auto_dtype),
-               "engine fp32 compile": compiled}
+               "engine fp32 compile": compiled,
+               # quantized: reported beside the others (issue 21), never the "best" configuration, since
+               # its outputs carry the quantization error (benchmarks/quant.py gates its quality)
+               INT8: Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0, quant="int8-dynamic")}
     pipes = {"diffusers fp32": FluxPipeline.from_pretrained(model),
              "diffusers bf16": FluxPipeline.from_pretrained(model, torch_dtype=torch.bfloat16),
              "diffusers fp32 compile": FluxPipeline.from_pretrained(model)}
@@ -148,7 +153,7 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         t = time.perf_counter()
         cmp = interleaved(sides, args.repeats)
         tput = {k: cmp.median(k, "throughput_img_s") for k in sides}
-        engine_sides = [k for k in sides if k.startswith("engine")]
+        engine_sides = [k for k in sides if k.startswith("engine") and k != INT8]
         best = max(engine_sides, key=lambda k: tput[k])
         r = {"size": size, "text_tokens": text, "requests": args.requests, "main_shape": shape, "mm": mm[size],
              "sides": {k: cmp.stats(k) for k in sides}, "round_orders": cmp.order, "best_engine": best,
@@ -159,6 +164,9 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
              "best_over_compiled_diffusers_fp32": cmp.ratio(best, "diffusers fp32 compile", "throughput_img_s"),
              "compiled_over_eager_engine": cmp.ratio("engine fp32 compile", "engine fp32", "throughput_img_s"),
              "compiled_max_abs_diff_vs_diffusers": sc.max_diff("engine fp32 compile", "diffusers fp32"),
+             "int8_dynamic_over_fp32_engine": cmp.ratio(INT8, "engine fp32", "throughput_img_s"),
+             "int8_dynamic_over_diffusers_fp32": cmp.ratio(INT8, "diffusers fp32", "throughput_img_s"),
+             "int8_dynamic_max_abs_diff_vs_diffusers": sc.max_diff(INT8, "diffusers fp32"),
              "bf16_gflops_over_mm_bf16": cmp.median("engine bf16", "transformer_gflops") / mm[size]["bf16_gflops"],
              "seconds": time.perf_counter() - t}
         results[size] = r
@@ -166,7 +174,9 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         print(f"  engine bf16/fp32 x{r['bf16_over_fp32_speed']:.2f} vs torch.mm bf16/fp32 "
               f"x{mm[size]['bf16_over_fp32']:.2f} at {shape}; best {best}: x{r['best_over_diffusers_fp32']:.2f} "
               f"over diffusers fp32, x{r['best_over_compiled_diffusers_fp32']:.2f} over compiled diffusers fp32; "
-              f"compiled engine vs diffusers max diff {r['compiled_max_abs_diff_vs_diffusers']:.1e}", flush=True)
+              f"compiled engine vs diffusers max diff {r['compiled_max_abs_diff_vs_diffusers']:.1e}; int8-dynamic "
+              f"x{r['int8_dynamic_over_fp32_engine']:.2f} of engine fp32 (max diff vs diffusers "
+              f"{r['int8_dynamic_max_abs_diff_vs_diffusers']:.1e})", flush=True)
     big = results[max(sizes)]
     summary = {
         "bf16_over_fp32_speed": min(r["bf16_over_fp32_speed"] for r in results.values()),
@@ -182,6 +192,9 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         "gflops_ratio_bf16": results[min(sizes)]["bf16_gflops_over_mm_bf16"],
         "compile_warmup_s": compile_warmup_s,
         "compiled_over_eager_engine_by_size": {s: r["compiled_over_eager_engine"] for s, r in results.items()},
+        # the engine with int8-dynamic weights and activations (quant/), beside fp32 and bf16
+        "int8_dynamic_over_fp32_engine_by_size": {s: r["int8_dynamic_over_fp32_engine"] for s, r in results.items()},
+        "int8_dynamic_over_diffusers_fp32_256": big["int8_dynamic_over_diffusers_fp32"],
     }
     return {"summary": summary, "by_size": results}
 
