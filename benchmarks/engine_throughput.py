@@ -26,6 +26,7 @@ Writes results/engine_throughput.json and results/engine_throughput.png.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -253,12 +254,22 @@ def main(argv=None):
                     help="image sizes of the dtype / compile comparison (default 64,256; quick 128); the "
                          "largest gives the throughput_ratio_256* keys (large_size says which it was)")
     ap.add_argument("--speed-requests", type=int, default=16, help="requests per round there (quick: 4)")
+    ap.add_argument("--only-speed", action="store_true",
+                    help="a targeted run: the dtype / compile comparison only (no scenarios, no prompt-cache "
+                         "line); writes engine_throughput_speed.json")
+    ap.add_argument("--no-bf16", action="store_true",
+                    help="leave out the bf16 sides of the dtype / compile comparison (emulated bf16 is slow "
+                         "on CPUs without it); the bf16 keys come out None")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     if args.quick:
         args.requests, args.sizes, args.text_tokens, args.sweep, args.speed_requests = 8, "64", "64", "", 4
     args.speed_sizes = args.speed_sizes or ("128" if args.quick else "64,256")
     out_name = "engine_throughput_quick" if args.quick else "engine_throughput"
+    if args.only_speed:
+        if args.no_speed:
+            ap.error("--only-speed and --no-speed leave nothing to measure")
+        out_name, args.sizes = "engine_throughput_speed", ""
 
     from diffusers import FluxPipeline
 
@@ -276,7 +287,7 @@ def main(argv=None):
     print(f"torch.mm fp32: {mm:.0f} GFLOP/s on {machine()['cpu']} ({torch.get_num_threads()} threads)")
     texts = [int(t) for t in args.text_tokens.split(",")]
     results = []
-    for size in (int(s) for s in args.sizes.split(",")):
+    for size in (int(s) for s in args.sizes.split(",") if s):
         for text in texts:
             flops = transformer_flops_per_row(engines[main_label], size, text)
             name = f"{size}x{size} {text} tokens together"
@@ -292,7 +303,7 @@ def main(argv=None):
                               {main_label: engines[main_label]}, args.repeats)
             poisson["arrival_rate_per_s"] = rate
             results.append(poisson)
-    cache = prompt_cache_gain(model, args, args.repeats)
+    cache = None if args.only_speed else prompt_cache_gain(model, args, args.repeats)
 
     speed = None
     if not args.no_speed:
@@ -308,6 +319,15 @@ def main(argv=None):
         speed["summary"]["cli_first_image_s"] = speed_bench.cli_first_image()
         print(f"omnidit generate, first image: {speed['summary']['cli_first_image_s']:.1f} s", flush=True)
 
+    if args.only_speed:
+        summary = {**speed["summary"], "repeats": args.repeats, "run_seconds": time.perf_counter() - started,
+                   "method": "dtype / compile comparison only (--only-speed): interleaved rounds, fresh prompts "
+                             "every round, engine prompt cache off; median of per-round ratios"}
+        payload = {"benchmark": "engine_throughput", "machine": machine(), "args": vars(args), "summary": summary,
+                   "dtype_compile": {"by_size": speed["by_size"], "profile": speed["profile"]}}
+        print(json.dumps(summary, indent=1, default=str))
+        print(f"-> {write_json(out_name, payload)}")
+        return payload
     main_result = results[0]
     default_text = next(r for r in results if r["size"] == main_result["size"] and r["text_tokens"] == 512
                         and r["scenario"].endswith("together")) if 512 in texts else None

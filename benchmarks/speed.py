@@ -137,6 +137,8 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
              "diffusers fp32 compile": FluxPipeline.from_pretrained(model)}
     if getattr(args, "quick", False):  # no summary key reads it, and emulated bf16 is slow here
         del pipes["diffusers bf16"]
+    if getattr(args, "no_bf16", False):  # a targeted run: the bf16 keys come out None
+        del pipes["diffusers bf16"], engines["engine bf16"]
     pipes["diffusers fp32 compile"].transformer = torch.compile(pipes["diffusers fp32 compile"].transformer)
     for pipe in pipes.values():
         pipe.set_progress_bar_config(disable=True)
@@ -155,11 +157,12 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         tput = {k: cmp.median(k, "throughput_img_s") for k in sides}
         engine_sides = [k for k in sides if k.startswith("engine") and k != INT8]
         best = max(engine_sides, key=lambda k: tput[k])
+        bf16 = "engine bf16" in sides
         r = {"size": size, "text_tokens": text, "requests": args.requests, "main_shape": shape, "mm": mm[size],
              "sides": {k: cmp.stats(k) for k in sides}, "round_orders": cmp.order, "best_engine": best,
-             "bf16_over_fp32_speed": cmp.ratio("engine bf16", "engine fp32", "throughput_img_s"),
-             "bf16_over_fp32_spread": cmp.ratio_spread("engine bf16", "engine fp32", "throughput_img_s"),
-             "auto_over_slower": tput["engine auto"] / min(tput["engine fp32"], tput["engine bf16"]),
+             "bf16_over_fp32_speed": cmp.ratio("engine bf16", "engine fp32", "throughput_img_s") if bf16 else None,
+             "bf16_over_fp32_spread": cmp.ratio_spread("engine bf16", "engine fp32", "throughput_img_s") if bf16 else None,
+             "auto_over_slower": tput["engine auto"] / min(tput["engine fp32"], tput["engine bf16"]) if bf16 else None,
              "best_over_diffusers_fp32": cmp.ratio(best, "diffusers fp32", "throughput_img_s"),
              "best_over_compiled_diffusers_fp32": cmp.ratio(best, "diffusers fp32 compile", "throughput_img_s"),
              "compiled_over_eager_engine": cmp.ratio("engine fp32 compile", "engine fp32", "throughput_img_s"),
@@ -167,11 +170,12 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
              "int8_dynamic_over_fp32_engine": cmp.ratio(INT8, "engine fp32", "throughput_img_s"),
              "int8_dynamic_over_diffusers_fp32": cmp.ratio(INT8, "diffusers fp32", "throughput_img_s"),
              "int8_dynamic_max_abs_diff_vs_diffusers": sc.max_diff(INT8, "diffusers fp32"),
-             "bf16_gflops_over_mm_bf16": cmp.median("engine bf16", "transformer_gflops") / mm[size]["bf16_gflops"],
+             "bf16_gflops_over_mm_bf16": cmp.median("engine bf16", "transformer_gflops") / mm[size]["bf16_gflops"]
+             if bf16 else None,
              "seconds": time.perf_counter() - t}
         results[size] = r
         print(f"{size}x{size} dtype/compile: " + ", ".join(f"{k} {v:.2f}" for k, v in tput.items()) + " img/s", flush=True)
-        print(f"  engine bf16/fp32 x{r['bf16_over_fp32_speed']:.2f} vs torch.mm bf16/fp32 "
+        print(f"  engine bf16/fp32 x{r['bf16_over_fp32_speed'] or float('nan'):.2f} vs torch.mm bf16/fp32 "
               f"x{mm[size]['bf16_over_fp32']:.2f} at {shape}; best {best}: x{r['best_over_diffusers_fp32']:.2f} "
               f"over diffusers fp32, x{r['best_over_compiled_diffusers_fp32']:.2f} over compiled diffusers fp32; "
               f"compiled engine vs diffusers max diff {r['compiled_max_abs_diff_vs_diffusers']:.1e}; int8-dynamic "
@@ -179,11 +183,11 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
               f"{r['int8_dynamic_max_abs_diff_vs_diffusers']:.1e})", flush=True)
     big = results[max(sizes)]
     summary = {
-        "bf16_over_fp32_speed": min(r["bf16_over_fp32_speed"] for r in results.values()),
+        "bf16_over_fp32_speed": _least(r["bf16_over_fp32_speed"] for r in results.values()),
         "mm_bf16_over_fp32_speed": min(m["bf16_over_fp32"] for m in mm.values()),
         "auto_dtype_choice": auto_dtype,
         "auto_dtype_reason": auto_reason,
-        "auto_over_slower_dtype": min(r["auto_over_slower"] for r in results.values()),
+        "auto_over_slower_dtype": _least(r["auto_over_slower"] for r in results.values()),
         # the large-image keys keep the issue's names; large_size says what they measured (quick: 128)
         "throughput_ratio_256": big["best_over_diffusers_fp32"],
         "throughput_ratio_256_vs_compiled_diffusers": big["best_over_compiled_diffusers_fp32"],
@@ -197,6 +201,12 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         "int8_dynamic_over_diffusers_fp32_256": big["int8_dynamic_over_diffusers_fp32"],
     }
     return {"summary": summary, "by_size": results}
+
+
+def _least(values):
+    """The smallest of ``values``, None where they were not measured (``--no-bf16``)."""
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
 
 
 def profile_and_write(model: str, size: int, text: int, quick: bool = False) -> Path:
