@@ -127,10 +127,10 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
     captured from one short request (2 steps, 4 outputs, the model's default size capped at
     ``MEASURE_SIDE``) through an fp32 engine built with ``config`` (the caller's EngineConfig
     fields). Rounds alternate the dtypes; medians; it stops after a round that already decides
-    (``DECISIVE``: bf16 at under half or over twice the time the margin allows). The cap keeps a first start with ``auto``
-    to seconds: at a 1024x1024 default one bf16 forward took over a minute on a CPU without
-    native bf16, while 4 rows of 256x256 already give the GEMMs thousands of rows, where the
-    bf16 / fp32 ratio no longer depends on the size."""
+    (``DECISIVE``: bf16 at over twice fp32's time, or under half the margin's). The cap keeps a
+    first start with ``auto`` to seconds: at a 1024x1024 default one bf16 forward took over a
+    minute on a CPU without native bf16, while 4 rows of 256x256 already give the GEMMs thousands
+    of rows, where the bf16 / fp32 ratio no longer depends on the size."""
     from .engine import Engine
     from .params import SamplingParams
 
