@@ -117,28 +117,32 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
     from dit_core import Engine, dtype_auto
 
     b = args.max_batch_size
+
+    def engine(**kw):
+        return Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0, **kw)
+
     start = time.perf_counter()
-    compiled = Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0, compile=True,
-                                      compile_warmup=",".join(f"{s}x{s}" for s in sizes))
+    compiled = engine(compile=True, compile_warmup=",".join(f"{s}x{s}" for s in sizes))
     compile_warmup_s = compiled.compile_warmup_s
     print(f"engine compile: warm-up {compile_warmup_s:.1f} s ({time.perf_counter() - start:.1f} s with loading)",
           flush=True)
     auto_dtype, auto_reason = dtype_auto.choose(model, "cpu", lambda: dtype_auto.measure_forward(model, {}))
-    engines = {"engine fp32": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0),
-               "engine bf16": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0, dtype="bfloat16"),
-               "engine auto": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0,
-                                                     dtype=auto_dtype),
+    # bf16 sides: none with --no-bf16 (a targeted run; the bf16 keys come out None); no diffusers
+    # bf16 in --quick (no summary key reads it, and emulated bf16 is slow here)
+    engine_bf16 = not getattr(args, "no_bf16", False)
+    diffusers_bf16 = engine_bf16 and not getattr(args, "quick", False)
+
+    engines = {"engine fp32": engine(),
+               **({"engine bf16": engine(dtype="bfloat16")} if engine_bf16 else {}),
+               "engine auto": engine(dtype=auto_dtype),
                "engine fp32 compile": compiled,
                # quantized: reported beside the others (issue 21), never the "best" configuration, since
                # its outputs carry the quantization error (benchmarks/quant.py gates its quality)
-               INT8: Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0, quant="int8-dynamic")}
+               INT8: engine(quant="int8-dynamic")}
     pipes = {"diffusers fp32": FluxPipeline.from_pretrained(model),
-             "diffusers bf16": FluxPipeline.from_pretrained(model, torch_dtype=torch.bfloat16),
+             **({"diffusers bf16": FluxPipeline.from_pretrained(model, torch_dtype=torch.bfloat16)}
+                if diffusers_bf16 else {}),
              "diffusers fp32 compile": FluxPipeline.from_pretrained(model)}
-    if getattr(args, "quick", False):  # no summary key reads it, and emulated bf16 is slow here
-        del pipes["diffusers bf16"]
-    if getattr(args, "no_bf16", False):  # a targeted run: the bf16 keys come out None
-        del pipes["diffusers bf16"], engines["engine bf16"]
     pipes["diffusers fp32 compile"].transformer = torch.compile(pipes["diffusers fp32 compile"].transformer)
     for pipe in pipes.values():
         pipe.set_progress_bar_config(disable=True)

@@ -108,7 +108,14 @@ def compile_family(family, name: str = "") -> CompileInfo:
 def _is_plain(t: torch.Tensor) -> bool:
     """Not a view, and laid out exactly as a fresh contiguous tensor of its shape (strides of
     size-1 dimensions included: dynamo guards on them)."""
-    return t._base is None and t.stride() == torch.empty(t.shape, device="meta").stride()
+    if t._base is not None:
+        return False
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if stride != expected:
+            return False
+        expected *= max(size, 1)
+    return True
 
 
 @torch.compiler.disable
