@@ -9,6 +9,7 @@ every phrasing. Each frame is read by the image harness's digit classifier (an R
 
 * digit adherence: clips whose majority digit is the one asked for;
 * direction adherence: clips moving the way asked for;
+* axis adherence: clips moving along the axis asked for (horizontal or vertical, either sign);
 * temporal consistency: clips whose frames all read as the same digit.
 
 On real rendered clips the same reader scores about 0.97 / 1.00 / 0.98 (its ceiling).
@@ -78,15 +79,16 @@ def main(argv=None):
     result, videos, reqs = run(args.model, args.per_pair, args.steps, args.guidance,
                                {"cache": args.cache} if args.cache else None)
     print(f"digit adherence {result['digit_adherence']:.3f}, direction adherence {result['direction_adherence']:.3f}, "
-          f"temporal consistency {result['temporal_consistency']:.3f} ({result['clips']} clips, {result['steps']} "
+          f"axis adherence {result['axis_adherence']:.3f}, temporal consistency {result['temporal_consistency']:.3f} "
+          f"({result['clips']} clips, {result['steps']} "
           f"steps, guidance {result['guidance']}, {result['seconds']:.1f} s)")
     print("per digit:", {k: round(v, 2) for k, v in result["per_digit"].items()})
     print("per direction:", {k: round(v, 2) for k, v in result["per_direction"].items()})
     if args.gif:
         save_gif(videos, reqs, args.gif)
         print(f"-> {args.gif}")
-    summary = {k: result[k] for k in ("digit_adherence", "direction_adherence", "temporal_consistency",
-                                      "classifier_accuracy", "clips", "steps")}
+    summary = {k: result[k] for k in ("digit_adherence", "direction_adherence", "axis_adherence",
+                                      "temporal_consistency", "classifier_accuracy", "clips", "steps")}
     payload = {"benchmark": "video_quality", "machine": machine(), "args": vars(args), "summary": summary,
                "result": result}
     print(f"-> {write_json(args.name, payload)}")

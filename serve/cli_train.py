@@ -11,7 +11,7 @@ def add_training_commands(sub) -> None:
     trn.set_defaults(func=cmd_train_default)
 
     tvd = sub.add_parser("train-video-default",
-                         help="retrain the embedded video model, moving digits (about 20 minutes on 2 cores)")
+                         help="retrain the embedded video model, moving digits (about 18 minutes on 2 cores)")
     tvd.add_argument("out_dir")
     tvd.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     tvd.add_argument("--threads", type=int, default=None,

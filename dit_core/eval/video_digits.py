@@ -14,6 +14,7 @@ from ..zoo import digits_data, moving_digits as md
 
 INK = 0.2  # grey level under which a pixel counts as background for the centroid
 SEARCH = 2  # pixels around the centroid searched for the digit's box
+AXIS = {"left": "horizontal", "right": "horizontal", "up": "vertical", "down": "vertical"}
 
 
 def frames_tensor(video) -> torch.Tensor:
@@ -108,14 +109,17 @@ def generate(engine: Engine, reqs) -> list[torch.Tensor]:
 
 
 def score(videos, reqs, classifier) -> dict:
-    """Digit adherence, direction adherence and temporal consistency (shares of clips)."""
+    """Digit adherence, direction adherence, axis adherence (horizontal vs vertical motion, the sign
+    aside) and temporal consistency (shares of clips)."""
     reads = [read_video(v, classifier) for v in videos]
     digit_ok = [r["digit"] == d for r, (d, _, _, _) in zip(reads, reqs)]
     dir_ok = [r["direction"] == k for r, (_, k, _, _) in zip(reads, reqs)]
+    axis_ok = [AXIS[r["direction"]] == AXIS[k] for r, (_, k, _, _) in zip(reads, reqs)]
     per_direction = {k: float(np.mean([ok for ok, (_, kk, _, _) in zip(dir_ok, reqs) if kk == k]))
                      for k in md.DIRECTIONS}
     per_digit = {str(d): float(np.mean([ok for ok, (dd, _, _, _) in zip(digit_ok, reqs) if dd == d]))
                  for d in range(10)}
     return {"digit_adherence": float(np.mean(digit_ok)), "direction_adherence": float(np.mean(dir_ok)),
+            "axis_adherence": float(np.mean(axis_ok)),
             "temporal_consistency": float(np.mean([r["consistent"] for r in reads])),
             "per_digit": per_digit, "per_direction": per_direction, "clips": len(reqs)}

@@ -10,11 +10,16 @@ import numpy as np
 import torch
 
 
-def flow_sample(x0: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Noise, then a noise level sigma = sigmoid(N(0, 1)) per row, then x_t = (1 - sigma) x0 +
-    sigma noise; returns (x_t, sigma, noise). The velocity target is ``noise - x0``."""
+def flow_sample(x0: torch.Tensor, gen: torch.Generator, shift: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Noise, then a noise level sigma = sigmoid(N(0, 1)) per row, moved toward 1 by ``shift`` as
+    a flow-shifted sampler moves its schedule (sigma -> shift sigma / (1 + (shift - 1) sigma)), then
+    x_t = (1 - sigma) x0 + sigma noise; returns (x_t, sigma, noise). The velocity target is
+    ``noise - x0``."""
     noise = torch.randn(x0.shape, generator=gen)
     sigma = torch.sigmoid(torch.randn(x0.shape[0], generator=gen))
+    if shift != 1.0:
+        sigma = shift * sigma / (1 + (shift - 1) * sigma)
     s = sigma.view(-1, *[1] * (x0.dim() - 1))
     return (1 - s) * x0 + s * noise, sigma, noise
 

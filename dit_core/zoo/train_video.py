@@ -54,12 +54,15 @@ class TrainConfig:
     vae_batch: int = 16
     vae_lr: float = 1e-3
     kl_weight: float = 1e-4
-    clips: int = 1600  # clips encoded once for the DiT
-    dit_steps: int = 1000
+    clips: int = 4800  # clips encoded once for the DiT
+    dit_steps: int = 4500
     dit_batch: int = 32
-    dit_lr: float = 1.5e-3
+    dit_lr: float = 2e-3
     drop_prompt: float = 0.1
-    ema: float = 0.995
+    ema: float = 0.999
+    # noise levels drawn as the sampler's flow shift (2) places them (see flow_sample): against the
+    # unshifted draw, digit adherence 0.70 -> 0.975 and temporal consistency 0.075 -> 0.60 (40 clips)
+    train_shift: float = 2.0
     threads: int | None = None  # torch intra-op threads (None: torch's default); 1 beats 2 on a busy machine
 
 
@@ -145,7 +148,7 @@ def train_dit(family: WanFamily, latents, digits: torch.Tensor, dirs: torch.Tens
         idx = torch.randint(len(mean), (cfg.dit_batch,), generator=gen)
         z = mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=gen)
         x0 = (z - ch_mean.view(shape)) / ch_std.view(shape)
-        x_t, sigma, noise = flow_sample(x0, gen)
+        x_t, sigma, noise = flow_sample(x0, gen, cfg.train_shift)
         drop = torch.rand(cfg.dit_batch, generator=gen) < cfg.drop_prompt
         choice = torch.randint(len(md.TEMPLATES), (cfg.dit_batch,), generator=gen)
         texts = ["" if drop[k] else md.prompt(int(digits[i]), md.DIRECTIONS[int(dirs[i])], int(choice[k]))
