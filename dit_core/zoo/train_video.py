@@ -11,7 +11,8 @@ Shape (a WanPipeline folder, served by the same family code as a real Wan checkp
   codes each frame alone and trains on single frames, which a 2-core CPU can afford. Frame counts
   are therefore free for this model (real Wan VAEs take 4k + 1).
 * DiT: a WanTransformer3DModel (4 blocks, 4 heads x 32, patch 1x4x4: 36 tokens for 9 frames)
-  trained with flow matching (x_t = (1 - s) x0 + s e, target e - x0, s ~ logit-normal, t = 1000 s),
+  trained with flow matching (x_t = (1 - s) x0 + s e, target e - x0, s logit-normal moved by the
+  sampler's flow shift 2, t = 1000 s),
   10% of prompts dropped to "" so classifier-free guidance works, EMA of the weights saved.
 * scheduler: UniPC with flow prediction, as Wan 2.1 ships.
 
