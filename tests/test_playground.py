@@ -273,7 +273,7 @@ def test_the_page_ships_one_module_per_tab(server):
 def test_video_tab_plays_the_generated_mp4(visit, server):
     page = open_tab(visit, "video", "#video-width")
     expect(page.locator("#video-model option")).to_have_text(["vid"])  # video models only
-    expect(page.locator("#video-frames-hint")).to_contain_text("4 k + 1 frames")
+    expect(page.locator("#video-frames-hint")).to_contain_text("frames: 5, 9, 13")
     page.fill("#video-prompt", "a 3 moving left")
     for sel, value in (("#video-width", 48), ("#video-height", 32), ("#video-frames", 9), ("#video-fps", 8),
                        ("#video-steps", 3), ("#video-guidance", 1), ("#video-seed", 1)):

@@ -82,7 +82,8 @@ class WanFamily(DiffusersFamily):
         return self.s_scale * max(self.patch[1], self.patch[2])
 
     def describe(self) -> dict:
-        return {**super().describe(), "size_multiple": self.size_multiple, "frame_step": self.t_scale, "fps": self.fps,
+        return {**super().describe(), "size_multiple": self.size_multiple, "frame_step": self.t_scale * self.patch[0],
+                "frame_base": self.frame_base, "fps": self.fps,
                 "max_text_tokens": self.max_text_tokens, "max_side": 8192}
 
     # ---- per request ----
@@ -95,14 +96,30 @@ class WanFamily(DiffusersFamily):
             value = getattr(params, name)
             if value % m:
                 raise InvalidParamError(name, value, f"a multiple of {m} for this {self.name} model")
-        if (params.num_frames - 1) % self.t_scale:
-            raise InvalidParamError("num_frames", params.num_frames,
-                                    f"{self.t_scale} k + 1 frames for this model's VAE "
-                                    f"({', '.join(str(self.t_scale * k + 1) for k in range(4))}, ...)")
+        frames = params.num_frames
+        if (frames - 1) % self.t_scale or ((frames - 1) // self.t_scale + 1) % self.patch[0]:
+            raise InvalidParamError("num_frames", frames, self.frame_counts())
         if params.max_sequence_length > self.max_text_tokens:
             raise InvalidParamError("max_sequence_length", params.max_sequence_length,
                                     f"an integer in [1, {self.max_text_tokens}]")
         return params
+
+    @property
+    def frame_base(self) -> int:
+        """The fewest frames (beyond one) this model makes; ``frame_step`` more each time."""
+        pt, t = self.patch[0], self.t_scale
+        return t * (pt - 1) + 1 if pt > 1 else t + 1
+
+    def frame_counts(self) -> str:
+        """The frame counts this model makes, in words: its VAE codes ``t_scale`` k + 1 frames into
+        k + 1 latent frames, and its DiT patches latent frames ``patch[0]`` at a time."""
+        pt, t = self.patch[0], self.t_scale
+        first = ", ".join(str(t * (pt * k - 1) + 1) for k in range(1, 5))
+        if pt == 1:
+            return f"{t} k + 1 frames for this model's VAE ({first}, ...)"
+        if t == 1:
+            return f"a multiple of {pt} frames, the DiT's frame patch ({first}, ...)"
+        return f"{t} k + 1 frames with k + 1 a multiple of {pt}, the DiT's frame patch ({first}, ...)"
 
     def uses_cfg(self, params: SamplingParams) -> bool:
         return params.guidance_scale > 1

@@ -62,16 +62,18 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
     return int(parts[0]), int(parts[1])
 
 
-def frame_count(seconds: float, fps: int, step: int) -> int:
-    """The frame count of ``seconds`` at ``fps`` the model can make: ``step`` k + 1, nearest."""
+def frame_count(seconds: float, fps: int, step: int, base: int | None = None) -> int:
+    """The frame count of ``seconds`` at ``fps`` the model can make, nearest: ``base`` + ``step`` j
+    (``base`` defaults to ``step`` + 1, Wan's 4 k + 1 from 5 on)."""
     if seconds <= 0:
         raise InvalidParamError("seconds", seconds, "a positive number of seconds")
-    k = round((seconds * fps - 1) / step)
-    frames = step * k + 1
-    if k < 1 or frames > 1024:
-        lo, hi = (1 + step) / fps, (1 + step * (1023 // step)) / fps
+    base = step + 1 if base is None else base
+    j = round((seconds * fps - base) / step)
+    frames = base + step * j
+    if j < 0 or frames > 1024:
+        lo, hi = base / fps, (base + step * ((1024 - base) // step)) / fps
         raise InvalidParamError("seconds", seconds, f"from {lo:g} to {hi:g} seconds at {fps} fps (the model makes "
-                                                    f"{step} k + 1 frames, k >= 1, at most 1024)")
+                                                    f"{base} + {step} j frames, j >= 0, at most 1024)")
     return frames
 
 
@@ -142,7 +144,7 @@ def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, Sampling
     fps = body.fps or details.get("fps", 16)
     frames = body.num_frames
     if frames is None and body.seconds is not None:
-        frames = frame_count(body.seconds, fps, details.get("frame_step", 1))
+        frames = frame_count(body.seconds, fps, details.get("frame_step", 1), details.get("frame_base"))
     width, height = parse_size(body.size)
     params = SamplingParams(height=height, width=width, num_frames=frames, num_inference_steps=body.num_inference_steps,
                             guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt, seed=body.seed,

@@ -65,8 +65,9 @@ class VideoTab {
     const d = this.details;
     const defaults = d.defaults || {};
     const k = d.frame_step || 1;
-    Object.assign(this.f.frames.input, { value: defaults.num_frames ?? "", min: k + 1, step: k });
-    this.framesHint.textContent = k > 1 ? `${k} k + 1 frames: ${[1, 2, 3].map((i) => k * i + 1).join(", ")}, …` : "";
+    const base = d.frame_base ?? k + 1; // the model makes base + k j frames
+    Object.assign(this.f.frames.input, { value: defaults.num_frames ?? "", min: base, step: k });
+    this.framesHint.textContent = k > 1 ? `frames: ${[0, 1, 2].map((j) => base + k * j).join(", ")}, …` : "";
     this.f.fps.input.value = d.fps ?? "";
     this.f.steps.input.value = defaults.num_inference_steps ?? "";
     this.f.guidance.input.value = defaults.guidance_scale ?? "";
