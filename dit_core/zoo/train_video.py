@@ -59,7 +59,7 @@ class TrainConfig:
     clips: int = 4800  # clips encoded once for the DiT
     dit_steps: int = 4500
     dit_batch: int = 32
-    dit_lr: float = 2e-3
+    dit_lr: float = 3e-3  # with patch 3x2x2: digit adherence 0.885 at 2e-3, 0.940 at 3e-3 (200 clips)
     drop_prompt: float = 0.1
     ema: float = 0.999
     # noise levels drawn as the sampler's flow shift (2) places them (see flow_sample): against the
