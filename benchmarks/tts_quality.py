@@ -55,17 +55,20 @@ def evaluate(engine, sequences, recognizer, batch: int = 8) -> dict:
 
 def main(argv=None) -> int:
     from dit_core import Engine
-    from dit_core.eval.speech import load_recognizer
+    from dit_core.eval.speech import RECOGNIZER_DIR, load_recognizer
     from dit_core.zoo import tts_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="20 sequences instead of 100")
     parser.add_argument("--model", default=None, help="a text-to-speech folder (default: the embedded one)")
+    parser.add_argument("--recognizer", default=None,
+                        help="a recognizer folder (default: the model's recognizer/, else the shipped one)")
     parser.add_argument("--name", default="tts_quality", help="results file name under benchmarks/results/")
     args = parser.parse_args(argv)
     folder = args.model or str(tts_model())
     engine = Engine.from_pretrained(folder, max_batch_size=16)
-    recognizer = load_recognizer(os.path.join(folder, "recognizer"))
+    own = os.path.join(folder, "recognizer")
+    recognizer = load_recognizer(args.recognizer or (own if os.path.isdir(own) else RECOGNIZER_DIR))
     sequences = fixed_sequences()[:20 if args.quick else 100]
     result = evaluate(engine, sequences, recognizer)
     summary = {"digit_accuracy": result["digit_accuracy"], "recognizer_accuracy": recognizer.held_out_accuracy,

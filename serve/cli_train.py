@@ -27,6 +27,7 @@ def add_training_commands(sub) -> None:
                      help="talker time budget: it stops at its steps or this, whichever is first (default 30)")
     tts.add_argument("--dit-steps", type=int, default=1000, help="audio DiT training steps (default 1000)")
     tts.add_argument("--dit-minutes", type=float, default=10.0, help="audio DiT time budget (default 10)")
+    tts.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     tts.add_argument("--no-recognizer", action="store_true", help="skip the recognizer")
     tts.set_defaults(func=cmd_train_tts)
 
@@ -74,7 +75,7 @@ def cmd_train_video_default(args) -> int:
 def cmd_train_tts(args) -> int:
     return _run_training("train_tts", args.out_dir, {"recognizer": not args.no_recognizer}, seed=args.seed,
                          talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
-                         dit_steps=args.dit_steps, dit_minutes=args.dit_minutes)
+                         dit_steps=args.dit_steps, dit_minutes=args.dit_minutes, threads=args.threads)
 
 
 def cmd_train_policy(args) -> int:

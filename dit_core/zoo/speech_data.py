@@ -104,13 +104,15 @@ def recognizer_corpus(n: int, seed: int, log=print) -> list[tuple[np.ndarray, li
     """``n`` espeak-ng renderings of 1-6 words read one by one (250-450 ms between words at 175 wpm: digits, sometimes
     the other words) in the recognizer's voices at 120-240 words per minute and varied pitch:
     (audio at SAMPLE_RATE, words)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     rng = np.random.default_rng(seed)
-    out = []
+    jobs = []  # drawn in order first, so the corpus does not depend on how the renderings are scheduled
     for i in range(n):
         words = random_words(rng, 6)
         voice = RECOGNIZER_VOICES[i % len(RECOGNIZER_VOICES)]
-        audio = synth(" ".join(words), voice, int(rng.integers(120, 241)), int(rng.integers(30, 71)),
-                      gap=int(rng.integers(25, 46)))
-        out.append((audio, words))
+        jobs.append((words, voice, int(rng.integers(120, 241)), int(rng.integers(30, 71)), int(rng.integers(25, 46))))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one espeak-ng process per worker
+        audios = list(pool.map(lambda j: synth(" ".join(j[0]), j[1], j[2], j[3], gap=j[4]), jobs))
     log(f"rendered {n} recognizer sentences")
-    return out
+    return [(audio, j[0]) for audio, j in zip(audios, jobs)]
