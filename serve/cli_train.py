@@ -22,7 +22,10 @@ def add_training_commands(sub) -> None:
                               "apt-get installs espeak-ng when missing; see README for times)")
     tts.add_argument("out_dir")
     tts.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
-    tts.add_argument("--talker-steps", type=int, default=1400, help="talker training steps (default 1400)")
+    tts.add_argument("--vae-steps", type=int, default=1000, help="audio VAE training steps (default 1000)")
+    tts.add_argument("--vae-minutes", type=float, default=10.0,
+                     help="audio VAE time budget: it stops at its steps or this, whichever is first (default 10)")
+    tts.add_argument("--talker-steps", type=int, default=700, help="talker training steps (default 700)")
     tts.add_argument("--talker-minutes", type=float, default=30.0,
                      help="talker time budget: it stops at its steps or this, whichever is first (default 30)")
     tts.add_argument("--dit-steps", type=int, default=1000, help="audio DiT training steps (default 1000)")
@@ -74,6 +77,7 @@ def cmd_train_video_default(args) -> int:
 
 def cmd_train_tts(args) -> int:
     return _run_training("train_tts", args.out_dir, {"recognizer": not args.no_recognizer}, seed=args.seed,
+                         vae_steps=args.vae_steps, vae_minutes=args.vae_minutes,
                          talker_steps=args.talker_steps, talker_minutes=args.talker_minutes,
                          dit_steps=args.dit_steps, dit_minutes=args.dit_minutes, threads=args.threads)
 

@@ -3,9 +3,9 @@
 Stages, each with a step count and a time budget (it stops at whichever comes first):
 
 1. espeak-ng renders every (word, voice, speed) once (``speech_data``), 8 kHz mono.
-2. The audio VAE: an ``AutoencoderOobleck`` whose layers are set (not learned) to an MDCT
-   analysis / synthesis pair, hop 32 samples, 32 coefficients per frame (``mdct_vae``): a learned
-   Oobleck VAE did not get past stationary noise in the time this shared machine allowed.
+2. The audio VAE (``speech_vae``): an ``AutoencoderOobleck``, 32 samples (4 ms) to 16 latent
+   channels, started from an MDCT and the coefficients' leading principal components and trained
+   end to end on windows of rendered utterances.
 3. Speech tokens: k-means (1024 centroids) over every rendering's tokens, each 8 latent frames
    (32 ms, 31.25 tokens/s), normalised per coefficient; a centroid is its token's embedding.
 4. The talker (a Qwen2 causal LM, head size 64 so vLLM serves it) learns
@@ -32,14 +32,15 @@ import numpy as np
 import torch
 
 from . import speech_data as data
+from . import speech_vae as vae_lib
 
 logger = logging.getLogger(__name__)
 
 # what the served model's speech/config.json records about the data layout
 HOP = 256  # samples per speech token (32 ms at 8 kHz)
-MDCT_HOP = 32  # samples per VAE latent frame (4 ms): 8 frames per token
+MDCT_HOP = vae_lib.HOP  # samples per VAE latent frame (4 ms): 8 frames per token
 FRAMES = HOP // MDCT_HOP
-LATENT = MDCT_HOP  # VAE latent channels (MDCT coefficients per frame)
+LATENT = 16  # VAE latent channels per frame (2x compression of the 32 samples)
 UNITS = 1024  # speech-token vocabulary (k-means centroids)
 LEAD, TAIL = 1, 2  # silent tokens before the first word and after the last
 # words per talker request, in training and in service (``group_words``): the service joins the
@@ -52,7 +53,9 @@ GROUP = 1
 @dataclass
 class TrainConfig:
     seed: int = 0
-    talker_steps: int = 1400  # the shipped model's counts
+    vae_steps: int = 1000  # the shipped model's counts
+    vae_minutes: float = 10.0
+    talker_steps: int = 700
     talker_minutes: float = 30.0  # time budgets: a stage stops at its steps or its budget, whichever is first
     dit_steps: int = 1000
     dit_minutes: float = 10.0
@@ -86,71 +89,18 @@ def utterance_audio(clips, words, voice, speed) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def make_vae():
-    """An ``AutoencoderOobleck`` set to an MDCT analysis / synthesis pair (see ``mdct_vae``)."""
-    from diffusers import AutoencoderOobleck
+def sample_window(clips):
+    """``draw(rng, n)``: n samples of a random utterance of 1-3 words (zero-padded when shorter)."""
+    voices = list(data.TTS_VOICES)
 
-    vae = AutoencoderOobleck(encoder_hidden_size=2 * LATENT, downsampling_ratios=[MDCT_HOP], channel_multiples=[1],
-                             decoder_channels=LATENT, decoder_input_channels=LATENT, audio_channels=1,
-                             sampling_rate=data.SAMPLE_RATE)
-    return mdct_vae(vae)
-
-
-def mdct_basis(hop: int) -> torch.Tensor:
-    """Orthonormal MDCT basis with a sine window: [hop coefficients, 2 * hop samples]."""
-    n = torch.arange(2 * hop, dtype=torch.float64)
-    k = torch.arange(hop, dtype=torch.float64)[:, None]
-    window = torch.sin(math.pi * (n + 0.5) / (2 * hop))
-    return (math.sqrt(2 / hop) * window * torch.cos(math.pi / hop * (n + 0.5 + hop / 2) * (k + 0.5))).float()
-
-
-def _set(conv, weight: torch.Tensor) -> None:
-    """Set a weight-normed conv's effective weight: g = the norm of each slice along dim 0 (for a
-    ConvTranspose1d too, as torch's weight_norm(dim=0) does); g = 0 makes an all-zero slice exact."""
-    v = torch.where(weight == 0, torch.full_like(weight, 1e-20), weight)
-    conv.weight_v.data.copy_(v)
-    conv.weight_g.data.copy_(weight.flatten(1).norm(dim=1).reshape(conv.weight_g.shape))
-    if conv.bias is not None:
-        conv.bias.data.zero_()
-
-
-@torch.no_grad()
-def mdct_vae(vae):
-    """Make the Oobleck layers compute an MDCT (encoder: hop ``MDCT_HOP``, window 2x) and its
-    inverse (decoder): every Snake an identity (beta = e^20), every residual unit a zero branch, the
-    1x1 / k7 convolutions copies. The posterior's scale is ~5e-5. A critically sampled linear
-    autoencoder with perfect reconstruction (up to the first half window)."""
-    basis = mdct_basis(MDCT_HOP)
-    for module in vae.modules():
-        if type(module).__name__ == "Snake1d":
-            module.alpha.zero_()
-            module.beta.fill_(20.0)
-        if type(module).__name__ == "OobleckResidualUnit":
-            _set(module.conv1, torch.zeros_like(module.conv1.weight))
-            _set(module.conv2, torch.zeros_like(module.conv2.weight))
-    enc, dec = vae.encoder, vae.decoder
-    e = enc.conv1.weight.shape[0]
-    w = torch.zeros(e, 1, 7)
-    w[0, 0, 3] = 1.0
-    _set(enc.conv1, w)
-    w = torch.zeros(e, e, 2 * MDCT_HOP)
-    w[:LATENT, 0] = basis
-    _set(enc.block[0].conv1, w)
-    w = torch.zeros(e, e, 3)
-    w[torch.arange(LATENT), torch.arange(LATENT), 1] = 1.0
-    _set(enc.conv2, w)
-    enc.conv2.bias.data[LATENT:] = -10.0  # softplus(-10): a near-zero posterior scale
-    d = dec.conv1.weight.shape[0]
-    w = torch.zeros(d, LATENT, 7)
-    w[torch.arange(LATENT), torch.arange(LATENT), 3] = 1.0
-    _set(dec.conv1, w)
-    w = torch.zeros(d, d, 2 * MDCT_HOP)  # ConvTranspose1d weight: [in, out, kernel]
-    w[:LATENT, 0] = basis
-    _set(dec.block[0].conv_t1, w)
-    w = torch.zeros(1, d, 7)
-    w[0, 0, 3] = 1.0
-    _set(dec.conv2, w)
-    return vae.eval().requires_grad_(False)
+    def draw(rng, n: int) -> np.ndarray:
+        words = data.random_words(rng, 3)
+        voice = voices[rng.integers(len(voices))]
+        speed = data.TTS_SPEEDS[rng.integers(len(data.TTS_SPEEDS))]
+        audio = np.pad(utterance_audio(clips, words, voice, speed), (0, n))
+        start = int(rng.integers(0, len(audio) - n + 1))
+        return audio[start:start + n]
+    return draw
 
 
 @torch.no_grad()
@@ -391,11 +341,12 @@ def train(out_dir: str | Path, cfg: TrainConfig | None = None, recognizer: bool 
     rng = np.random.default_rng(cfg.seed)
     start = time.monotonic()
     clips = data.word_clips(HOP, log=logger.info)
-    vae = make_vae()
+    vae, vae_quality = vae_lib.train_vae(LATENT, data.SAMPLE_RATE, list(clips.values()), sample_window(clips),
+                                     cfg.vae_steps, cfg.vae_minutes, rng)
     latents, silence = word_latents(vae, clips)
     centroids, mean, std, units, silence_unit = fit_codebook(latents, silence, cfg.seed)
     tokens, speech = vocabulary()
-    speech.update(vocab_size=len(tokens), silence_unit=silence_unit, sample_rate=data.SAMPLE_RATE, hop=HOP,
+    speech.update(vae_reconstruction=vae_quality, vocab_size=len(tokens), silence_unit=silence_unit, sample_rate=data.SAMPLE_RATE, hop=HOP,
                   latent_channels=LATENT, latent_frames_per_token=FRAMES, chunk_tokens=CHUNK, overlap_tokens=OVERLAP, max_words=32, max_chars=1000,
                   lead_tokens=LEAD, tail_tokens=TAIL, pause_tokens={str(s): data.pause_tokens(s) for s in data.TTS_SPEEDS})
     logger.info("codebook: %d units, silence unit %d (%.0f s so far)", UNITS, silence_unit, time.monotonic() - start)
