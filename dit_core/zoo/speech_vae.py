@@ -27,6 +27,8 @@ import time
 import numpy as np
 import torch
 
+from .schedule import budget, progress, set_lr, warm_cosine
+
 logger = logging.getLogger(__name__)
 
 HOP = 32  # samples per latent frame
@@ -153,17 +155,13 @@ def train_vae(latent: int, sample_rate: int, audio: list[np.ndarray], sample_win
     """Train the VAE (module doc). ``audio``: every rendering, for the PCA and the SNR;
     ``sample_window(rng, n)`` draws a training window of n samples. Returns (weight-normed VAE,
     {"init": reconstruction(...), "trained": reconstruction(...)})."""
-    from .train_tts import budget, progress
-
     vae = mdct_pca_init(strip_weight_norm(make_vae(latent, sample_rate)), latent, audio)
     quality = {"init": reconstruction(vae, audio)}
     logger.info("vae: MDCT + %d principal components: %s", latent, quality["init"])
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
     start, done = time.monotonic(), 0
     for step in budget(steps, minutes):
-        frac = progress(step, steps, start, minutes)
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 100) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        set_lr(opt, warm_cosine(lr, step, progress(step, steps, start, minutes), 0.05))
         x = torch.from_numpy(np.stack([sample_window(rng, window) for _ in range(batch)]))[:, None]
         post = vae.encode(x).latent_dist
         y = vae.decode(post.sample()).sample[..., :window]

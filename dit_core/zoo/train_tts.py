@@ -33,6 +33,7 @@ import torch
 
 from . import speech_data as data
 from . import speech_vae as vae_lib
+from .schedule import budget, progress, set_lr, warm_cosine
 
 logger = logging.getLogger(__name__)
 
@@ -60,23 +61,6 @@ class TrainConfig:
     dit_steps: int = 1000
     dit_minutes: float = 10.0
     threads: int = 2
-
-
-def progress(step: int, steps: int, start: float, minutes: float) -> float:
-    """How far through its schedule a stage is (0-1): by steps, unless the time budget runs out
-    sooner. A run that finishes its steps within the budget follows the step schedule exactly, so
-    its weights do not depend on the machine's speed."""
-    return min(1.0, max(step / steps, (time.monotonic() - start) / (60 * minutes)))
-
-
-def budget(steps: int, minutes: float):
-    """Yield step indices until ``steps`` or ``minutes`` run out (whichever is first)."""
-    end = time.monotonic() + 60 * minutes
-    for i in range(steps):
-        if time.monotonic() > end:
-            logger.info("time budget reached after %d of %d steps", i, steps)
-            return
-        yield i
 
 
 def utterance_audio(clips, words, voice, speed) -> np.ndarray:
@@ -209,10 +193,7 @@ def train_talker(units, silence_unit, speech, cfg: TrainConfig, rng):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     start = time.monotonic()
     for step in budget(cfg.talker_steps, cfg.talker_minutes):
-        frac = progress(step, cfg.talker_steps, start, cfg.talker_minutes)
-        warm = min(1.0, (step + 1) / 100)
-        for g in opt.param_groups:
-            g["lr"] = 3e-3 * warm * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * frac)))
+        set_lr(opt, warm_cosine(3e-3, step, progress(step, cfg.talker_steps, start, cfg.talker_minutes), 0.03))
         seqs, labels = [], []
         for _ in range(16):
             prompt, target = talker_example(rng, units, silence_unit, speech)
@@ -272,9 +253,7 @@ def train_dit(latents, silence, centroids, mean, std, units, silence_unit, cfg: 
     start = time.monotonic()
     sd = SCHEDULER["sigma_data"]
     for step in budget(cfg.dit_steps, cfg.dit_minutes):
-        frac = progress(step, cfg.dit_steps, start, cfg.dit_minutes)
-        for g in opt.param_groups:
-            g["lr"] = 1e-3 * min(1.0, (step + 1) / 100) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        set_lr(opt, warm_cosine(1e-3, step, progress(step, cfg.dit_steps, start, cfg.dit_minutes), 0.05))
         xs, conds, crosses, globs = [], [], [], []
         for _ in range(16):
             words = data.random_words(rng, 3)
@@ -346,9 +325,10 @@ def train(out_dir: str | Path, cfg: TrainConfig | None = None, recognizer: bool 
     latents, silence = word_latents(vae, clips)
     centroids, mean, std, units, silence_unit = fit_codebook(latents, silence, cfg.seed)
     tokens, speech = vocabulary()
-    speech.update(vae_reconstruction=vae_quality, vocab_size=len(tokens), silence_unit=silence_unit, sample_rate=data.SAMPLE_RATE, hop=HOP,
-                  latent_channels=LATENT, latent_frames_per_token=FRAMES, chunk_tokens=CHUNK, overlap_tokens=OVERLAP, max_words=32, max_chars=1000,
-                  lead_tokens=LEAD, tail_tokens=TAIL, pause_tokens={str(s): data.pause_tokens(s) for s in data.TTS_SPEEDS})
+    speech.update(vae_reconstruction=vae_quality, vocab_size=len(tokens), silence_unit=silence_unit,
+                  sample_rate=data.SAMPLE_RATE, hop=HOP, latent_channels=LATENT, latent_frames_per_token=FRAMES,
+                  chunk_tokens=CHUNK, overlap_tokens=OVERLAP, max_words=32, max_chars=1000, lead_tokens=LEAD,
+                  tail_tokens=TAIL, pause_tokens={str(s): data.pause_tokens(s) for s in data.TTS_SPEEDS})
     logger.info("codebook: %d units, silence unit %d (%.0f s so far)", UNITS, silence_unit, time.monotonic() - start)
     talker = train_talker(units, silence_unit, speech, cfg, rng)
     speech["talker_exact_match"] = talker_accuracy(talker, units, silence_unit, speech)
