@@ -10,7 +10,7 @@ import torch
 
 from ar_adapters import ON_FAILURE, THINKERS
 from attention import AttentionConfig, UnknownBackendError
-from offload import OffloadConfigError, OffloadPolicy, check_budget
+from offload import OffloadConfigError, OffloadPolicy, check_budget, check_threshold
 
 from .cache.config import CacheConfig
 from .errors import InvalidParamError
@@ -67,6 +67,12 @@ class EngineConfig:
     max_resident_gb: a budget (GiB) for the weights held on the device; picks N for ``blocks`` /
         ``disk`` given without one, and alone streams blocks from the disk on CPU (from host
         memory on CUDA). Activations are not counted.
+    malloc_mmap_threshold: glibc malloc's mmap threshold for the process: ``"auto"`` (fixed at
+        1 MiB when the disk tier streams blocks on CPU, so freed activations go back to the OS at
+        once and the peak holds from run to run, at the cost of page faults; left alone otherwise,
+        or when ``MALLOC_MMAP_THRESHOLD_`` / ``GLIBC_TUNABLES`` already set it), ``0`` (never
+        change it) or a number of bytes (fix it whatever the offload). Process-wide. See
+        ``offload.heap``.
     quant: weight quantization of the transformer (or the components named with ``,components=``):
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.
@@ -105,6 +111,7 @@ class EngineConfig:
     prompt_cache_bytes: int = 256 << 20
     offload: str | OffloadPolicy = "none"
     max_resident_gb: float | None = None
+    malloc_mmap_threshold: int | str = "auto"
     quant: str | None = None
     compile: bool = False
     compile_warmup: str | list | None = None
@@ -130,6 +137,7 @@ class EngineConfig:
         try:
             self.offload = OffloadPolicy.parse(self.offload)
             self.max_resident_gb = check_budget(self.max_resident_gb)
+            self.malloc_mmap_threshold = check_threshold(self.malloc_mmap_threshold)
         except OffloadConfigError as e:
             raise InvalidParamError(e.field, e.value, e.allowed) from None
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from offload import heap
 from offload import (
     BlockStreamer,
     ComponentOffloader,
@@ -77,8 +78,13 @@ def effective_policy(config) -> OffloadPolicy:
 
 
 def offload_loader(config):
-    """A ``load_components`` loader for ``config``'s policy (None when nothing is offloaded)."""
+    """A ``load_components`` loader for ``config``'s policy (None when nothing is offloaded).
+    Applies ``config.malloc_mmap_threshold`` first, so that loading leaves no holes in the heap."""
     policy = effective_policy(config)
+    disk_on_cpu = policy.tier == "disk" and torch.device(config.device).type == "cpu"
+    done = heap.apply(config.malloc_mmap_threshold, disk_on_cpu)
+    if heap.applied() is not None:
+        logger.info("offload %s: %s", policy, done)
     if not policy.streams_blocks and not policy.components:
         return None
 
@@ -121,6 +127,8 @@ def apply_offload(family, config) -> Offload | None:
     if policy.components:
         handle.components = ComponentOffloader(others, device)
     _ATTACHED[family] = handle
+    if heap.applied() is not None:
+        heap.trim()  # what loading freed (e.g. under another threshold) goes back to the OS now
     logger.info("offload %s: %s", policy, {k: v for k, v in handle.stats().items() if k != "components"})
     return handle
 

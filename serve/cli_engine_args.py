@@ -52,6 +52,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="budget in GiB for the weights held on the device: picks N for blocks / disk given "
                         "without one; alone, streams blocks from the disk on CPU (host memory on CUDA). "
                         "Activations are not counted (default: no budget)")
+    p.add_argument("--malloc-mmap-threshold", type=_threshold, default="auto", metavar="auto|0|BYTES",
+                   help="glibc malloc's mmap threshold for this process: auto fixes it at 1 MiB when the disk "
+                        "tier streams blocks on CPU (freed activations go back to the OS at once: a peak that "
+                        "holds run to run, for some page faults) unless MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES "
+                        "set it; 0 never changes it; a number of bytes fixes it whatever --offload (default auto)")
     p.add_argument("--policy", default=None, choices=["fifo", "edf"],
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
                         "1 step in 10 to bulk when the deadlines allow, at least 1 in 30); default: edf when a "
@@ -65,6 +70,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
     add_parallel_args(p)
+
+
+def _threshold(text: str) -> "int | str":
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: auto, 0 or a number of bytes") from None
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -93,7 +107,7 @@ def engine_kwargs(args) -> dict:
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,
                 thinker_memory_utilization=args.thinker_memory_utilization, thinker_on_failure=args.thinker_on_failure,
                 prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant, offload=args.offload,
-                max_resident_gb=args.max_resident_gb,
+                max_resident_gb=args.max_resident_gb, malloc_mmap_threshold=args.malloc_mmap_threshold,
                 compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,
                 row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
                 parallel_timeout_s=args.parallel_timeout, **({"policy": args.policy} if args.policy else {}))

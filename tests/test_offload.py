@@ -14,6 +14,7 @@ import torch
 
 from dit_core import Engine, InvalidParamError, RequestFailedError, UnknownModelError
 from dit_core.offloading import offload_of
+from offload import heap
 from helpers import CFG, assert_finished, params, run_staggered
 
 # every policy on every family (components with the host tier, and the disk tier, on each); the
@@ -103,13 +104,57 @@ def test_disk_tier_peak_memory_is_bounded(small_flux):
     need = disk["transformer_bytes"] - disk["nonblock_bytes"] - held - (4 << 20)
     saved = none["peak"] - disk["peak"]
     assert saved >= need, f"saved {saved / 2**20:.1f} MiB, needed {need / 2**20:.1f} MiB ({none}, {disk})"
+    # the disk tier on CPU fixed glibc's mmap threshold ("auto"); none left glibc alone
+    assert (disk["mmap_threshold"], none["mmap_threshold"]) == (heap.DEFAULT_THRESHOLD, None)
+
+
+HEAP_SCRIPT = """
+import ctypes, json, sys, torch
+from offload import heap
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+def mapped_by_3mib():  # bytes of malloc's own mappings a live 3 MiB tensor adds
+    del_ = torch.empty(20 << 18)  # 20 MiB, freed: glibc's dynamic threshold rises to it
+    del del_
+    before = libc.mallinfo2().hblkhd
+    t = torch.empty(3 << 18)
+    t.fill_(1)
+    return libc.mallinfo2().hblkhd - before
+out = {"glibc": mapped_by_3mib(), "auto_without_disk": heap.apply("auto", False)}
+out["auto_with_disk"] = heap.apply("auto", True)
+out["fixed"] = mapped_by_3mib()
+out["applied"] = heap.applied()
+print(json.dumps(out))
+"""
+
+
+def test_mmap_threshold_returns_freed_activations_to_the_os():
+    """glibc's dynamic threshold puts a 3 MiB tensor on the heap once a larger block was freed;
+    after ``heap.apply("auto", disk_on_cpu=True)`` it gets its own mapping (returned when freed).
+    With ``MALLOC_MMAP_THRESHOLD_`` in the environment, "auto" leaves it to the environment."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env.pop("GLIBC_TUNABLES", None)
+    out = json.loads(subprocess.run([sys.executable, "-c", HEAP_SCRIPT], env=env, capture_output=True, text=True,
+                                    timeout=120, check=True).stdout.strip().splitlines()[-1])
+    assert out["glibc"] < 1 << 20 and out["fixed"] >= 3 << 20, out
+    assert "not changed" in out["auto_without_disk"] and "fixed at 1048576" in out["auto_with_disk"]
+    assert out["applied"] == heap.DEFAULT_THRESHOLD
+    env["MALLOC_MMAP_THRESHOLD_"] = str(4 << 20)
+    out = json.loads(subprocess.run([sys.executable, "-c", HEAP_SCRIPT], env=env, capture_output=True, text=True,
+                                    timeout=120, check=True).stdout.strip().splitlines()[-1])
+    assert "left to the environment (MALLOC_MMAP_THRESHOLD_)" in out["auto_with_disk"] and out["applied"] is None
 
 
 PEAK_SCRIPT = """
 import json, sys
 from dit_core import Engine, SamplingParams
 from dit_core.offloading import offload_of
-from offload import find_blocks
+from offload import heap
+from offload import find_blocks, heap
 engine = Engine.from_pretrained(sys.argv[1], offload=sys.argv[2])
 engine.generate(["a cat", "a dog"], SamplingParams(height=64, width=64, num_inference_steps=2, seed=0,
                                                    max_sequence_length=16, output_type="pt"))
@@ -125,7 +170,7 @@ print(json.dumps({"peak": peak, "blocks": len(blocks), "transformer_bytes": size
                   "max_part_bytes": max(size(p for p in m._parameters.values() if p is not None)
                                         for b in blocks for m in b.modules()),
                   "slot_bytes": handle.blocks.slot_bytes if handle else 0,
-                  "stats": handle.stats() if handle else {}}))
+                  "stats": handle.stats() if handle else {}, "mmap_threshold": heap.applied()}))
 """
 
 
@@ -227,6 +272,8 @@ def test_weight_file_lost_mid_run_fails_the_request_not_the_engine(dtype, source
     ("offload", "disk:0", "disk:N with an integer N >= 1"), ("offload", "tape", "parts among"),
     ("offload", "blocks:1,disk:1", "at most one"), ("offload", "none,components", "'none' alone"),
     ("offload", 3, "a string"), ("max_resident_gb", -1, "GiB > 0"), ("max_resident_gb", "1", "GiB > 0"),
+    ("malloc_mmap_threshold", "big", "'auto', 0"), ("malloc_mmap_threshold", -1, "'auto', 0"),
+    ("malloc_mmap_threshold", 1 << 30, "up to 33554432"),
 ])
 def test_bad_offload_settings_name_the_field(field, value, match, tiny_models):
     with pytest.raises(InvalidParamError, match=match) as e:
@@ -264,7 +311,12 @@ def test_cli_passes_offload_settings():
 
     args = build_parser().parse_args(["generate", "x", "--offload", "components,disk:2", "--max-resident-gb", "1.5"])
     kwargs = engine_kwargs(args)
-    assert (kwargs["offload"], kwargs["max_resident_gb"]) == ("components,disk:2", 1.5)
+    assert (kwargs["offload"], kwargs["max_resident_gb"], kwargs["malloc_mmap_threshold"]) == (
+        "components,disk:2", 1.5, "auto")
+    args = build_parser().parse_args(["generate", "x", "--malloc-mmap-threshold", "0"])
+    assert engine_kwargs(args)["malloc_mmap_threshold"] == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--malloc-mmap-threshold", "lots"])
 
 
 def test_block_streaming_with_quant_is_refused_by_name(tiny_models):
