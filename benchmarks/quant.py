@@ -8,6 +8,9 @@ For fp32, bf16 and every method (int8-weight, int8-dynamic, fp8, gguf:Q8_0, gguf
   256x256 x 1 request. Steps are timed round-robin over the variants (A B C ... A B C ...), each round
   ``--steps`` steps per variant after one warm-up step; medians and relative spread (IQR / median);
 * the embedded default model (digits): adherence and PSNR against fp32 on the harness's fixed seeds;
+* int8-dynamic's ceiling on this machine (``benchmarks.quant_ceiling``): the transformer's linear
+  layers alone, fp32 against int8-dynamic at the shapes of a 256x256 step, and the step speed-up
+  that bounds (Amdahl);
 * diffusers' GGUF path on the same files: the Q8_0 and Q4_0 transformers loaded by ``from_single_file``
   and by omnidit, forward time on the same 256x256 inputs (interleaved) and max output difference.
 
@@ -27,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import quant_ceiling
 from benchmarks.common import machine, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import generate, psnr, requests, train_classifier
@@ -161,6 +165,12 @@ def main(argv=None):
     kept = {name: sorted(set(r.kept.values())) for name, e in engines.items()
             for r in [getattr(e.family, "quant_reports", {}).get("transformer")] if r is not None}
     timing = {shape: step_times(engines, shape, args.repeats, args.steps) for shape in SHAPES}
+    ceiling = quant_ceiling.measure(engines["fp32"], engines["int8-dynamic"],
+                                    timing["256x256x1"]["fp32"]["median_ms"], 256, TEXT, args.repeats)
+    print(f"int8-dynamic ceiling on this machine: linear layers {ceiling['int8_linear_speedup']:.2f}x fp32 "
+          f"({ceiling['fp32_linear_gflops']:.0f} GFLOP/s -> {ceiling['int8_linear_gops']:.0f} GOP/s), "
+          f"{ceiling['linear_share_of_fp32_step']:.2f} of the fp32 step -> at most "
+          f"{ceiling['int8_dynamic_ceiling']:.2f}x per step")
     del engines
     rss = {name: peak_rss(model, kw) for name, kw in VARIANTS.items()}
     quality = digits_quality(args.per_digit, 12 if args.quick else 20)
@@ -187,10 +197,14 @@ def main(argv=None):
         "worst_adherence_drop": max(rows["fp32"]["adherence"] - rows[n]["adherence"] for n in methods),
         "gguf_speed_vs_diffusers": min(g["speed_vs_diffusers"] for g in gguf.values()),
         "gguf_outputs_match_diffusers": all(g["max_abs_diff"] <= 1e-4 for g in gguf.values()),
+        # what this machine allows int8-dynamic (benchmarks.quant_ceiling), 256x256 x 1
+        "int8_linear_speedup": ceiling["int8_linear_speedup"],
+        "int8_dynamic_ceiling": ceiling["int8_dynamic_ceiling"],
     }
     print("summary:", json.dumps(summary))
     payload = {"benchmark": "quant", "machine": machine(), "args": vars(args), "summary": summary,
                "seconds": time.perf_counter() - t0, "variants": rows, "gguf_vs_diffusers": gguf,
+               "int8_dynamic_ceiling": ceiling,
                "notes": {"text_tokens": TEXT, "digits_steps": 12 if args.quick else 20,
                          "digits_images": 10 * args.per_digit}}
     print(f"-> {write_json('quant', payload)}")
