@@ -70,6 +70,8 @@ def apply(setting: "int | str", disk_on_cpu: bool) -> str:
     undo it (glibc has no call back to the dynamic threshold)."""
     global _applied
     if setting == 0 or (setting == "auto" and not disk_on_cpu):
+        if _applied is not None:
+            return f"mmap threshold stays at {_applied} bytes (fixed earlier in this process)"
         return "glibc's default mmap threshold (not changed)"
     env = set_by_environment()
     if setting == "auto" and env:
