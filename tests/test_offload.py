@@ -24,6 +24,10 @@ CASES = [(f, p) for f in ("flux", "sd3", "qwenimage") for p in ("components,bloc
 # a step cache that really skips rows on the tiny checkpoints (sd3 has no TeaCache coefficients)
 CACHE_ON = {"flux": "teacache:0.6", "qwenimage": "teacache:0.6", "sd3": "fbcache:0.6"}
 ROOT = Path(__file__).resolve().parents[1]
+# In-process engines leave the pytest process's malloc alone: the disk tier's "auto" threshold is
+# process-wide and cannot be undone, and would slow every later test's large allocations. The
+# subprocess tests below (peak memory, heap) run with the default "auto".
+KEEP_HEAP = {"malloc_mmap_threshold": 0}
 
 
 def mixed(family):
@@ -62,7 +66,7 @@ def test_every_policy_computes_what_none_computes(family, policy, tiny_models, r
     model with its weights cloned to aligned memory matches streaming bit for bit)."""
     for step_cache in ("none", CACHE_ON[family]):
         ref, ref_evals = references(family, step_cache)
-        engine = Engine.from_pretrained(tiny_models[family], offload=policy, cache=step_cache)
+        engine = Engine.from_pretrained(tiny_models[family], offload=policy, cache=step_cache, **KEEP_HEAP)
         got = run_all(engine, family)
         for i, (a, b) in enumerate(zip(got, ref)):
             diff = (a - b).abs().max().item()
@@ -109,44 +113,41 @@ def test_disk_tier_peak_memory_is_bounded(small_flux):
 
 
 HEAP_SCRIPT = """
-import ctypes, json, sys, torch
+import json, sys, torch
 from offload import heap
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Info
-def mapped_by_3mib():  # bytes of malloc's own mappings a live 3 MiB tensor adds
-    del_ = torch.empty(20 << 18)  # 20 MiB, freed: glibc's dynamic threshold rises to it
-    del del_
-    before = libc.mallinfo2().hblkhd
-    t = torch.empty(3 << 18)
-    t.fill_(1)
-    return libc.mallinfo2().hblkhd - before
-out = {"glibc": mapped_by_3mib(), "auto_without_disk": heap.apply("auto", False)}
-out["auto_with_disk"] = heap.apply("auto", True)
-out["fixed"] = mapped_by_3mib()
-out["applied"] = heap.applied()
-print(json.dumps(out))
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+said = heap.apply("auto", sys.argv[1] == "disk")
+big = torch.empty(30 << 18).fill_(1)  # 30 MiB, mapped and freed: glibc's dynamic threshold rises to it
+del big
+t = torch.empty(24 << 18).fill_(1)  # 24 MiB of activations
+before = rss()
+del t
+print(json.dumps({"said": said, "applied": heap.applied(), "returned": before - rss()}))
 """
 
 
+def _heap_run(mode, **env_extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_extra)
+    if not env_extra:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        env.pop("GLIBC_TUNABLES", None)
+    out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT, mode], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_mmap_threshold_returns_freed_activations_to_the_os():
-    """glibc's dynamic threshold puts a 3 MiB tensor on the heap once a larger block was freed;
-    after ``heap.apply("auto", disk_on_cpu=True)`` it gets its own mapping (returned when freed).
-    With ``MALLOC_MMAP_THRESHOLD_`` in the environment, "auto" leaves it to the environment."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    env.pop("GLIBC_TUNABLES", None)
-    out = json.loads(subprocess.run([sys.executable, "-c", HEAP_SCRIPT], env=env, capture_output=True, text=True,
-                                    timeout=120, check=True).stdout.strip().splitlines()[-1])
-    assert out["glibc"] < 1 << 20 and out["fixed"] >= 3 << 20, out
-    assert "not changed" in out["auto_without_disk"] and "fixed at 1048576" in out["auto_with_disk"]
-    assert out["applied"] == heap.DEFAULT_THRESHOLD
-    env["MALLOC_MMAP_THRESHOLD_"] = str(4 << 20)
-    out = json.loads(subprocess.run([sys.executable, "-c", HEAP_SCRIPT], env=env, capture_output=True, text=True,
-                                    timeout=120, check=True).stdout.strip().splitlines()[-1])
-    assert "left to the environment (MALLOC_MMAP_THRESHOLD_)" in out["auto_with_disk"] and out["applied"] is None
+    """Under glibc's dynamic threshold a freed 24 MiB tensor stays resident (carved from the heap
+    once a larger block was freed); with ``heap.apply("auto", disk_on_cpu=True)`` it has its own
+    mapping and freeing it gives it back. With ``MALLOC_MMAP_THRESHOLD_`` in the environment,
+    "auto" leaves the threshold to the environment."""
+    glibc, fixed = _heap_run("none"), _heap_run("disk")
+    assert "not changed" in glibc["said"] and glibc["applied"] is None
+    assert "fixed at 1048576" in fixed["said"] and fixed["applied"] == heap.DEFAULT_THRESHOLD
+    assert glibc["returned"] < 4 << 20 and fixed["returned"] >= 20 << 20, (glibc, fixed)
+    env = _heap_run("disk", MALLOC_MMAP_THRESHOLD_=str(4 << 20))
+    assert "left to the environment (MALLOC_MMAP_THRESHOLD_)" in env["said"] and env["applied"] is None
 
 
 PEAK_SCRIPT = """
@@ -198,7 +199,7 @@ class SlowSource:
 def test_prefetch_overlaps_compute(tiny_models):
     """With loads and block computes of 40 ms each (sleeps), block k+1 loads while block k computes:
     the loader's and the blocks' own timestamps overlap, and the forward waits far less than it loads."""
-    engine = Engine.from_pretrained(tiny_models["flux"], offload="disk:1")
+    engine = Engine.from_pretrained(tiny_models["flux"], offload="disk:1", **KEEP_HEAP)
     streamer = offload_of(engine.family).blocks
     streamer.source = SlowSource(streamer.source, 0.04)
     for block in streamer.blocks:  # slow compute: a hook after each block (runs inside its forward)
@@ -233,7 +234,7 @@ def test_missing_or_truncated_weight_file_fails_the_start(tiny_models, tmp_path)
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) - 1000])
     with pytest.raises(UnknownModelError, match="truncated") as e:
-        Engine.from_pretrained(model, offload="disk:1")
+        Engine.from_pretrained(model, offload="disk:1", **KEEP_HEAP)
     assert str(weights) in str(e.value)
     weights.unlink()
     with pytest.raises(UnknownModelError, match="missing") as e:
@@ -247,7 +248,7 @@ def test_weight_file_lost_mid_run_fails_the_request_not_the_engine(dtype, source
     conversion from the fp32 file to bf16)."""
     model = _copy_model(tiny_models["flux"], tmp_path / "flux")
     weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
-    engine = Engine.from_pretrained(model, offload="disk:1", dtype=dtype)
+    engine = Engine.from_pretrained(model, offload="disk:1", dtype=dtype, **KEEP_HEAP)
     assert type(offload_of(engine.family).blocks.source).__name__ == source
     p = params(num_inference_steps=3, seed=4)
     good = engine.generate("a cat", p)[0]
@@ -294,13 +295,14 @@ def test_memory_budget_picks_the_blocks_held(small_flux):
                  if isinstance(m, torch.nn.Module) and k != "transformer")
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     fixed = size(p for p in tr.parameters() if id(p) not in in_blocks) + size(tr.buffers()) + others
-    tight = Engine.from_pretrained(model, max_resident_gb=(fixed + 2.5 * block) / 2**30)
+    tight = Engine.from_pretrained(model, max_resident_gb=(fixed + 2.5 * block) / 2**30, **KEEP_HEAP)
     handle = offload_of(tight.family)
     assert (str(handle.policy), handle.blocks.nslots, handle.blocks.keep_all) == ("disk", 2, False)  # disk on CPU
+    assert heap.applied() is None  # KEEP_HEAP: the pytest process's malloc is untouched
     roomy = Engine.from_pretrained(model, offload="blocks", max_resident_gb=1.0)
     assert offload_of(roomy.family).blocks.keep_all
     with pytest.raises(InvalidParamError, match="at least") as e:
-        Engine.from_pretrained(model, max_resident_gb=(fixed + block) / 2**30)
+        Engine.from_pretrained(model, max_resident_gb=(fixed + block) / 2**30, **KEEP_HEAP)
     assert e.value.field == "max_resident_gb"
     p = params(height=64, width=64, num_inference_steps=2, seed=2, max_sequence_length=16)
     assert (tight.generate("a cat", p)[0] - probe.generate("a cat", p)[0]).abs().max().item() <= 1e-6
