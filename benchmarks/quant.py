@@ -8,7 +8,7 @@ For fp32, bf16 and every method (int8-weight, int8-dynamic, fp8, gguf:Q8_0, gguf
   256x256 x 1 request. Steps are timed round-robin over the variants (A B C ... A B C ...), each round
   ``--steps`` steps per variant after one warm-up step; medians and relative spread (IQR / median);
 * the embedded default model (digits): adherence and PSNR against fp32 on the harness's fixed seeds;
-* int8-dynamic's ceiling on this machine (``benchmarks.quant_ceiling``): the transformer's linear
+* int8-dynamic's ceiling on this machine (``measure_ceiling``): the transformer's linear
   layers alone, fp32 against int8-dynamic at the shapes of a 256x256 step, and the step speed-up
   that bounds (Amdahl);
 * diffusers' GGUF path on the same files: the Q8_0 and Q4_0 transformers loaded by ``from_single_file``
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
-from benchmarks import quant_ceiling
 from benchmarks.common import machine, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import generate, psnr, requests, train_classifier
@@ -145,6 +146,67 @@ def diffusers_side_by_side(model: Path, work: Path, rounds: int, steps: int) -> 
     return out
 
 
+# ---- int8-dynamic's ceiling on this machine ----
+
+def linear_calls(engine, side: int, text: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(layer name, input shape) of every call to a transformer ``nn.Linear`` in one forward."""
+    calls, hooks = [], []
+    for name, module in engine.family.transformer.named_modules():
+        if type(module) is nn.Linear:
+            hooks.append(module.register_forward_hook(
+                lambda m, args, out, name=name: calls.append((name, tuple(args[0].shape)))))
+    try:
+        engine.generate("a photo of a cat", SamplingParams(height=side, width=side, num_inference_steps=1,
+                                                             seed=0, max_sequence_length=text, output_type="latent"))
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
+def _pass(layers: dict, calls: list, inputs: dict) -> float:
+    """Seconds for one pass over the calls in the forward's order (each layer once, so its weights
+    come from memory as they do in the model, not from a cache warmed by repeating it)."""
+    t = time.perf_counter()
+    for name, shape in calls:
+        layers[name](inputs[shape])
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def measure_ceiling(fp32_engine, int8_engine, step_ms_fp32: float, side: int, text: int, rounds: int) -> dict:
+    """What int8-dynamic can give on this machine at most: its layers against fp32's, at the model's shapes.
+    
+    ``benchmarks.quant`` times whole engine steps. This part times only the transformer's linear
+    layers, each at the input shape it sees in one 256x256 x 1 step (shapes recorded by forward
+    hooks on the fp32 engine's transformer), fp32 ``nn.Linear`` against the int8-dynamic engine's
+    layer of the same name (per-token quantization and fbgemm's int8 GEMM included): passes over
+    every call in the forward's order, fp32 and int8 interleaved. With the linear layers' share of the fp32 step, Amdahl's law bounds the step's
+    speed-up when only the linear layers change:
+    
+        ceiling = 1 / ((1 - share) + share / linear_speedup)"""
+    calls = linear_calls(fp32_engine, side, text)
+    fp32_layers = dict(fp32_engine.family.transformer.named_modules())
+    int8_layers = dict(int8_engine.family.transformer.named_modules())
+    inputs = {shape: torch.randn(shape) for _, shape in calls}
+    for name, shape in calls:  # warm-up (fbgemm packs, caches)
+        fp32_layers[name](inputs[shape])
+        int8_layers[name](inputs[shape])
+    sums = {"fp32": [], "int8": []}
+    for _ in range(3 * rounds):  # interleaved: a pass of fp32 layers, then one of int8 layers
+        for side_name, layers in (("fp32", fp32_layers), ("int8", int8_layers)):
+            sums[side_name].append(_pass(layers, calls, inputs))
+    fp32_ms, int8_ms = (statistics.median(v) * 1e3 for v in (sums["fp32"], sums["int8"]))
+    speedup = fp32_ms / int8_ms
+    share = min(fp32_ms / step_ms_fp32, 1.0)
+    flops = sum(2 * fp32_layers[name].in_features * fp32_layers[name].out_features
+                * (torch.Size(shape).numel() // shape[-1]) for name, shape in calls)
+    return {"linear_calls": len(calls), "fp32_linear_ms": fp32_ms, "int8_linear_ms": int8_ms,
+            "fp32_linear_gflops": flops / fp32_ms / 1e6, "int8_linear_gops": flops / int8_ms / 1e6,
+            "int8_linear_speedup": speedup, "linear_share_of_fp32_step": share,
+            "int8_dynamic_ceiling": 1.0 / ((1.0 - share) + share / speedup)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and images (under 5 minutes)")
@@ -165,7 +227,7 @@ def main(argv=None):
     kept = {name: sorted(set(r.kept.values())) for name, e in engines.items()
             for r in [getattr(e.family, "quant_reports", {}).get("transformer")] if r is not None}
     timing = {shape: step_times(engines, shape, args.repeats, args.steps) for shape in SHAPES}
-    ceiling = quant_ceiling.measure(engines["fp32"], engines["int8-dynamic"],
+    ceiling = measure_ceiling(engines["fp32"], engines["int8-dynamic"],
                                     timing["256x256x1"]["fp32"]["median_ms"], 256, TEXT, args.repeats)
     print(f"int8-dynamic ceiling on this machine: linear layers {ceiling['int8_linear_speedup']:.2f}x fp32 "
           f"({ceiling['fp32_linear_gflops']:.0f} GFLOP/s -> {ceiling['int8_linear_gops']:.0f} GOP/s), "
@@ -197,7 +259,7 @@ def main(argv=None):
         "worst_adherence_drop": max(rows["fp32"]["adherence"] - rows[n]["adherence"] for n in methods),
         "gguf_speed_vs_diffusers": min(g["speed_vs_diffusers"] for g in gguf.values()),
         "gguf_outputs_match_diffusers": all(g["max_abs_diff"] <= 1e-4 for g in gguf.values()),
-        # what this machine allows int8-dynamic (benchmarks.quant_ceiling), 256x256 x 1
+        # what this machine allows int8-dynamic (measure_ceiling), 256x256 x 1
         "int8_linear_speedup": ceiling["int8_linear_speedup"],
         "int8_dynamic_ceiling": ceiling["int8_dynamic_ceiling"],
     }

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from offload import heap
 from offload import (
     BlockStreamer,
     ComponentOffloader,
@@ -30,6 +29,7 @@ from offload import (
     WeightFileError,
     blocks_for_budget,
     find_blocks,
+    heap,
     index_folder,
     load_without_blocks,
     read_into,

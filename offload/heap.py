@@ -18,10 +18,8 @@ life; ``EngineConfig.malloc_mmap_threshold`` chooses it (see ``apply``).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 
-logger = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 DEFAULT_THRESHOLD = 1 << 20  # bytes; see the offload benchmark in the README for the measured trade
