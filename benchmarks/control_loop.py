@@ -18,7 +18,7 @@ Summary keys (issue 11) are for 4 robots (the harder case); ``per_robots`` holds
 The policy is the embedded ``reach`` policy when it is present, else a random-weight policy of
 the same architecture (the same compute per chunk; success rates then mean nothing, latency does).
 
-    python -m benchmarks.control_loop [--quick]   # writes benchmarks/results/control_loop.json
+    python -m benchmarks.control_loop [--quick]   # writes benchmarks/results/control_loop[_quick].json
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _robot(url: str, seconds: float, rate: float, exec_horizon: int, seed: int) 
     env, episode = ReachEnv(), seed * 1000
     obs, _ = env.reset(seed=episode)
     policy.infer({"reset": True})
-    latencies, met, steps = [], [], 0
+    latencies, met, steps, timing, fresh = [], [], 0, [], True
     start = time.perf_counter()
     next_tick = start
     while time.perf_counter() - start < seconds:
@@ -119,6 +119,8 @@ def _robot(url: str, seconds: float, rate: float, exec_horizon: int, seed: int) 
         reply = policy.infer(obs)
         latencies.append((time.perf_counter() - t) * 1e3)
         met.append(bool(reply["server_timing"]["deadline_met"]))
+        timing.append({**reply["server_timing"], "after_reset": fresh})
+        fresh = False
         next_tick = max(next_tick, time.perf_counter())  # the robot waited; the clock restarts from now
         for action in reply["actions"][:exec_horizon]:
             next_tick += 1.0 / rate
@@ -129,9 +131,11 @@ def _robot(url: str, seconds: float, rate: float, exec_horizon: int, seed: int) 
                 episode += 1
                 obs, _ = env.reset(seed=episode)
                 policy.infer({"reset": True})
+                fresh = True  # the next observation goes at once, not after a chunk's actions
                 break
     policy._ws.close()
-    return {"latencies": latencies, "met": met, "steps": steps, "seconds": time.perf_counter() - start}
+    return {"latencies": latencies, "met": met, "steps": steps, "seconds": time.perf_counter() - start,
+            "timing": timing}
 
 
 class ImageLoad:
@@ -184,7 +188,29 @@ def run_side(server: Server, robots: int, loaded: bool, seconds: float, deadline
     return {"p50_ms": float(np.percentile(lat, 50)), "p95_ms": float(np.percentile(lat, 95)),
             "p99_ms": float(np.percentile(lat, 99)), "miss_rate": float(1 - met.mean()),
             "control_rate_hz": float(np.mean([o["steps"] / o["seconds"] for o in out])),
-            "images_per_s": images / (end - start), "chunks": float(len(lat))}
+            "images_per_s": images / (end - start), "chunks": float(len(lat)),
+            **breakdown(lat, [t for o in out for t in o["timing"]])}
+
+
+def breakdown(latencies: np.ndarray, timing: list[dict]) -> dict:
+    """Where a chunk's latency goes, from the server's ``server_timing`` (p50 and p95 of each part):
+    queue (arrival to first step), engine (arrival to result: queue + steps), the server outside the
+    engine (``infer_ms`` - engine: the frame's unpacking, the event loop) and the transport (the
+    robot's latency - ``infer_ms``: packing, the socket, the client)."""
+    engine = [t["engine_ms"] for t in timing]
+    infer = [t["infer_ms"] for t in timing]
+    parts = {"queue_ms": [t["queue_ms"] for t in timing], "engine_ms": engine,
+             "server_outside_engine_ms": [i - e for i, e in zip(infer, engine)],
+             "transport_ms": [lat - i for lat, i in zip(latencies, infer)], "engine_steps": [t["steps"] for t in timing]}
+    out = {f"{name}_p{q}": float(np.percentile(values, q)) for name, values in parts.items() for q in (50, 95)}
+    # a chunk asked for right after an episode's reset comes early, at no steady gap after the last one
+    fresh = [t["queue_ms"] for t in timing if t["after_reset"]]
+    steady = [t["queue_ms"] for t in timing if not t["after_reset"]]
+    out["after_reset_share"] = len(fresh) / len(timing)
+    for name, values in (("queue_after_reset_ms", fresh), ("queue_steady_ms", steady)):
+        for q in (50, 95):
+            out[f"{name}_p{q}"] = float(np.percentile(values, q)) if values else 0.0
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {side:12s} p50 {s['p50_ms']:7.1f}  p95 {s['p95_ms']:7.1f}  p99 {s['p99_ms']:7.1f} ms  "
                       f"miss {s['miss_rate']:.1%}  control {s['control_rate_hz']:.2f} Hz  "
                       f"images {s['images_per_s']:.2f}/s", flush=True)
+                parts = ("queue_ms", "queue_steady_ms", "queue_after_reset_ms", "engine_ms", "server_outside_engine_ms",
+                         "transport_ms")
+                print("               " + "  ".join(f"{m.removesuffix('_ms')} {cmp.median(side, m + '_p50'):.1f}/"
+                                                    f"{cmp.median(side, m + '_p95'):.1f}" for m in parts)
+                      + f"  (p50/p95; {cmp.median(side, 'after_reset_share'):.0%} after a reset)", flush=True)
             print(f"  p95 loaded/alone: edf x{row['edf_p95_ratio_under_load']:.2f}, fifo "
                   f"x{row['fifo_p95_ratio_under_load']:.2f}; image throughput edf/fifo "
                   f"x{row['image_throughput_ratio_edf_vs_fifo']:.2f}", flush=True)
@@ -242,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.update(robots=int(main_n), budget_ms=per_robots[main_n]["budget_ms"],
                    targets={"edf_p95_ratio_under_load": "<= 1.25", "edf_miss_rate": "< 0.01"},
                    per_robots={n: {k: r[k] for k in keys} for n, r in per_robots.items()})
-    path = write_json("control_loop", {
+    path = write_json("control_loop_quick" if args.quick else "control_loop", {
         "summary": summary, "machine": machine(), "policy": what, "quick": args.quick, "repeats": repeats,
         "seconds_per_side": seconds, "rate_hz": args.rate, "exec_horizon": args.exec_horizon,
         "image_clients": IMAGE_CLIENTS, "per_robots": per_robots})

@@ -193,10 +193,13 @@ class AsyncEngine:
             if self.engine.stats.steps > steps:
                 self._notify_step(self.engine.stats)
             self._dispatch(events)
+            held = self.engine.scheduler.policy.hold_until - time.perf_counter()
+            if held > 0:  # the policy holds steps back a moment: wait for it, or for a new request
+                self._drain_commands(block=True, timeout=held)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
         try:
-            cmd = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout or self._idle_wait_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

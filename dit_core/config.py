@@ -41,6 +41,9 @@ class EngineConfig:
         request with one is live (or arrived during the step), their decode (the VAE) waits for a
         later step of its own, scheduled as bulk work, so the deadline request's next step comes
         first (default True; ``fifo`` always decodes in the finishing step).
+    edf_forecast: under ``edf``, learn when each periodic client (``SamplingParams.stream``, e.g. a
+        robot connection) will ask next, and keep bulk steps (and decodes) short enough to end
+        before then (default True; see ``dit_core.policies``).
     attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
@@ -101,6 +104,7 @@ class EngineConfig:
     edf_bulk_step_share: float = 0.0
     edf_recent_s: float = 2.0
     edf_defer_decode: bool = True
+    edf_forecast: bool = True
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None
     cache: str | CacheConfig = "none"
@@ -177,8 +181,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise InvalidParamError(name, value, "a finite number >= 0")
-        if not isinstance(self.edf_defer_decode, bool):
-            raise InvalidParamError("edf_defer_decode", self.edf_defer_decode, "True or False")
+        for name in ("edf_defer_decode", "edf_forecast"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParamError(name, getattr(self, name), "True or False")
         if not isinstance(self.compile, bool):
             raise InvalidParamError("compile", self.compile, "True or False")
         from .compile import parse_shapes

@@ -44,6 +44,9 @@ class SamplingParams:
     rtc: bool = False
     rtc_delay: int = 0
     deadline_ms: float | None = None  # latency budget from arrival (``edf`` serves earliest first); None: bulk
+    # a periodic client's name (e.g. one robot connection): ``edf`` learns when its next request is due
+    # and keeps bulk steps from running into it (see dit_core.policies); None: not periodic
+    client_id: str | None = None
     audio_start_in_s: float | None = None  # audio models: where the clip starts (seconds)
     audio_end_in_s: float | None = None  # audio models: where it ends, so its length is end - start
 
@@ -72,6 +75,8 @@ class SamplingParams:
             d = self.deadline_ms
             if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 3.6e6:
                 raise InvalidParamError("deadline_ms", d, "a number of milliseconds in (0, 3600000], or None")
+        if self.client_id is not None and (not isinstance(self.client_id, str) or not 0 < len(self.client_id) <= 256):
+            raise InvalidParamError("client_id", self.client_id, "a string of 1 to 256 characters, or None")
 
     def with_defaults(self, **defaults) -> "SamplingParams":
         """A copy whose ``None`` fields take the given defaults."""

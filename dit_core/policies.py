@@ -37,6 +37,18 @@ only decodes, and the floor above schedules it like any bulk step. While deadlin
 (live or seen within ``edf_recent_s``), decodes run in chunks of ``DECODE_CHUNK`` requests with the
 same look before each, so a deadline request arriving during a decode waits for one chunk at most.
 A step serving deferred decodes always decodes its first chunk: they never starve.
+
+Periodic clients are forecast (``EngineConfig.edf_forecast``, on by default): a request may name its
+client (``SamplingParams.client_id``; the robot WebSocket names each connection). A client that asks,
+waits for the answer, acts and asks again leaves gaps between an answer and its next request that
+fall in a few groups (a robot executing its chunk; a robot asking at once after an episode's
+reset), and each recent gap is a candidate arrival (``dit_core.forecast``). While one is due, a
+bulk step carries at most the requests the step-time estimates (mean + ``FORECAST_SPREAD`` mean
+deviations, a cautious bound) say end ``FORECAST_MARGIN_S`` before the earliest candidate, so the
+deadline request finds no bulk step in its way. When not even one request's step fits, no step is
+taken (``batch_limit`` 0: the engine loop waits, and a new request wakes it) until the candidate
+plus ``FORECAST_WAIT_S``; then the next candidate is due. Such holds take at most ``HOLD_SHARE`` of
+any ``HOLD_WINDOW_S`` (beyond it, one request's step runs instead). Bulk decodes are deferred and chunked as while deadline work is live.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ import collections
 import math
 import time
 
+from .forecast import ArrivalForecast
 from .request import Request
 
 
@@ -52,10 +65,17 @@ class FifoPolicy:
     """Oldest first."""
 
     step_times = None  # the engine's StepTimes (unused by fifo)
+    hold_until = 0.0  # perf_counter time before which the policy holds steps back (fifo: never)
     defers_decode = False  # decodes always run in the step that finishes denoising
 
     def __init__(self, config=None):
         pass
+
+    def arrived(self, req: Request) -> None:
+        """A request was added (the scheduler tells every policy; fifo keeps nothing)."""
+
+    def finished(self, req: Request) -> None:
+        """A request left (finished, failed or aborted)."""
 
     @staticmethod
     def priority(req: Request):
@@ -87,6 +107,11 @@ class EdfPolicy:
     work with a hard bound; short bulk batches while deadline work is about."""
 
     DECODE_CHUNK = 4  # requests per decode call while deadline work is about (digits: ~ one forward of 8)
+    FORECAST_MARGIN_S = 0.003  # a bulk step must end this long before a forecast arrival (jitter)
+    FORECAST_WAIT_S = 0.005  # how long past a forecast arrival a hold may wait for it
+    FORECAST_SPREAD = 2.0  # against a forecast, a step is taken to last its mean + 2 mean deviations
+    HOLD_SHARE = 0.1  # holds for forecasts take at most this share of any HOLD_WINDOW_S
+    HOLD_WINDOW_S = 1.0
 
     def __init__(self, config=None):
         self.bulk_every = getattr(config, "edf_bulk_every", 10)
@@ -98,6 +123,23 @@ class EdfPolicy:
         self._since_bulk = 0  # deadline steps in a row while bulk work was live
         self._window: collections.deque[bool] = collections.deque(maxlen=self.bulk_limit)  # bulk step?
         self._recent: dict[float, float] = {}  # deadline_ms -> when a request with it was last live
+        self.forecast = ArrivalForecast() if getattr(config, "edf_forecast", True) else None
+        self.hold_until = 0.0  # see batch_limit: no step before this (perf_counter seconds)
+        self._holds: collections.deque = collections.deque()  # (start, end) of recent holds
+
+    def arrived(self, req: Request) -> None:
+        if self.forecast is not None and req.params.client_id is not None:
+            self.forecast.arrived(req.params.client_id, req.metrics.arrival)
+
+    def finished(self, req: Request) -> None:
+        if self.forecast is not None and req.params.client_id is not None:
+            self.forecast.finished(req.params.client_id, req.metrics.finished or time.perf_counter())
+
+    def _forecast_ms(self, now: float) -> float | None:
+        """Milliseconds until the earliest forecast arrival, less the margin (None: none forecast)."""
+        late = self.FORECAST_MARGIN_S + self.FORECAST_WAIT_S
+        due = self.forecast.next_due(now, late) if self.forecast is not None else None
+        return None if due is None else (due - now - self.FORECAST_MARGIN_S) * 1e3
 
     @staticmethod
     def deadline(req: Request) -> float:
@@ -139,14 +181,35 @@ class EdfPolicy:
     def batch_limit(self, key: tuple, live: list[Request], limit: int) -> int:
         now = time.perf_counter()
         self._recent = {d: t for d, t in self._recent.items() if now - t <= self.recent_s}
-        if not self._recent or not self.bulk_step_share or self.step_times is None:
-            return limit
-        if any(r.key == key and r.params.deadline_ms is not None for r in live):
+        if self.step_times is None or any(r.key == key and r.params.deadline_ms is not None for r in live):
             return limit  # a deadline key (or a bulk request sharing one's key) is not capped
-        target = self.bulk_step_share * min(self._recent)
+        if self._recent and self.bulk_step_share:
+            limit = self._fit(key, limit, self.bulk_step_share * min(self._recent))
+        until = self._forecast_ms(now)
+        if until is not None:
+            one = self.step_times.estimate(key, 1, self.FORECAST_SPREAD)
+            wait = until + (self.FORECAST_MARGIN_S + self.FORECAST_WAIT_S) * 1e3
+            if one is not None and 0 < wait and until < one and self._may_hold(now, wait / 1e3) \
+                    and not any(r.params.deadline_ms is not None for r in live):
+                self.hold_until = now + wait / 1e3  # not even one request's step ends in time: wait for it
+                self._holds.append((now, self.hold_until))
+                return 0
+            limit = self._fit(key, limit, until, self.FORECAST_SPREAD)
+        return limit
+
+    def _may_hold(self, now: float, seconds: float) -> bool:
+        """Whether holding ``seconds`` from ``now`` keeps holds within ``HOLD_SHARE`` of the window."""
+        start = now - self.HOLD_WINDOW_S
+        while self._holds and self._holds[0][1] <= start:
+            self._holds.popleft()
+        held = sum(min(e, now) - max(s, start) for s, e in self._holds if min(e, now) > max(s, start))
+        return held + seconds <= self.HOLD_SHARE * self.HOLD_WINDOW_S
+
+    def _fit(self, key: tuple, limit: int, ms: float, spread: float = 0.0) -> int:
+        """The most requests (<= limit, >= 1) of ``key`` whose step the estimates say takes <= ms."""
         for n in range(limit, 1, -1):
-            est = self.step_times.estimate(key, n)
-            if est is None or est <= target:
+            est = self.step_times.estimate(key, n, spread)
+            if est is None or est <= ms:
                 return n
         return 1
 
@@ -155,14 +218,15 @@ class EdfPolicy:
 
     def defer_decode(self, done: list[Request], live: list[Request]) -> list[Request]:
         finished = set(map(id, done))
-        if not any(r.params.deadline_ms is not None and id(r) not in finished for r in live):
+        if not any(r.params.deadline_ms is not None and id(r) not in finished for r in live) \
+                and self._forecast_ms(time.perf_counter()) is None:
             return []
         return self.deferrable(done)
 
     def decode_chunk(self) -> int:
         # while deadline work is about, decode in chunks with a look for arrivals between them, so a
         # request arriving during a decode waits for one chunk at most; else one call (cheaper)
-        return self.DECODE_CHUNK if self._recent else 0
+        return self.DECODE_CHUNK if self._recent or self._forecast_ms(time.perf_counter()) is not None else 0
 
     def _slack_allows(self, bulk_key: tuple, live: list[Request]) -> bool:
         """Whether every live deadline request still meets its deadline, by the step-time estimates,

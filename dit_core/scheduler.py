@@ -77,6 +77,7 @@ class StepScheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.policy.arrived(req)
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
         """Mark a live request for abort; it leaves at the next step boundary."""
@@ -96,6 +97,8 @@ class StepScheduler:
         key = self.policy.choose(live)
         limit = self.max_batch.get(key[0], self.config.max_batch_size)
         limit = self.policy.batch_limit(key, live, limit)
+        if limit == 0:  # the policy holds the step back (edf: a forecast request is due first)
+            return None, events
         # running requests past the policy's limit pause this step (oldest first keep running)
         batch = [r for r in self.running if r.key == key]
         if len(batch) > limit:
@@ -137,6 +140,7 @@ class StepScheduler:
                 events.append(RequestEvent(req.id, EventKind.STEP, req.step_index, req.total_steps))
             if req.status.done:
                 self.running.remove(req)
+                self.policy.finished(req)
                 req.latents = req.cond = req.uncond = req.sampler = req.inputs = None
                 req.state.clear()
         return events
@@ -147,6 +151,7 @@ class StepScheduler:
             (self.waiting if req.status == RequestStatus.WAITING else self.running).remove(req)
             req.status, req.error = RequestStatus.ABORTED, self._aborts[req.id]
             req.metrics.finished = time.perf_counter()
+            self.policy.finished(req)
             req.latents = req.cond = req.uncond = req.inputs = None
             events.append(RequestEvent(req.id, EventKind.ABORTED, req.step_index, req.total_steps,
                                        error=req.error))

@@ -61,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
                         "1 step in 10 to bulk when the deadlines allow, at least 1 in 30); default: edf when a "
                         "robot policy model is loaded, else fifo")
+    p.add_argument("--edf-forecast", default="on", choices=["on", "off"],
+                   help="under edf, learn when each robot connection will ask next and keep image steps from "
+                        "running into it (shorter steps, or a short wait, just before; costs image throughput) "
+                        "(default on)")
     p.add_argument("--quant", default=None,
                    help="weight quantization of the transformer: int8-weight, int8-dynamic (CPU), fp8 or "
                         "gguf:TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); options ',kernel=NAME', "
@@ -110,7 +114,8 @@ def engine_kwargs(args) -> dict:
                 max_resident_gb=args.max_resident_gb, malloc_mmap_threshold=args.malloc_mmap_threshold,
                 compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,
                 row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
-                parallel_timeout_s=args.parallel_timeout, **({"policy": args.policy} if args.policy else {}))
+                parallel_timeout_s=args.parallel_timeout, edf_forecast=args.edf_forecast == "on",
+                **({"policy": args.policy} if args.policy else {}))
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:

@@ -17,10 +17,15 @@ ones) and then sends its next observation; while the server computes, the robot 
 executing the old chunk's next D actions. So the server passes the old chunk's actions from E on
 as ``prev_actions`` with ``rtc_delay=D`` and the new chunk starts where the old one will be.
 A frame may send ``prev_actions`` itself (then its own value is used).
+
+Each connection's requests carry its name (``SamplingParams.client_id``): under ``edf`` the
+engine learns the gap between an answer and the robot's next observation and keeps bulk steps
+from running into it (``dit_core.policies``).
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +68,8 @@ class RobotSession:
     exec_horizon: int | None = None
     frames: int = 0  # observations answered since the last reset
     prev_chunk: np.ndarray | None = field(default=None, repr=False)
+    # names the connection's requests (SamplingParams.client_id): under edf the engine forecasts its next one
+    client_id: str = field(default_factory=lambda: f"robot-{uuid.uuid4().hex[:12]}")
 
     @classmethod
     def from_query(cls, query: dict, model: str, action_horizon: int, default_deadline_ms: float | None):
@@ -110,7 +117,8 @@ class RobotSession:
         if rtc and PREV_ACTIONS_KEY not in obs:
             obs[PREV_ACTIONS_KEY] = self.prev_chunk[self.exec_horizon:]
         params = SamplingParams(seed=seed, deadline_ms=deadline, num_inference_steps=frame.get("num_inference_steps"),
-                                rtc=rtc, rtc_delay=self.rtc_delay if rtc else 0, output_type="np")
+                                rtc=rtc, rtc_delay=self.rtc_delay if rtc else 0, output_type="np",
+                                client_id=self.client_id)
         return obs, params
 
     def answered(self, actions: np.ndarray) -> None:
