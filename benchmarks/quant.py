@@ -176,14 +176,14 @@ def _pass(layers: dict, calls: list, inputs: dict) -> float:
 @torch.inference_mode()
 def measure_ceiling(fp32_engine, int8_engine, step_ms_fp32: float, side: int, text: int, rounds: int) -> dict:
     """What int8-dynamic can give on this machine at most: its layers against fp32's, at the model's shapes.
-    
+
     ``benchmarks.quant`` times whole engine steps. This part times only the transformer's linear
     layers, each at the input shape it sees in one 256x256 x 1 step (shapes recorded by forward
     hooks on the fp32 engine's transformer), fp32 ``nn.Linear`` against the int8-dynamic engine's
     layer of the same name (per-token quantization and fbgemm's int8 GEMM included): passes over
     every call in the forward's order, fp32 and int8 interleaved. With the linear layers' share of the fp32 step, Amdahl's law bounds the step's
     speed-up when only the linear layers change:
-    
+
         ceiling = 1 / ((1 - share) + share / linear_speedup)"""
     calls = linear_calls(fp32_engine, side, text)
     fp32_layers = dict(fp32_engine.family.transformer.named_modules())
@@ -227,8 +227,8 @@ def main(argv=None):
     kept = {name: sorted(set(r.kept.values())) for name, e in engines.items()
             for r in [getattr(e.family, "quant_reports", {}).get("transformer")] if r is not None}
     timing = {shape: step_times(engines, shape, args.repeats, args.steps) for shape in SHAPES}
-    ceiling = measure_ceiling(engines["fp32"], engines["int8-dynamic"],
-                                    timing["256x256x1"]["fp32"]["median_ms"], 256, TEXT, args.repeats)
+    ceiling = measure_ceiling(engines["fp32"], engines["int8-dynamic"], timing["256x256x1"]["fp32"]["median_ms"],
+                              256, TEXT, args.repeats)
     print(f"int8-dynamic ceiling on this machine: linear layers {ceiling['int8_linear_speedup']:.2f}x fp32 "
           f"({ceiling['fp32_linear_gflops']:.0f} GFLOP/s -> {ceiling['int8_linear_gops']:.0f} GOP/s), "
           f"{ceiling['linear_share_of_fp32_step']:.2f} of the fp32 step -> at most "

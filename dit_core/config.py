@@ -41,8 +41,8 @@ class EngineConfig:
         request with one is live (or arrived during the step), their decode (the VAE) waits for a
         later step of its own, scheduled as bulk work, so the deadline request's next step comes
         first (default True; ``fifo`` always decodes in the finishing step).
-    edf_forecast: under ``edf``, learn when each periodic client (``SamplingParams.stream``, e.g. a
-        robot connection) will ask next, and keep bulk steps (and decodes) short enough to end
+    edf_forecast: under ``edf``, learn when each periodic client (``SamplingParams.client_id``, e.g.
+        a robot connection) will ask next, and keep bulk steps (and decodes) short enough to end
         before then (default True; see ``dit_core.policies``).
     attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``

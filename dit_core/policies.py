@@ -48,7 +48,8 @@ deviations, a cautious bound) say end ``FORECAST_MARGIN_S`` before the earliest 
 deadline request finds no bulk step in its way. When not even one request's step fits, no step is
 taken (``batch_limit`` 0: the engine loop waits, and a new request wakes it) until the candidate
 plus ``FORECAST_WAIT_S``; then the next candidate is due. Such holds take at most ``HOLD_SHARE`` of
-any ``HOLD_WINDOW_S`` (beyond it, one request's step runs instead). Bulk decodes are deferred and chunked as while deadline work is live.
+any ``HOLD_WINDOW_S`` (beyond it, one request's step runs instead). Bulk decodes are deferred and
+chunked as while deadline work is live.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ class StepTimes:
         sizes = self._ms.get(key)
         if sizes is None:
             if len(self._ms) >= self.max_keys:  # bounded: forget the oldest key
-                self._dev.pop(next(iter(self._ms)), None)
-                self._ms.pop(next(iter(self._ms)))
+                oldest = next(iter(self._ms))
+                del self._ms[oldest], self._dev[oldest]
             sizes = self._ms[key] = {}
             self._dev[key] = {}
         devs = self._dev[key]
