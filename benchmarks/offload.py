@@ -15,11 +15,13 @@ transformer (block level, one block per group): in memory (``diffusers-group``) 
 available (it needs a device with streams), so its offload is synchronous here.
 
 ``disk`` on CPU fixes glibc malloc's mmap threshold at 1 MiB (``EngineConfig.malloc_mmap_threshold``
-"auto", ``offload.heap``) so that freed activations go back to the OS at once. The full run adds
-``disk:1+glibc`` (the same policy with ``malloc_mmap_threshold=0``: glibc's dynamic default, the
-heap's holes included) and ``none+mmap`` (``none`` with the same 1 MiB threshold, set through
-``MALLOC_MMAP_THRESHOLD_`` in the worker's environment): what the setting alone does to each
-side's peak and time, reported apart (``summary.allocator``).
+"auto", ``offload.heap``) and serves torch's buffers of 1 MiB and up from the reuse allocator
+(``EngineConfig.cpu_allocator`` "auto", ``offload.reuse``): no heap holes, and no fresh pages per
+activation. The full run adds ``disk:1+system`` (the threshold without the reuse allocator:
+``cpu_allocator="system"``; ``summary.reuse_allocator``), ``disk:1+glibc`` (neither: glibc's
+dynamic default, the heap's holes included) and ``none+mmap`` (``none`` with the same 1 MiB
+threshold, set through ``MALLOC_MMAP_THRESHOLD_`` in the worker's environment): what each setting
+does to each side's peak and time, reported apart (``summary.allocator``).
 
 Overhead per image = time per image - ``none``'s, at the same size and batch; the
 amortization is its batch-8 / batch-1 ratio. ``--quick``: 64x64 only, ``none`` / ``disk:1`` /
@@ -44,12 +46,13 @@ import torch
 from benchmarks.common import RESULTS, machine, mm_gflops, write_json
 
 FULL = ["none", "components", "blocks:1", "blocks:2", "blocks:all", "disk:1", "disk:2", "diffusers-group",
-        "diffusers-disk", "none+mmap", "disk:1+glibc"]
+        "diffusers-disk", "none+mmap", "disk:1+glibc", "disk:1+system"]
 QUICK = ["none", "disk:1", "diffusers-disk"]
 ROOT = Path(__file__).resolve().parents[1]
 # "+mmap": the policy with glibc malloc's mmap threshold fixed at the disk tier's 1 MiB from the
-# worker's start (environment); "+glibc": the engine told to leave glibc's dynamic threshold alone
-ALLOCATOR = {"mmap": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, "glibc": {}}
+# worker's start (environment); "+glibc": the engine told to leave glibc's dynamic threshold and
+# torch's allocator alone; "+system": the 1 MiB threshold without the reuse allocator
+ALLOCATOR = {"mmap": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, "glibc": {}, "system": {}}
 TOLERANCE = 1e-6  # "identical": max abs difference to none (see tests/test_offload.py on alignment)
 
 
@@ -97,12 +100,13 @@ def worker(args) -> None:
     peak = Peak()
     imported_rss = status("VmRSS")
     start = time.perf_counter()
-    from offload import heap
+    from offload import heap, reuse
 
     offload, _, allocator = args.worker.partition("+")
     offload = "none" if offload.startswith("diffusers") else offload
     engine = Engine.from_pretrained(args.model, max_batch_size=8, offload=offload,
-                                    malloc_mmap_threshold=0 if allocator == "glibc" else "auto")
+                                    malloc_mmap_threshold=0 if allocator == "glibc" else "auto",
+                                    cpu_allocator="system" if allocator in ("glibc", "system") else "auto")
     if args.worker.startswith("diffusers"):
         disk = tempfile.mkdtemp(prefix="diffusers-offload-") if args.worker == "diffusers-disk" else None
         engine.family.transformer.enable_group_offload(
@@ -130,6 +134,7 @@ def worker(args) -> None:
     print(json.dumps({"config": args.worker, "peak_rss": peak.total(), "imported_rss": imported_rss,
                       "load_s": load_s, "phases": phases,
                       "mmap_threshold": heap.applied() or heap.set_by_environment(),
+                      "cpu_allocator": "reuse" if reuse.installed() else "system",
                       "offload": handle.stats() if handle else None,
                       "loadavg_1min": os.getloadavg()[0]}))
 
@@ -163,7 +168,8 @@ def aggregate(runs: dict[str, list[dict]], sizes: list[int]) -> dict:
                "imported_rss_gb": statistics.median(r["imported_rss"] for r in results) / 2**30,
                "loadavg_1min": [r["loadavg_1min"] for r in results],
                "load_s": statistics.median(r["load_s"] for r in results), "offload": results[-1]["offload"],
-               "mmap_threshold": results[-1]["mmap_threshold"]}
+               "mmap_threshold": results[-1]["mmap_threshold"],
+               "cpu_allocator": sorted({r["cpu_allocator"] for r in results})}
         for phase in results[0]["phases"]:
             times = [r["phases"][phase]["time_per_image"] for r in results]
             phase_peaks = [r["phases"][phase]["phase_peak_rss"] for r in results]
@@ -211,15 +217,29 @@ def summarize(rows: dict, diffs: dict, sizes: list[int]) -> dict:
         "time_ratios_at": f"{max(sizes)}x{max(sizes)}",
         "overhead_ratio_at": f"{min(sizes)}x{min(sizes)}",
     }
+    if "disk:1+system" in rows:  # what the reuse allocator does, measured
+        system = rows["disk:1+system"]
+        summary["reuse_allocator"] = {
+            "disk_cpu_allocator": disk["cpu_allocator"],
+            "disk_rss_ratio_system": system["peak_rss_gb"] / none["peak_rss_gb"],
+            "disk_time_ratio_b8_system": system[big + "8"]["time_per_image"] / none[big + "8"]["time_per_image"],
+            "system_over_reuse_time_b8": system[big + "8"]["time_per_image"] / disk[big + "8"]["time_per_image"],
+            "system_over_reuse_time_b1": system[big + "1"]["time_per_image"] / disk[big + "1"]["time_per_image"],
+            "overhead_b8_over_b1_system": (system[small + "8"]["overhead_per_image"]
+                                           / system[small + "1"]["overhead_per_image"]
+                                           if system[small + "1"]["overhead_per_image"] > 0 else None),
+            "time_ratio_vs_diffusers_system": system[big + "8"]["time_per_image"] / theirs[big + "8"]["time_per_image"],
+        }
     if "disk:1+glibc" in rows and "none+mmap" in rows:  # what the mmap threshold does, measured
         glibc, fixed_none = rows["disk:1+glibc"], rows["none+mmap"]
+        fixed = rows.get("disk:1+system", disk)  # the threshold alone, without the reuse allocator
         summary["allocator"] = {
-            "disk_threshold": disk["mmap_threshold"],
+            "disk_threshold": fixed["mmap_threshold"],
             "disk_rss_ratio_glibc_default": glibc["peak_rss_gb"] / none["peak_rss_gb"],
             "disk_time_ratio_b8_glibc_default": glibc[big + "8"]["time_per_image"] / none[big + "8"]["time_per_image"],
-            "disk_rss_ratio_both_fixed": disk["peak_rss_gb"] / fixed_none["peak_rss_gb"],
-            "disk_time_ratio_b8_both_fixed": disk[big + "8"]["time_per_image"] / fixed_none[big + "8"]["time_per_image"],
-            "threshold_cost_disk_b8": disk[big + "8"]["time_per_image"] / glibc[big + "8"]["time_per_image"],
+            "disk_rss_ratio_both_fixed": fixed["peak_rss_gb"] / fixed_none["peak_rss_gb"],
+            "disk_time_ratio_b8_both_fixed": fixed[big + "8"]["time_per_image"] / fixed_none[big + "8"]["time_per_image"],
+            "threshold_cost_disk_b8": fixed[big + "8"]["time_per_image"] / glibc[big + "8"]["time_per_image"],
             "threshold_cost_none_b8": fixed_none[big + "8"]["time_per_image"] / none[big + "8"]["time_per_image"],
             "threshold_cost_none_b1": fixed_none[big + "1"]["time_per_image"] / none[big + "1"]["time_per_image"],
         }

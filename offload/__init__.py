@@ -9,6 +9,7 @@ policies and ``streamer`` for how blocks stream.
 from .components import ComponentOffloader, ComponentStats
 from .errors import OffloadConfigError, OffloadError, WeightFileError
 from .heap import check_threshold
+from .reuse import check_choice as check_cpu_allocator
 from .lazy import block_prefixes, find_blocks, load_without_blocks
 from .mapped import MappedSource
 from .policy import OffloadPolicy, blocks_for_budget, check_budget
@@ -19,6 +20,6 @@ from .streamer import BlockStreamer, StreamStats
 __all__ = [
     "BlockStreamer", "ComponentOffloader", "ComponentStats", "DiskSource", "HostSource", "MappedSource", "OffloadConfigError",
     "OffloadError", "OffloadPolicy", "StreamStats", "TensorEntry", "WeightFileError", "block_prefixes",
-    "blocks_for_budget", "check_budget", "check_threshold", "find_blocks", "index_folder", "load_without_blocks", "read_header",
+    "blocks_for_budget", "check_budget", "check_cpu_allocator", "check_threshold", "find_blocks", "index_folder", "load_without_blocks", "read_header",
     "read_into",
 ]

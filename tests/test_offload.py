@@ -14,7 +14,7 @@ import torch
 
 from dit_core import Engine, InvalidParamError, RequestFailedError, UnknownModelError
 from dit_core.offloading import offload_of
-from offload import heap
+from offload import heap, reuse
 from helpers import CFG, assert_finished, params, run_staggered
 
 # every policy on every family (components with the host tier, and the disk tier, on each); the
@@ -24,10 +24,10 @@ CASES = [(f, p) for f in ("flux", "sd3", "qwenimage") for p in ("components,bloc
 # a step cache that really skips rows on the tiny checkpoints (sd3 has no TeaCache coefficients)
 CACHE_ON = {"flux": "teacache:0.6", "qwenimage": "teacache:0.6", "sd3": "fbcache:0.6"}
 ROOT = Path(__file__).resolve().parents[1]
-# In-process engines leave the pytest process's malloc alone: the disk tier's "auto" threshold is
-# process-wide and cannot be undone, and would slow every later test's large allocations. The
-# subprocess tests below (peak memory, heap) run with the default "auto".
-KEEP_HEAP = {"malloc_mmap_threshold": 0}
+# In-process engines leave the pytest process's malloc and torch's CPU allocator alone: the disk
+# tier's "auto" threshold and reuse allocator are process-wide and cannot be undone. The
+# subprocess tests below (peak memory, heap, reuse allocator) run with the default "auto".
+KEEP_HEAP = {"malloc_mmap_threshold": 0, "cpu_allocator": "system"}
 
 
 def mixed(family):
@@ -111,6 +111,10 @@ def test_disk_tier_peak_memory_is_bounded(small_flux):
                            f"holds about {held / 2**20:.1f} MiB of weights; {none}, {disk})")
     # the disk tier on CPU fixed glibc's mmap threshold ("auto"); none left glibc alone
     assert (disk["mmap_threshold"], none["mmap_threshold"]) == (heap.DEFAULT_THRESHOLD, None)
+    # ... and served its activations from the reuse allocator ("auto"): mostly from kept buffers
+    kept = disk["stats"]["cpu_allocator"]
+    assert kept["hits"] > 4 * kept["misses"] and kept["mapped_peak"] <= max(
+        kept["live_peak"] + kept["slack"], 2 * kept["live_peak"]), kept
 
 
 HEAP_SCRIPT = """
@@ -149,6 +153,86 @@ def test_mmap_threshold_returns_freed_activations_to_the_os():
     assert glibc["returned"] < 4 << 20 and fixed["returned"] >= 20 << 20, (glibc, fixed)
     env = _heap_run("disk", MALLOC_MMAP_THRESHOLD_=str(4 << 20))
     assert "left to the environment (MALLOC_MMAP_THRESHOLD_)" in env["said"] and env["applied"] is None
+
+
+REUSE_SCRIPT = """
+import json, resource, sys, torch
+from offload import reuse
+said = reuse.choose("auto", disk_on_cpu=True)
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def layer(x, w):  # a block's worth of activations: 4-16 MiB temporaries, freed as it goes
+    h = torch.nn.functional.gelu(x @ w)
+    return (h @ w.T + x).softmax(-1)
+torch.manual_seed(0)
+x, w = torch.randn(1024, 1024), torch.randn(1024, 4096) / 64
+outs, counts = [], []
+for rep in range(4):
+    before, start = reuse.installed(), faults()
+    y = x
+    for _ in range(4):
+        y = layer(y, w)
+    conv = torch.nn.functional.conv2d(torch.randn(2, 16, 96, 96), torch.randn(16, 16, 3, 3))  # raw_allocate users
+    after = reuse.installed()
+    outs.append(y.sum().item())
+    counts.append({k: after[k] - before[k] for k in ("misses", "resizes", "hits")} | {"faults": faults() - start})
+stats = reuse.installed()
+held = rss()
+reuse.trim()
+print(json.dumps({"said": said, "outs": outs, "counts": counts, "stats": stats, "trimmed": held - rss(),
+                  "after_trim": reuse.installed()}))
+"""
+
+
+def test_reuse_allocator_serves_repeats_from_kept_buffers(tmp_path):
+    """``offload.reuse`` (built here with the C++ compiler): a repeated workload is served from
+    kept mappings (no fresh or resized mapping, and far fewer page faults than its first pass),
+    computes the same, keeps what it maps within the live peak + slack (or twice the live peak),
+    and ``trim`` gives the kept memory back."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMNIDIT_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", REUSE_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["said"].startswith("reuse allocator installed"), got["said"]
+    first, last = got["counts"][0], got["counts"][-1]
+    assert first["misses"] > 0 and last["misses"] == last["resizes"] == 0 and last["hits"] >= first["misses"], got
+    assert last["faults"] * 4 < first["faults"], got["counts"]
+    assert len(set(got["outs"])) == 1  # the same arithmetic on kept buffers
+    stats = got["stats"]
+    assert stats["mapped_peak"] <= max(stats["live_peak"] + stats["slack"], 2 * stats["live_peak"]), stats
+    assert got["trimmed"] >= stats["cached"] // 2 and got["after_trim"]["cached"] == 0, got
+    assert list((tmp_path / "cache" / "ext").glob("reuse_allocator-*.so"))  # the cached build
+
+
+def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_path, monkeypatch):
+    """The disk tier under the reuse allocator (its own process, "auto") produces the images
+    the system allocator does; without a compiler "auto" falls back and says why, and an
+    explicit "reuse" fails the engine's start naming ``cpu_allocator``."""
+    script = ("import sys, torch\n"
+              "from dit_core import Engine, SamplingParams\n"
+              "from offload import reuse\n"
+              "e = Engine.from_pretrained(sys.argv[1], offload='disk:1')\n"
+              "p = SamplingParams(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16,"
+              " output_type='pt')\n"
+              "torch.save(torch.stack(e.generate(['a cat', 'a dog'], p)), sys.argv[2])\n"
+              "assert reuse.installed()['hits'] > 0\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", script, str(small_flux), str(tmp_path / "reuse.pt")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    engine = Engine.from_pretrained(small_flux, offload="disk:1", **KEEP_HEAP)
+    p = params(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16)
+    assert torch.equal(torch.load(tmp_path / "reuse.pt"), torch.stack(engine.generate(["a cat", "a dog"], p)))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("OMNIDIT_CACHE_DIR", str(tmp_path / "empty-cache"))
+    said = reuse.choose("auto", disk_on_cpu=True)
+    assert said.startswith("system allocator (the reuse allocator is unavailable") and "no-such-compiler" in said
+    with pytest.raises(InvalidParamError, match="cpu_allocator") as e:
+        Engine.from_pretrained(small_flux, offload="disk:1", malloc_mmap_threshold=0, cpu_allocator="reuse")
+    assert e.value.field == "cpu_allocator" and reuse.installed() is None
 
 
 PEAK_SCRIPT = """
@@ -276,6 +360,7 @@ def test_weight_file_lost_mid_run_fails_the_request_not_the_engine(dtype, source
     ("offload", 3, "a string"), ("max_resident_gb", -1, "GiB > 0"), ("max_resident_gb", "1", "GiB > 0"),
     ("malloc_mmap_threshold", "big", "'auto', 0"), ("malloc_mmap_threshold", -1, "'auto', 0"),
     ("malloc_mmap_threshold", 1 << 30, "up to 33554432"),
+    ("cpu_allocator", "jemalloc", "one of \\['auto', 'system', 'reuse'\\]"),
 ])
 def test_bad_offload_settings_name_the_field(field, value, match, tiny_models):
     with pytest.raises(InvalidParamError, match=match) as e:
@@ -299,7 +384,7 @@ def test_memory_budget_picks_the_blocks_held(small_flux):
     tight = Engine.from_pretrained(model, max_resident_gb=(fixed + 2.5 * block) / 2**30, **KEEP_HEAP)
     handle = offload_of(tight.family)
     assert (str(handle.policy), handle.blocks.nslots, handle.blocks.keep_all) == ("disk", 2, False)  # disk on CPU
-    assert heap.applied() is None  # KEEP_HEAP: the pytest process's malloc is untouched
+    assert heap.applied() is None and reuse.installed() is None  # KEEP_HEAP: the pytest process's untouched
     roomy = Engine.from_pretrained(model, offload="blocks", max_resident_gb=1.0)
     assert offload_of(roomy.family).blocks.keep_all
     with pytest.raises(InvalidParamError, match="at least") as e:
@@ -316,8 +401,9 @@ def test_cli_passes_offload_settings():
     kwargs = engine_kwargs(args)
     assert (kwargs["offload"], kwargs["max_resident_gb"], kwargs["malloc_mmap_threshold"]) == (
         "components,disk:2", 1.5, "auto")
-    args = build_parser().parse_args(["generate", "x", "--malloc-mmap-threshold", "0"])
-    assert engine_kwargs(args)["malloc_mmap_threshold"] == 0
+    assert kwargs["cpu_allocator"] == "auto"
+    args = build_parser().parse_args(["generate", "x", "--malloc-mmap-threshold", "0", "--cpu-allocator", "system"])
+    assert (engine_kwargs(args)["malloc_mmap_threshold"], engine_kwargs(args)["cpu_allocator"]) == (0, "system")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "x", "--malloc-mmap-threshold", "lots"])
 
