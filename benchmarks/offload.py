@@ -230,9 +230,9 @@ def summarize(rows: dict, diffs: dict, sizes: list[int]) -> dict:
                                            if system[small + "1"]["overhead_per_image"] > 0 else None),
             "time_ratio_vs_diffusers_system": system[big + "8"]["time_per_image"] / theirs[big + "8"]["time_per_image"],
         }
-    if "disk:1+glibc" in rows and "none+mmap" in rows:  # what the mmap threshold does, measured
+    if all(c in rows for c in ("disk:1+glibc", "none+mmap", "disk:1+system")):  # the threshold, measured
         glibc, fixed_none = rows["disk:1+glibc"], rows["none+mmap"]
-        fixed = rows.get("disk:1+system", disk)  # the threshold alone, without the reuse allocator
+        fixed = rows["disk:1+system"]  # the threshold alone, without the reuse allocator
         summary["allocator"] = {
             "disk_threshold": fixed["mmap_threshold"],
             "disk_rss_ratio_glibc_default": glibc["peak_rss_gb"] / none["peak_rss_gb"],

@@ -58,8 +58,9 @@ class Offload:
                        slot_bytes=self.blocks.slot_bytes)
         if self.components is not None:
             out["components"] = {k: vars(v) for k, v in self.components.stats.items()}
-        if reuse.installed() is not None:
-            out["cpu_allocator"] = reuse.installed()
+        allocator = reuse.installed()
+        if allocator is not None:
+            out["cpu_allocator"] = allocator
         return out
 
     def close(self) -> None:

@@ -119,8 +119,9 @@ def install(min_bytes: int = MIN_BYTES, slack: int = SLACK) -> str:
 
 
 def installed() -> dict | None:
-    """The allocator's counters (bytes; hits / misses: large requests served from a kept mapping or
-    a fresh one), or None when it was never installed in this process."""
+    """The allocator's counters (``STAT_NAMES``; sizes in bytes; hits / resizes / misses: large
+    requests served from a kept mapping, a resized one or a fresh one), or None when it was never
+    installed in this process."""
     if not _installed:
         return None
     out = (ctypes.c_uint64 * len(STAT_NAMES))()
