@@ -4,7 +4,10 @@ Per image size, in one interleaved comparison (benchmarks.common.interleaved): t
 bf16, ``dtype="auto"``, fp32 + ``compile`` and with ``quant="int8-dynamic"`` (reported beside the
 others, never picked as the best configuration: its outputs carry the quantization error); diffusers' FluxPipeline in fp32, bf16 (not in
 ``--quick``: no summary key reads it), and fp32 with ``torch.compile`` on its transformer (what an
-experienced user runs instead). Besides: ``torch.mm``
+experienced user runs instead). The engines start with ``cpu_allocator="auto"``, which installs
+the reuse allocator for the whole process, so the diffusers sides run under it too (one row at a
+time it changes nothing: ``benchmarks.cpu_allocator``). Besides: the compiled tanh-GELU with and
+without the engine's graph rewrite; ``torch.mm``
 at the transformer's main shape (the MLP's up projection, batch 8) in fp32 and bf16 in the same
 run; a torch.profiler per-op table of one transformer forward in bf16 against fp32
 (results/profile_bf16.json); and one default-model image through ``omnidit generate`` timed from
@@ -57,6 +60,35 @@ def mm_ratio(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3) ->
     return {"shape": list(shape), "fp32_gflops": cmp.median("fp32", "gflops"),
             "bf16_gflops": cmp.median("bf16", "gflops"), "bf16_over_fp32": cmp.ratio("bf16", "fp32", "gflops"),
             "spread": cmp.ratio_spread("bf16", "fp32", "gflops")}
+
+
+def gelu_rewrite(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3) -> dict:
+    """The compiled tanh-GELU on the MLP's hidden activation (M x 4*inner) with and without
+    ``dit_core.graph_rewrites`` (x * sigmoid(2z)), interleaved: speedup and max difference."""
+    import torch.nn.functional as F
+
+    from dit_core import graph_rewrites
+
+    x = torch.randn(shape[0], shape[2])
+    plain = torch.compile(lambda t: F.gelu(t, approximate="tanh"), dynamic=True)
+    rewritten = torch.compile(lambda t: F.gelu(t, approximate="tanh"), dynamic=True,
+                              options=graph_rewrites.inductor_options())
+
+    def side(fn):
+        def call(_round):
+            fn(x)
+            runs, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                fn(x)
+                runs += 1
+            return (time.perf_counter() - start) / runs
+
+        return call
+
+    cmp = interleaved({"tanh": side(plain), "sigmoid": side(rewritten)}, max(repeats, 3))
+    return {"shape": [shape[0], shape[2]], "tanh_ms": cmp.median("tanh") * 1e3, "sigmoid_ms": cmp.median("sigmoid") * 1e3,
+            "speedup": cmp.ratio("tanh", "sigmoid"), "spread": cmp.ratio_spread("tanh", "sigmoid"),
+            "max_abs_diff": (plain(x) - rewritten(x)).abs().max().item()}
 
 
 def profile_ops(model: str, size: int, text: int, top: int = 15) -> dict:
@@ -115,6 +147,7 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
 
     from benchmarks.engine_throughput import Scenario, run_engine, run_pipeline, transformer_flops_per_row
     from dit_core import Engine, dtype_auto
+    from offload import reuse
 
     b = args.max_batch_size
 
@@ -146,11 +179,12 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
     pipes["diffusers fp32 compile"].transformer = torch.compile(pipes["diffusers fp32 compile"].transformer)
     for pipe in pipes.values():
         pipe.set_progress_bar_config(disable=True)
-    mm = {}
+    mm, gelu = {}, {}
     results = {}
     for size in sizes:
         shape = main_shape(engines["engine fp32"].family.transformer, size, text)
         mm[size] = mm_ratio(shape, args.repeats)
+        gelu[size] = gelu_rewrite(shape, args.repeats)
         flops = transformer_flops_per_row(engines["engine fp32"], size, text)
         sc = Scenario(f"{size}x{size} {text} tokens dtype/compile", size, text, args, [0.0] * args.requests, flops,
                       mm[size]["fp32_gflops"])
@@ -203,6 +237,12 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         # the engine with int8-dynamic weights and activations (quant/), beside fp32 and bf16
         "int8_dynamic_over_fp32_engine_by_size": {s: r["int8_dynamic_over_fp32_engine"] for s, r in results.items()},
         "int8_dynamic_over_diffusers_fp32_256": big["int8_dynamic_over_diffusers_fp32"],
+        # compiled blocks compute tanh-GELU as x * sigmoid(2z) (dit_core.graph_rewrites): that op alone
+        "gelu_rewrite_speedup": gelu[max(sizes)]["speedup"],
+        "gelu_rewrite_by_size": gelu,
+        # the engines' cpu_allocator="auto" installs the reuse allocator, process-wide: the diffusers
+        # sides run under it too (at batch 1 it changes nothing for them: benchmarks.cpu_allocator)
+        "cpu_allocator": "reuse" if reuse.installed() is not None else "system",
     }
     return {"summary": summary, "by_size": results}
 

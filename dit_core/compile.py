@@ -4,6 +4,7 @@ Only the blocks are compiled, not the engine's Python step loop nor the transfor
 forward: the blocks hold nearly all the FLOPs, the same compiled block serves the plain forward
 and the per-row step caches (which call the blocks one by one), and a block's graph is shared
 by every block of its class (parameters are graph inputs), so a FLUX model compiles two graphs.
+Inductor rewrites each block graph first (``graph_rewrites``: tanh-GELU as x * sigmoid(2z)).
 ``dynamic=True`` makes the batch dimension (and the token counts) symbolic, so requests joining
 and leaving do not recompile; batch 1 is specialised by dynamo, so the warm-up runs one forward
 of one row and one of several rows per configured image size.
@@ -25,6 +26,8 @@ import logging
 import time
 
 import torch
+
+from . import graph_rewrites
 
 logger = logging.getLogger(__name__)
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
@@ -99,9 +102,10 @@ def compile_family(family, name: str = "") -> CompileInfo:
     # limit of 8 cached graphs per code object would send a second model (or Qwen-Image's graph
     # breaks) back to eager: allow more.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    options = graph_rewrites.inductor_options()
     for block in blocks:
         block.register_forward_pre_hook(_plain_inputs, with_kwargs=True)
-        block.compile(backend="inductor", dynamic=True)
+        block.compile(backend="inductor", dynamic=True, options=options)
     return CompileInfo(compiled_blocks=len(blocks))
 
 

@@ -22,7 +22,7 @@ from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, failed_error
 from .families import Family, load_family
 from .loading import component_loader
-from .offloading import apply_offload, offload_loader, release_offload
+from .offloading import after_loading, apply_offload, offload_loader, release_offload
 from .params import SamplingParams
 from .quantize import apply_quant
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
@@ -163,6 +163,7 @@ class Engine:
                                                options)
                 apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
                 apply_offload(models[name], cfg)  # after loading, before the engine sees the family
+                after_loading()  # the reuse allocator forgets what loading freed
         except BaseException:
             for family in models.values():
                 release_offload(family)

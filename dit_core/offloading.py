@@ -86,15 +86,16 @@ def offload_loader(config):
     Applies ``config.malloc_mmap_threshold`` and ``config.cpu_allocator`` first, so that loading
     leaves no holes in the heap."""
     policy = effective_policy(config)
-    disk_on_cpu = policy.tier == "disk" and torch.device(config.device).type == "cpu"
+    on_cpu = torch.device(config.device).type == "cpu"
+    disk_on_cpu = policy.tier == "disk" and on_cpu
     done = heap.apply(config.malloc_mmap_threshold, disk_on_cpu)
     if heap.applied() is not None:
         logger.info("offload %s: %s", policy, done)
     try:
-        chosen = reuse.choose(config.cpu_allocator, disk_on_cpu)
+        chosen = reuse.choose(config.cpu_allocator, on_cpu)
     except reuse.ReuseUnavailable as e:
         raise InvalidParamError("cpu_allocator", "reuse", f"'auto' or 'system' here ({e})") from None
-    if disk_on_cpu or reuse.installed() is not None or config.cpu_allocator != "auto":
+    if on_cpu or reuse.installed() is not None or config.cpu_allocator != "auto":
         logger.info("cpu_allocator=%s: %s", config.cpu_allocator, chosen)
     if not policy.streams_blocks and not policy.components:
         return None
@@ -113,6 +114,13 @@ def offload_loader(config):
         return default(cls, library, folder, dtype, device)
 
     return load
+
+
+def after_loading() -> None:
+    """Loading allocates parameters it then replaces with the file's (untouched, 0.3 GiB on the
+    medium FLUX): kept, they would set the reuse allocator's live peak and so the pool that later
+    forwards spread over. Unmapped now, the pool follows the forwards' own peak."""
+    reuse.trim()
 
 
 def apply_offload(family, config) -> Offload | None:
@@ -140,10 +148,6 @@ def apply_offload(family, config) -> Offload | None:
     _ATTACHED[family] = handle
     if heap.applied() is not None:
         heap.trim()  # what loading freed (e.g. under another threshold) goes back to the OS now
-    # Loading allocates parameters it then replaces with the file's (untouched, 0.3 GiB on the
-    # medium FLUX): kept, they would set the reuse allocator's live peak and so the pool that
-    # later forwards spread over. Unmapped now, the pool follows the forwards' own peak.
-    reuse.trim()
     logger.info("offload %s: %s", policy, {k: v for k, v in handle.stats().items() if k != "components"})
     return handle
 

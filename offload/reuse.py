@@ -1,5 +1,12 @@
 """A CPU allocator for torch that keeps freed large buffers for reuse (``csrc/reuse_allocator.cpp``).
 
+Every engine that computes on CPU wants it (``EngineConfig.cpu_allocator="auto"``). A batched
+forward's activations are megabytes each (8 rows of the small FLUX checkpoint at 256x256: 2-20
+MiB), and glibc serves such buffers from fresh mappings, so every one of them page-faults in
+anew: 12k faults per compiled forward, 63k per eager one, at about 5 us each on these VMs. With
+the kept mappings below there are none after the first forward (``benchmarks.cpu_allocator``).
+One request at a time (diffusers' way) allocates below glibc's threshold and faults little.
+
 Under the disk tier the activations dominate what the process holds, and glibc serves them
 badly either way: its default keeps freed activations in the heap, whose holes stay resident
 (0.1-0.3 GiB more peak on the ``medium`` checkpoint, different in every run), while a fixed mmap
@@ -137,14 +144,14 @@ def trim() -> bool:
     return True
 
 
-def choose(setting: str, disk_on_cpu: bool) -> str:
+def choose(setting: str, on_cpu: bool) -> str:
     """Apply ``EngineConfig.cpu_allocator`` and say what was done, in words (one log line).
 
-    ``"auto"``: the reuse allocator when the disk tier streams blocks on CPU, falling back to
-    the system allocator (with the reason) when it cannot be built; ``"reuse"``: always, and an
-    error when it cannot be built; ``"system"``: leave torch's allocator alone."""
+    ``"auto"``: the reuse allocator when the engine computes on CPU, falling back to the system
+    allocator (with the reason) when it cannot be built; ``"reuse"``: always, and an error when
+    it cannot be built; ``"system"``: leave torch's allocator alone."""
     check_choice(setting)
-    if setting == "system" or (setting == "auto" and not disk_on_cpu):
+    if setting == "system" or (setting == "auto" and not on_cpu):
         return "reuse allocator (installed earlier in this process)" if _installed else "system allocator"
     try:
         said = install()

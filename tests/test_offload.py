@@ -14,7 +14,7 @@ import torch
 
 from dit_core import Engine, InvalidParamError, RequestFailedError, UnknownModelError
 from dit_core.offloading import offload_of
-from offload import heap, reuse
+from offload import heap
 from helpers import CFG, assert_finished, params, run_staggered
 
 # every policy on every family (components with the host tier, and the disk tier, on each); the
@@ -158,7 +158,7 @@ def test_mmap_threshold_returns_freed_activations_to_the_os():
 REUSE_SCRIPT = """
 import json, resource, sys, torch
 from offload import reuse
-said = reuse.choose("auto", disk_on_cpu=True)
+said = reuse.choose("auto", on_cpu=True)
 def rss():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
 def faults():
@@ -207,32 +207,46 @@ def test_reuse_allocator_serves_repeats_from_kept_buffers(tmp_path):
     assert list((tmp_path / "cache" / "ext").glob("reuse_allocator-*.so"))  # the cached build
 
 
-def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_path, monkeypatch):
-    """The disk tier under the reuse allocator (its own process, "auto") produces the images
-    the system allocator does; without a compiler "auto" falls back and says why, and an
-    explicit "reuse" fails the engine's start naming ``cpu_allocator``."""
+def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_path):
+    """The disk tier under the reuse allocator ("auto") produces the images the system allocator
+    does, and so does an engine without offload, which "auto" also gives the allocator (each in
+    its own process: the allocator is process-wide); without a compiler "auto"
+    falls back and says why, and an explicit "reuse" fails the engine's start naming
+    ``cpu_allocator``."""
     script = ("import sys, torch\n"
               "from dit_core import Engine, SamplingParams\n"
               "from offload import reuse\n"
-              "e = Engine.from_pretrained(sys.argv[1], offload='disk:1')\n"
+              "e = Engine.from_pretrained(sys.argv[1], offload=sys.argv[4], cpu_allocator=sys.argv[3])\n"
               "p = SamplingParams(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16,"
               " output_type='pt')\n"
               "torch.save(torch.stack(e.generate(['a cat', 'a dog'], p)), sys.argv[2])\n"
-              "assert reuse.installed()['hits'] > 0\n")
+              "assert (reuse.installed() or {}).get('hits', 0) > 0 if sys.argv[3] == 'auto' else "
+              "reuse.installed() is None\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", script, str(small_flux), str(tmp_path / "reuse.pt")], env=env,
-                         capture_output=True, text=True, timeout=300)
+    runs = (("auto", "disk:1"), ("system", "disk:1"), ("auto", "none"))
+    for allocator, offload in runs:
+        out = subprocess.run([sys.executable, "-c", script, str(small_flux), str(tmp_path / f"{allocator}-{offload}.pt"),
+                              allocator, offload], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+    images = [torch.load(tmp_path / f"{allocator}-{offload}.pt") for allocator, offload in runs]
+    assert torch.equal(images[0], images[1]) and torch.equal(images[0], images[2])
+    fallback = ("import json\n"
+                "from dit_core import Engine, InvalidParamError\n"
+                "from offload import reuse\n"
+                "said = reuse.choose('auto', on_cpu=True)\n"
+                "try:\n"
+                "    Engine.from_pretrained(__import__('sys').argv[1], malloc_mmap_threshold=0, cpu_allocator='reuse')\n"
+                "    field = None\n"
+                "except InvalidParamError as e:\n"
+                "    field = e.field\n"
+                "print(json.dumps({'said': said, 'field': field, 'installed': reuse.installed()}))\n")
+    env.update(CXX=str(tmp_path / "no-such-compiler"), OMNIDIT_CACHE_DIR=str(tmp_path / "empty-cache"))
+    out = subprocess.run([sys.executable, "-c", fallback, str(small_flux)], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    engine = Engine.from_pretrained(small_flux, offload="disk:1", **KEEP_HEAP)
-    p = params(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16)
-    assert torch.equal(torch.load(tmp_path / "reuse.pt"), torch.stack(engine.generate(["a cat", "a dog"], p)))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("OMNIDIT_CACHE_DIR", str(tmp_path / "empty-cache"))
-    said = reuse.choose("auto", disk_on_cpu=True)
-    assert said.startswith("system allocator (the reuse allocator is unavailable") and "no-such-compiler" in said
-    with pytest.raises(InvalidParamError, match="cpu_allocator") as e:
-        Engine.from_pretrained(small_flux, offload="disk:1", malloc_mmap_threshold=0, cpu_allocator="reuse")
-    assert e.value.field == "cpu_allocator" and reuse.installed() is None
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["said"].startswith("system allocator (the reuse allocator is unavailable"), got
+    assert "no-such-compiler" in got["said"] and got["field"] == "cpu_allocator" and got["installed"] is None
 
 
 PEAK_SCRIPT = """
@@ -384,7 +398,7 @@ def test_memory_budget_picks_the_blocks_held(small_flux):
     tight = Engine.from_pretrained(model, max_resident_gb=(fixed + 2.5 * block) / 2**30, **KEEP_HEAP)
     handle = offload_of(tight.family)
     assert (str(handle.policy), handle.blocks.nslots, handle.blocks.keep_all) == ("disk", 2, False)  # disk on CPU
-    assert heap.applied() is None and reuse.installed() is None  # KEEP_HEAP: the pytest process's untouched
+    assert heap.applied() is None  # KEEP_HEAP: the pytest process's threshold untouched
     roomy = Engine.from_pretrained(model, offload="blocks", max_resident_gb=1.0)
     assert offload_of(roomy.family).blocks.keep_all
     with pytest.raises(InvalidParamError, match="at least") as e:
