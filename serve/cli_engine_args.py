@@ -60,8 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-allocator", default="auto", choices=["auto", "system", "reuse"],
                    help="torch's allocator for CPU tensors: reuse keeps freed buffers of 1 MiB and up mapped "
                         "for the next request of a similar size (no heap holes, no page fault per 4 KiB; within "
-                        "the live peak + 32 MiB; built once with the C++ compiler); auto uses it when the disk "
-                        "tier streams blocks on CPU; system leaves torch's own (default auto)")
+                        "the live peak + 32 MiB; built once with the C++ compiler); auto uses it whenever the "
+                        "engine computes on CPU; system leaves torch's own (default auto)")
     p.add_argument("--policy", default=None, choices=["fifo", "edf"],
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
                         "1 step in 10 to bulk when the deadlines allow, at least 1 in 30); default: edf when a "
