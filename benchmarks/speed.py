@@ -38,6 +38,16 @@ def main_shape(tr, size: int, text: int) -> tuple[int, int, int]:
     return BATCH * tokens, inner, 4 * inner
 
 
+def _per_call(fn, seconds: float) -> float:
+    """Seconds per call of ``fn``: one untimed call, then as many as fit in ``seconds``."""
+    fn()
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or runs == 0:
+        fn()
+        runs += 1
+    return (time.perf_counter() - start) / runs
+
+
 def mm_ratio(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3) -> dict:
     """GFLOP/s of torch.mm at ``shape`` in fp32 and bf16, interleaved; bf16/fp32 speed ratio."""
     m, k, n = shape
@@ -47,12 +57,7 @@ def mm_ratio(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3) ->
         a, b = mats[dtype]
 
         def call(_round):
-            torch.mm(a, b)
-            runs, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                torch.mm(a, b)
-                runs += 1
-            return {"gflops": 2 * m * k * n * runs / (time.perf_counter() - start) / 1e9}
+            return {"gflops": 2 * m * k * n / _per_call(lambda: torch.mm(a, b), seconds) / 1e9}
 
         return call
 
@@ -74,18 +79,8 @@ def gelu_rewrite(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3
     rewritten = torch.compile(lambda t: F.gelu(t, approximate="tanh"), dynamic=True,
                               options=graph_rewrites.inductor_options())
 
-    def side(fn):
-        def call(_round):
-            fn(x)
-            runs, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                fn(x)
-                runs += 1
-            return (time.perf_counter() - start) / runs
-
-        return call
-
-    cmp = interleaved({"tanh": side(plain), "sigmoid": side(rewritten)}, max(repeats, 3))
+    cmp = interleaved({"tanh": lambda _round: _per_call(lambda: plain(x), seconds),
+                       "sigmoid": lambda _round: _per_call(lambda: rewritten(x), seconds)}, max(repeats, 3))
     return {"shape": [shape[0], shape[2]], "tanh_ms": cmp.median("tanh") * 1e3, "sigmoid_ms": cmp.median("sigmoid") * 1e3,
             "speedup": cmp.ratio("tanh", "sigmoid"), "spread": cmp.ratio_spread("tanh", "sigmoid"),
             "max_abs_diff": (plain(x) - rewritten(x)).abs().max().item()}

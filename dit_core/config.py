@@ -82,8 +82,8 @@ class EngineConfig:
         built). The reuse allocator keeps freed buffers of 1 MiB and up mapped for the next
         request of a similar size: no heap holes and no page fault per 4 KiB, within the live
         peak plus 32 MiB (a batch-8 forward at 256x256 on CPU: no page faults instead of 13-39k,
-        x1.09 the batching gain of the system allocator, ``benchmarks.cpu_allocator``). Process-wide; needs a C++ compiler once (about 2 s, cached). See
-        ``offload.reuse``.
+        x1.09 the batching gain of the system allocator, ``benchmarks.cpu_allocator``).
+        Process-wide; needs a C++ compiler once (about 2 s, cached). See ``offload.reuse``.
     quant: weight quantization of the transformer (or the components named with ``,components=``):
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.

@@ -5,7 +5,7 @@ forward's activations are megabytes each (8 rows of the small FLUX checkpoint at
 MiB), and glibc serves such buffers from fresh mappings, so every one of them page-faults in
 anew: 12k faults per compiled forward, 63k per eager one, at about 5 us each on these VMs. With
 the kept mappings below there are none after the first forward (``benchmarks.cpu_allocator``).
-One request at a time (diffusers' way) allocates below glibc's threshold and faults little.
+The transformer's forwards one request at a time (diffusers' way) fault none under either.
 
 Under the disk tier the activations dominate what the process holds, and glibc serves them
 badly either way: its default keeps freed activations in the heap, whose holes stay resident
