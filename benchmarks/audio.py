@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 import warnings
 
 import numpy as np
 import torch
 
-from benchmarks.common import interleaved, machine, write_json
+from benchmarks.common import interleaved, machine, scratch_dir, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", message="Should have")  # torchsde's rounding notes at the interval ends
@@ -62,7 +61,7 @@ def part_a(args) -> dict:
     from dit_core import Engine
     from dit_core.random_models import build
 
-    folder = args.model or build("stable-audio", "small", tempfile.mkdtemp(prefix="omnidit-sa-"))
+    folder = args.model or build("stable-audio", "small", scratch_dir(prefix="omnidit-sa-"))
     pipe = StableAudioPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     engine = Engine.from_pretrained(folder, max_batch_size=args.requests, prompt_cache_bytes=0)  # no cache hits the pipeline lacks

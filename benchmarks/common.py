@@ -3,10 +3,13 @@ uses, machine description, matmul roofline, JSON and PNG output."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +58,14 @@ def percentiles(values: list[float]) -> dict:
     v = np.asarray(values, dtype=float)
     return {"p50": float(np.percentile(v, 50)), "p95": float(np.percentile(v, 95)),
             "p99": float(np.percentile(v, 99)), "mean": float(v.mean())}
+
+
+def scratch_dir(prefix: str = "omnidit-bench-") -> Path:
+    """A new temporary folder, removed when the process exits. Benchmarks build checkpoints of
+    up to 1.7 GB and write offload tiers into these, so none may outlive its run."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def write_json(name: str, payload: dict) -> Path:

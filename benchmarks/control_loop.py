@@ -27,7 +27,6 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.common import interleaved, machine, write_json
+from benchmarks.common import interleaved, machine, scratch_dir, write_json
 from serve.server import free_port
 
 KEY = "bench"
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds:
         seconds = warm_s = calib_s = args.seconds
 
-    tmp = Path(tempfile.mkdtemp(prefix="control_loop_"))
+    tmp = scratch_dir(prefix="control_loop_")
     reach, what = policy_folder(tmp)
     servers = {"fifo": Server("fifo", reach), "edf": Server("edf", reach)}
     per_robots = {}

@@ -22,13 +22,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine, spread, write_json
+from benchmarks.common import machine, scratch_dir, spread, write_json
 
 ALLOCATORS = ("system", "reuse")
 TEXT = 64
@@ -112,8 +111,8 @@ def main():
     if args.model is None:
         from dit_core.random_models import build
 
-        args.model = str(build("flux", "small", Path(tempfile.mkdtemp()) / "flux-small"))
-    tmp = Path(tempfile.mkdtemp())
+        args.model = str(build("flux", "small", scratch_dir() / "flux-small"))
+    tmp = scratch_dir()
     rounds, outputs_identical = [], True
     start = time.perf_counter()
     for r in range(args.repeats):

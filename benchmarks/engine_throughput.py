@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import ForwardTimer, interleaved, machine, mm_gflops, percentiles, save_plot, write_json
+from benchmarks.common import ForwardTimer, interleaved, machine, mm_gflops, percentiles, save_plot, scratch_dir, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SUBJECTS = ["cat", "dog", "red car", "house by the sea", "tree", "bird", "city at night", "mountain"]
@@ -276,7 +274,7 @@ def main(argv=None):
     from dit_core import Engine
     from dit_core.random_models import build
 
-    model = args.model or build("flux", "small", Path(tempfile.mkdtemp()) / "flux-small")
+    model = args.model or build("flux", "small", scratch_dir() / "flux-small")
     pipe = FluxPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
     batch_sizes = [args.max_batch_size] + [int(b) for b in args.sweep.split(",") if b and int(b) != args.max_batch_size]

@@ -37,13 +37,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, machine, mm_gflops, write_json
+from benchmarks.common import RESULTS, machine, mm_gflops, scratch_dir, write_json
 
 FULL = ["none", "components", "blocks:1", "blocks:2", "blocks:all", "disk:1", "disk:2", "diffusers-group",
         "diffusers-disk", "none+mmap", "disk:1+glibc", "disk:1+system"]
@@ -108,7 +107,7 @@ def worker(args) -> None:
                                     malloc_mmap_threshold=0 if allocator == "glibc" else "auto",
                                     cpu_allocator="system" if allocator in ("glibc", "system") else "auto")
     if args.worker.startswith("diffusers"):
-        disk = tempfile.mkdtemp(prefix="diffusers-offload-") if args.worker == "diffusers-disk" else None
+        disk = str(scratch_dir(prefix="diffusers-offload-")) if args.worker == "diffusers-disk" else None
         engine.family.transformer.enable_group_offload(
             onload_device="cpu", offload_device="cpu", offload_type="block_level", num_blocks_per_group=1,
             use_stream=False, offload_to_disk_path=disk)
@@ -300,7 +299,7 @@ def main(argv=None):
         if needed not in configs:
             configs.append(needed)  # the summary compares against these
     gflops_before = mm_gflops()  # the machine is shared: how fast it is now, before and after
-    tmp = Path(tempfile.mkdtemp(prefix="omnidit-offload-"))
+    tmp = scratch_dir(prefix="omnidit-offload-")
     if args.model is None:
         from dit_core.random_models import build
 

@@ -22,13 +22,12 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import machine, scratch_dir, write_json
 
 CONFIGS = ["none", "components", "blocks:1", "blocks:2", "disk:1", "components,blocks:1", "diffusers-stream"]
 
@@ -87,7 +86,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("offload_gpu: no CUDA device here (torch.cuda.is_available() is False)")
     torch.backends.cuda.matmul.allow_tf32 = False
-    tmp = Path(tempfile.mkdtemp(prefix="omnidit-offload-gpu-"))
+    tmp = scratch_dir(prefix="omnidit-offload-gpu-")
     model = Path(args.model) if args.model else None
     if model is None:
         from dit_core.random_models import build

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Callable
 import torch
 
 from benchmarks import comm_model as cm
-from benchmarks.common import interleaved, machine, mm_gflops, write_json
+from benchmarks.common import interleaved, machine, mm_gflops, scratch_dir, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.random_models import build
 
@@ -193,9 +192,9 @@ def main() -> None:
     sides = [int(s) for s in (args.sizes or ("512" if args.quick else "512,1024")).split(",")]
     repeats = args.repeats or (2 if args.quick else 3)
     steps = args.steps or (3 if args.quick else 4)
-    model = Path(args.model or build("flux", "small", Path(tempfile.mkdtemp()) / "flux-small"))
+    model = Path(args.model or build("flux", "small", scratch_dir() / "flux-small"))
     video = (17, 128) if args.quick else (33, 256)
-    wan_model = None if args.no_wan else Path(args.wan_model or build("wan", "small", Path(tempfile.mkdtemp()) / "wan"))
+    wan_model = None if args.no_wan else Path(args.wan_model or build("wan", "small", scratch_dir() / "wan"))
     started = time.perf_counter()
     torch.set_num_threads(2)
     gflops = mm_gflops()

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from benchmarks import comm_model as cm
-from benchmarks.common import machine, mm_gflops, write_json
+from benchmarks.common import machine, mm_gflops, scratch_dir, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.random_models import build
 
@@ -155,7 +154,7 @@ def main() -> int:
         print(f"parallel_gpu: needs 2 or more CUDA GPUs, found {gpus}", file=sys.stderr)
         return 2
     sides = [int(s) for s in (args.sizes or ("1024" if args.quick else "1024,2048")).split(",")]
-    root = Path(tempfile.mkdtemp())
+    root = scratch_dir()
     check = correctness(root, gpus, args.device)
     small = build("flux", "small", root / "flux-small")
     times = timing(small, sides, args.steps, args.repeats or (2 if args.quick else 3), gpus, args.device)

@@ -24,7 +24,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import machine, scratch_dir, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import generate, psnr, requests, train_classifier
 from dit_core.quantize import export_gguf
@@ -217,7 +216,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.per_digit = min(args.repeats, 3), 1, min(args.per_digit, 2)
-    work = Path(args.model_dir or tempfile.mkdtemp(prefix="omnidit-quant-"))
+    work = Path(args.model_dir or scratch_dir(prefix="omnidit-quant-"))
     model = work / "flux-small"
     if not (model / "model_index.json").is_file():
         build("flux", "small", model)

@@ -27,14 +27,12 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 
-from benchmarks.common import interleaved, machine, percentiles, save_plot, write_json
+from benchmarks.common import interleaved, machine, percentiles, save_plot, scratch_dir, write_json
 from serve.server import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -196,7 +194,7 @@ def main(argv=None):
         args.requests, args.loads = 12, "1,2"
     from dit_core.random_models import build
 
-    model = str(args.model or build("flux", "small", Path(tempfile.mkdtemp()) / "flux-small"))
+    model = str(args.model or build("flux", "small", scratch_dir() / "flux-small"))
     loads = [float(x) for x in args.loads.split(",")]
     texts = [int(t) for t in args.text_tokens.split(",")]
     procs, urls = {}, {}

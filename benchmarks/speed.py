@@ -19,13 +19,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import interleaved, write_json
+from benchmarks.common import interleaved, scratch_dir, write_json
 
 BATCH = 8
 INT8 = "engine int8-dynamic"
@@ -127,7 +126,7 @@ def profile_ops(model: str, size: int, text: int, top: int = 15) -> dict:
 
 def cli_first_image(timeout: float = 600) -> float:
     """Seconds from starting ``omnidit generate "the number seven"`` to its PNG on disk (defaults)."""
-    out = Path(tempfile.mkdtemp()) / "seven.png"
+    out = scratch_dir() / "seven.png"
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "serve.cli", "generate", "the number seven", "-o", str(out)],
                    check=True, timeout=timeout, capture_output=True, env={**os.environ, "OMNIDIT_THINKER": ""})

@@ -24,13 +24,12 @@ Writes results/step_cache.json and results/step_cache.png.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import BlockCounter, interleaved, machine, save_plot, spread, write_json
+from benchmarks.common import BlockCounter, interleaved, machine, save_plot, scratch_dir, spread, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import generate, psnr, requests, train_classifier
 from dit_core.zoo import default_model
@@ -167,7 +166,7 @@ def main(argv=None):
     per_digit, n_flux = (5, 2) if args.quick else (20, 4)
     from dit_core.random_models import build
 
-    flux = args.flux or build("flux", "small", Path(tempfile.mkdtemp()) / "flux-small")
+    flux = args.flux or build("flux", "small", scratch_dir() / "flux-small")
     clf = train_classifier()
     rows = digits_rows(per_digit, clf, args.repeats)
     rows += flux_rows(flux, n_flux, args.repeats)

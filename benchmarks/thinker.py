@@ -16,13 +16,12 @@ medians of the per-round ratios, spreads (max - min) / median.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import interleaved, machine, timed, write_json
+from benchmarks.common import interleaved, machine, scratch_dir, timed, write_json
 
 WORDS = "a cat dog tree house car city sky sun moon sea mountain river flower red green blue big small".split()
 
@@ -40,7 +39,7 @@ def build_thinker(hidden: int, layers: int) -> Path:
 
     from dit_core.random_models.tokenizers import qwen_tokenizer
 
-    path = Path(tempfile.mkdtemp()) / f"qwen2-{hidden}x{layers}"
+    path = scratch_dir() / f"qwen2-{hidden}x{layers}"
     tok = qwen_tokenizer()
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 4,
