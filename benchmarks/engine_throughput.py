@@ -101,6 +101,7 @@ def run_engine(engine, reqs, arrivals):
 
 def transformer_flops_per_row(engine, size: int, text_tokens: int) -> float:
     """FLOPs of one transformer forward for one row at this size, counted by FlopCounterMode."""
+    from dit_core.cpu_linear import FLOP_FORMULAS  # packed linears (cpu_linear), unknown to the counter
     from dit_core.families.flux import image_ids
 
     fam = engine.family
@@ -116,9 +117,10 @@ def transformer_flops_per_row(engine, size: int, text_tokens: int) -> float:
         img_ids=image_ids(side, side),
         return_dict=False,
     )
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
         tr(**inputs)
     return float(counter.get_total_flops())
+
 
 
 class Scenario:

@@ -1,13 +1,16 @@
 """The dtype / compile part of ``benchmarks.engine_throughput`` (issue 21), in its own module.
 
 Per image size, in one interleaved comparison (benchmarks.common.interleaved): the engine in fp32,
-bf16, ``dtype="auto"``, fp32 + ``compile`` and with ``quant="int8-dynamic"`` (reported beside the
+fp32 with ``cpu_linear="aten"`` (plain ``nn.Linear``; the others run the default ``auto``, oneDNN-
+packed linears on CPU: ``cpu_linear_speedup_by_size`` is their ratio), bf16, ``dtype="auto"``,
+fp32 + ``compile`` and with ``quant="int8-dynamic"`` (reported beside the
 others, never picked as the best configuration: its outputs carry the quantization error); diffusers' FluxPipeline in fp32, bf16 (not in
 ``--quick``: no summary key reads it), and fp32 with ``torch.compile`` on its transformer (what an
 experienced user runs instead). The engines start with ``cpu_allocator="auto"``, which installs
 the reuse allocator for the whole process, so the diffusers sides run under it too (one row at a
 time it changes nothing: ``benchmarks.cpu_allocator``). Besides: the compiled tanh-GELU with and
-without the engine's graph rewrite; ``torch.mm``
+without the engine's graph rewrite; one linear layer at the main shape through aten and through
+oneDNN from a packed weight (``cpu_linear_gemm_speedup``); ``torch.mm``
 at the transformer's main shape (the MLP's up projection, batch 8) in fp32 and bf16 in the same
 run; a torch.profiler per-op table of one transformer forward in bf16 against fp32
 (results/profile_bf16.json); and one default-model image through ``omnidit generate`` timed from
@@ -28,6 +31,7 @@ from benchmarks.common import interleaved, scratch_dir, write_json
 
 BATCH = 8
 INT8 = "engine int8-dynamic"
+ATEN = "engine fp32 aten"  # cpu_linear="aten"
 
 
 def main_shape(tr, size: int, text: int) -> tuple[int, int, int]:
@@ -83,6 +87,25 @@ def gelu_rewrite(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3
     return {"shape": [shape[0], shape[2]], "tanh_ms": cmp.median("tanh") * 1e3, "sigmoid_ms": cmp.median("sigmoid") * 1e3,
             "speedup": cmp.ratio("tanh", "sigmoid"), "spread": cmp.ratio_spread("tanh", "sigmoid"),
             "max_abs_diff": (plain(x) - rewritten(x)).abs().max().item()}
+
+
+def linear_kernels(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3) -> dict:
+    """One linear layer at the transformer's main shape (M x K -> N, with bias), aten's ``addmm``
+    (MKL here) against oneDNN from the packed weight (``dit_core.cpu_linear``), interleaved."""
+    from dit_core.cpu_linear import PackedLinear
+
+    m, k, n = shape
+    aten = torch.nn.Linear(k, n)
+    packed, x = PackedLinear(aten), torch.randn(m, k)
+    flops = 2 * m * k * n / 1e9
+    with torch.no_grad():
+        cmp = interleaved({"aten": lambda _round: {"gflops": flops / _per_call(lambda: aten(x), seconds)},
+                           "onednn": lambda _round: {"gflops": flops / _per_call(lambda: packed(x), seconds)}},
+                          max(repeats, 3))
+        diff = (aten(x) - packed(x)).abs().max().item()
+    return {"shape": list(shape), "aten_gflops": cmp.median("aten", "gflops"),
+            "onednn_gflops": cmp.median("onednn", "gflops"), "speedup": cmp.ratio("onednn", "aten", "gflops"),
+            "spread": cmp.ratio_spread("onednn", "aten", "gflops"), "max_abs_diff": diff}
 
 
 def profile_ops(model: str, size: int, text: int, top: int = 15) -> dict:
@@ -160,6 +183,8 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
     diffusers_bf16 = engine_bf16 and not getattr(args, "quick", False)
 
     engines = {"engine fp32": engine(),
+               # the same engine with plain nn.Linear (aten's MKL GEMMs): what cpu_linear="auto" gains
+               ATEN: engine(cpu_linear="aten"),
                **({"engine bf16": engine(dtype="bfloat16")} if engine_bf16 else {}),
                "engine auto": engine(dtype=auto_dtype),
                "engine fp32 compile": compiled,
@@ -173,12 +198,13 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
     pipes["diffusers fp32 compile"].transformer = torch.compile(pipes["diffusers fp32 compile"].transformer)
     for pipe in pipes.values():
         pipe.set_progress_bar_config(disable=True)
-    mm, gelu = {}, {}
+    mm, gelu, linear = {}, {}, {}
     results = {}
     for size in sizes:
         shape = main_shape(engines["engine fp32"].family.transformer, size, text)
         mm[size] = mm_ratio(shape, args.repeats)
         gelu[size] = gelu_rewrite(shape, args.repeats)
+        linear[size] = linear_kernels(shape, args.repeats)
         flops = transformer_flops_per_row(engines["engine fp32"], size, text)
         sc = Scenario(f"{size}x{size} {text} tokens dtype/compile", size, text, args, [0.0] * args.requests, flops,
                       mm[size]["fp32_gflops"])
@@ -198,6 +224,9 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
              "best_over_diffusers_fp32": cmp.ratio(best, "diffusers fp32", "throughput_img_s"),
              "best_over_compiled_diffusers_fp32": cmp.ratio(best, "diffusers fp32 compile", "throughput_img_s"),
              "compiled_over_eager_engine": cmp.ratio("engine fp32 compile", "engine fp32", "throughput_img_s"),
+             "cpu_linear_speedup": cmp.ratio("engine fp32", ATEN, "throughput_img_s"),
+             "cpu_linear_speedup_spread": cmp.ratio_spread("engine fp32", ATEN, "throughput_img_s"),
+             "cpu_linear_max_abs_diff": sc.max_diff("engine fp32", ATEN),
              "compiled_max_abs_diff_vs_diffusers": sc.max_diff("engine fp32 compile", "diffusers fp32"),
              "int8_dynamic_over_fp32_engine": cmp.ratio(INT8, "engine fp32", "throughput_img_s"),
              "int8_dynamic_over_diffusers_fp32": cmp.ratio(INT8, "diffusers fp32", "throughput_img_s"),
@@ -212,7 +241,8 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
               f"over diffusers fp32, x{r['best_over_compiled_diffusers_fp32']:.2f} over compiled diffusers fp32; "
               f"compiled engine vs diffusers max diff {r['compiled_max_abs_diff_vs_diffusers']:.1e}; int8-dynamic "
               f"x{r['int8_dynamic_over_fp32_engine']:.2f} of engine fp32 (max diff vs diffusers "
-              f"{r['int8_dynamic_max_abs_diff_vs_diffusers']:.1e})", flush=True)
+              f"{r['int8_dynamic_max_abs_diff_vs_diffusers']:.1e}); oneDNN-packed linears x{r['cpu_linear_speedup']:.2f} "
+              f"of aten's (max diff {r['cpu_linear_max_abs_diff']:.1e})", flush=True)
     big = results[max(sizes)]
     summary = {
         "bf16_over_fp32_speed": _least(r["bf16_over_fp32_speed"] for r in results.values()),
@@ -228,6 +258,13 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         "gflops_ratio_bf16": results[min(sizes)]["bf16_gflops_over_mm_bf16"],
         "compile_warmup_s": compile_warmup_s,
         "compiled_over_eager_engine_by_size": {s: r["compiled_over_eager_engine"] for s, r in results.items()},
+        # engine fp32 with oneDNN-packed linears (cpu_linear="auto" on CPU) over the same with aten's
+        "cpu_linear": engines["engine fp32"].family.cpu_linear,
+        "cpu_linear_speedup_by_size": {s: r["cpu_linear_speedup"] for s, r in results.items()},
+        "cpu_linear_max_abs_diff": max(r["cpu_linear_max_abs_diff"] for r in results.values()),
+        # the same, one linear layer at the main shape: oneDNN-packed over aten GFLOP/s
+        "cpu_linear_gemm_speedup": linear[max(sizes)]["speedup"],
+        "cpu_linear_gemm_by_size": linear,
         # the engine with int8-dynamic weights and activations (quant/), beside fp32 and bf16
         "int8_dynamic_over_fp32_engine_by_size": {s: r["int8_dynamic_over_fp32_engine"] for s, r in results.items()},
         "int8_dynamic_over_diffusers_fp32_256": big["int8_dynamic_over_diffusers_fp32"],

@@ -18,6 +18,7 @@ from ar_adapters import PromptCache
 from attention import resolve as resolve_attention
 
 from .cache import make_step_cache
+from . import cpu_linear
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, failed_error
 from .families import Family, load_family
@@ -162,6 +163,7 @@ class Engine:
                     models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker,
                                                options)
                 apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
+                cpu_linear.apply(models[name], cfg, name)  # EngineConfig.cpu_linear: oneDNN-packed linears
                 apply_offload(models[name], cfg)  # after loading, before the engine sees the family
                 after_loading()  # the reuse allocator forgets what loading freed
         except BaseException:

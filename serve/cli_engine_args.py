@@ -62,6 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "for the next request of a similar size (no heap holes, no page fault per 4 KiB; within "
                         "the live peak + 32 MiB; built once with the C++ compiler); auto uses it whenever the "
                         "engine computes on CPU; system leaves torch's own (default auto)")
+    p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "aten"],
+                   help="the transformer's linear layers on CPU: onednn packs each weight once into oneDNN's "
+                        "layout (no extra memory; x1.14 faster than aten's MKL GEMMs on an AMD EPYC); auto "
+                        "uses it in float32 on CPU with the weights resident and no parallel degree; aten leaves "
+                        "nn.Linear (default auto)")
     p.add_argument("--policy", default=None, choices=["fifo", "edf"],
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
                         "1 step in 10 to bulk when the deadlines allow, at least 1 in 30); default: edf when a "
@@ -118,6 +123,7 @@ def engine_kwargs(args) -> dict:
                 prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant, offload=args.offload,
                 max_resident_gb=args.max_resident_gb, malloc_mmap_threshold=args.malloc_mmap_threshold,
                 cpu_allocator=args.cpu_allocator,
+                cpu_linear=args.cpu_linear,
                 compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,
                 row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
                 parallel_timeout_s=args.parallel_timeout, edf_forecast=args.edf_forecast == "on",

@@ -51,7 +51,8 @@ def references(tiny_models):
 
     def get(family, step_cache):
         if (family, step_cache) not in cache:
-            engine = Engine.from_pretrained(tiny_models[family], cache=step_cache)
+            # aten linears, as the streamed engines run them (cpu_linear packs resident weights only)
+            engine = Engine.from_pretrained(tiny_models[family], cache=step_cache, cpu_linear="aten")
             cache[family, step_cache] = run_all(engine, family), engine.stats.block_evals
         return cache[family, step_cache]
 
@@ -212,11 +213,13 @@ def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_p
     does, and so does an engine without offload, which "auto" also gives the allocator (each in
     its own process: the allocator is process-wide); without a compiler "auto"
     falls back and says why, and an explicit "reuse" fails the engine's start naming
-    ``cpu_allocator``."""
+    ``cpu_allocator``. All three run aten linears (``cpu_linear`` packs resident weights only), so
+    the images must agree bit for bit."""
     script = ("import sys, torch\n"
               "from dit_core import Engine, SamplingParams\n"
               "from offload import reuse\n"
-              "e = Engine.from_pretrained(sys.argv[1], offload=sys.argv[4], cpu_allocator=sys.argv[3])\n"
+              "e = Engine.from_pretrained(sys.argv[1], offload=sys.argv[4], cpu_allocator=sys.argv[3],"
+              " cpu_linear='aten')\n"
               "p = SamplingParams(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16,"
               " output_type='pt')\n"
               "torch.save(torch.stack(e.generate(['a cat', 'a dog'], p)), sys.argv[2])\n"
@@ -386,7 +389,7 @@ def test_memory_budget_picks_the_blocks_held(small_flux):
     from offload import find_blocks
 
     model = small_flux
-    probe = Engine.from_pretrained(model)
+    probe = Engine.from_pretrained(model, cpu_linear="aten")  # plain Linear parameters to count
     tr = probe.family.transformer
     blocks = [m for _, m in find_blocks(tr)]
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
