@@ -251,8 +251,14 @@ def test_audio_speech_and_videos_match_the_single_process_server(scaled, tiny_au
             local = {**audio_and_videos(srv.url, {}), **speech(srv.url, {})}
     finally:
         torch.set_num_threads(threads)
-    # one request at a time: each ran alone in its batch on both sides, so the bytes are the same
-    assert remote["audio"] == local["audio"] and remote["rate"] == local["rate"] == "8000"
+    # one request at a time, each alone in its batch on both sides. The samples agree to one 16-bit
+    # level, not always to the byte: with oneDNN-packed linears (cpu_linear="auto") one sample of 4k
+    # differed by one level between a replica and this process in CI (2026-12-02), where aten's
+    # GEMMs gave equal bytes; a float32 rounding difference of the kind the speech check below allows
+    assert remote["rate"] == local["rate"] == "8000"
+    assert remote["audio"][:44] == local["audio"][:44] and remote["audio"][36:40] == b"data"  # the same WAV header
+    a, b = (np.frombuffer(x["audio"][44:], "<i2").astype(np.int32) for x in (remote, local))
+    assert a.shape == b.shape and a.size > 1000 and np.abs(a - b).max() <= 1
     assert remote["job"] == local["job"] == "32x32"
     assert remote["sync_headers"] == local["sync_headers"] == {"x-num-frames": "5", "x-fps": "16", "x-seed": "4"}
     for name, shape in (("job_mp4", (5, 32, 32, 3)), ("sync_mp4", (5, 32, 48, 3))):
