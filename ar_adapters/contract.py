@@ -94,7 +94,3 @@ class Thinker(abc.ABC):
     def close(self) -> None:
         """Release what the thinker started (vLLM's engine process); a transformers thinker holds nothing."""
 
-
-def check_texts(texts: list[str]) -> None:
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise PromptError("texts must be a list of strings")

@@ -46,10 +46,6 @@ class Waveform:
     def channels(self) -> int:
         return self.samples.shape[0]
 
-    @property
-    def duration_s(self) -> float:
-        return self.samples.shape[1] / self.sample_rate
-
     def encode(self, fmt: str = "wav") -> bytes:
         return encode(self, fmt)
 

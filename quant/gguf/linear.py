@@ -64,6 +64,3 @@ def fits(qtype: str, linear: nn.Linear) -> str | None:
         return f"in_features={linear.in_features} is not a multiple of the {qtype} block size {block}"
     return None
 
-
-def quantize_weight(qtype: str, weight: torch.Tensor) -> np.ndarray:
-    return FORMATS[qtype].quantize(weight.detach().float().cpu().numpy())
