@@ -3,11 +3,16 @@ request (outputs x pixels x frames x steps). Body size and the API key are in se
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
+from dit_core import RequestAbortedError
 from dit_core.faults import NO_FAULTS
 
 from .errors import APIError, count_error, error_response
+
+DISCONNECT_POLL_S = 0.2  # how often a waiting route checks whether its client is still there
 
 
 def faults_of(state):
@@ -94,3 +99,75 @@ class ClientLimitMiddleware:
                     self.inflight[client] = left
                 else:
                     del self.inflight[client]
+
+
+class Deadline:
+    """The server's request timeout (``--request-timeout``, ``ServeSettings.request_timeout_s``) of one
+    request, counted from when its route accepted it; 0 seconds: no limit. Every generation route
+    that waits for the engine holds one: past it, the request is aborted in the engine and answered
+    504 ``request_timeout`` (a stream already under way ends with an error event, or is cut short)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds if seconds else None
+
+    @classmethod
+    def of(cls, settings) -> "Deadline":
+        return cls(settings.request_timeout_s)
+
+    def remaining(self) -> float | None:
+        """Seconds left (never below 0); None without a limit."""
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() > self.at
+
+    @property
+    def reason(self) -> str:
+        return f"the server's request timeout ({self.seconds:g} s) passed"
+
+    def error(self, rid: str) -> APIError:
+        return APIError(504, f"request {rid} did not finish within the server's request timeout ({self.seconds:g} s) "
+                             "and was aborted", "server_error", None, "request_timeout")
+
+
+async def watch(coro, rid: str, request, deadline: Deadline | None = None, abort=None):
+    """``coro``'s result, unless the client disconnects (``RequestAbortedError``, 503) or ``deadline``
+    passes (``deadline.error``, 504) first. Either way ``abort(reason)``, when given, stops the request
+    in the engine, and the task running ``coro`` is cancelled and waited for (a coroutine reading an
+    engine stream aborts its request when cancelled), so nothing of the request is left running."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if task.done():
+                break
+            if await request.is_disconnected():
+                error, reason = RequestAbortedError(rid, "client disconnected"), "client disconnected"
+            elif deadline is not None and deadline.passed():
+                error, reason = deadline.error(rid), deadline.reason
+            else:
+                continue
+            if abort is not None:
+                abort(reason)
+            task.cancel()
+            await asyncio.wait({task})  # it has left the engine stream (and aborted it) before we answer
+            raise error
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    return task.result()
+
+
+async def until_deadline(items, deadline: Deadline | None):
+    """The items of an async iterator until ``deadline`` passes, then ``TimeoutError``. The pending
+    ``anext`` is cancelled at the deadline (an engine or speech stream aborts its request then); the
+    caller still closes ``items``."""
+    iterator = aiter(items)
+    while True:
+        remaining = None if deadline is None else deadline.remaining()
+        try:
+            item = await asyncio.wait_for(anext(iterator), remaining)
+        except StopAsyncIteration:
+            return
+        yield item

@@ -27,6 +27,7 @@ from dit_core.faults import NO_FAULTS
 from dit_core.request import EventKind
 
 from .errors import scrub
+from .guards import Deadline, until_deadline
 
 logger = logging.getLogger("omnidit.serve")
 
@@ -183,11 +184,13 @@ class VideoJobStore:
                 os.unlink(job.path)
 
 
-async def run_job(store: VideoJobStore, client, job: VideoJob, events, encode) -> None:
+async def run_job(store: VideoJobStore, client, job: VideoJob, events, encode,
+                  deadline: Deadline | None = None) -> None:
     """Follow a job's engine events to its end (``client``: the app's ``EngineClient``, ``events`` the
-    stream handle its ``submit`` returned); ``encode(output) -> bytes`` makes the MP4."""
+    stream handle its ``submit`` returned); ``encode(output) -> bytes`` makes the MP4. Past ``deadline``
+    (the server's request timeout) the request is aborted and the job fails with ``request_timeout``."""
     try:
-        async for event in client.events(job.request_id, events):
+        async for event in until_deadline(client.events(job.request_id, events), deadline):
             if event.kind == EventKind.STEP:
                 job.status = "in_progress"
                 job.progress = min(99, int(100 * event.step / max(event.total, 1)))
@@ -201,6 +204,8 @@ async def run_job(store: VideoJobStore, client, job: VideoJob, events, encode) -
                 store.fail(job, "aborted", event.error or "the job was aborted")
     except asyncio.CancelledError:  # DELETE or shutdown: leaving the event stream aborts the request
         raise
+    except TimeoutError:  # the pending read of the event stream was cancelled: the request is aborted
+        store.fail(job, "request_timeout", f"{deadline.reason}; the job was aborted")
     except Exception as e:  # noqa: BLE001 - reported in the job, never a hung status
         logger.exception("video job %s failed outside the engine", job.id)
         store.fail(job, "internal", f"{type(e).__name__}: {e}")

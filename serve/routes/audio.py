@@ -19,7 +19,7 @@ from dit_core import InvalidParamError, SamplingParams
 from dit_core.audio import content_type, encode
 
 from ..errors import APIError
-from ..guards import check_prompts, check_steps, faults_of
+from ..guards import Deadline, check_prompts, check_steps, faults_of
 from .images import _until_final
 
 router = APIRouter()
@@ -89,6 +89,7 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
     check_prompts(state.settings, body)
     check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
+    deadline = Deadline.of(state.settings)
     try:
         params = SamplingParams(negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
                                 guidance_scale=body.guidance_scale, seed=body.seed,
@@ -99,7 +100,7 @@ async def generate_audio(body: AudioGenerateRequest, request: Request):
             raise APIError(400, f"seconds={body.seconds} is invalid: expected {e.allowed}", "invalid_request_error",
                            "seconds", "invalid_value") from None
         raise
-    event = await _until_final(state.client, rid, events, request)
+    event = await _until_final(state.client, rid, events, request, deadline)
     faults_of(state).hit("output_encoding", [body.prompt])
     audio = await asyncio.to_thread(encode, event.output.outputs[0], body.response_format)
     wave = event.output.outputs[0]

@@ -20,12 +20,11 @@ from dit_core.request import EventKind, RequestOutput
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..models import resolve_model
 from ..files import png_bound
-from ..guards import check_model_work, faults_of
+from ..guards import Deadline, check_model_work, faults_of, until_deadline, watch
 from ..schemas import ImageData, ImageGenerationRequest, ImagesResponse
 
 router = APIRouter()
 logger = logging.getLogger("omnidit.serve")
-DISCONNECT_POLL_S = 0.2
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True)
@@ -49,11 +48,11 @@ async def create_image(body: ImageGenerationRequest, request: Request):
     # validation tokenizes the prompt for some families: off the event loop (or in a remote replica)
     rid, events = await client.submit(body.prompt, params, model=model, progress=body.stream)
     base_url = str(request.base_url)
-    deadline = time.monotonic() + settings.request_timeout_s if settings.request_timeout_s else None
+    deadline = Deadline.of(settings)
     if body.stream:
         return StreamingResponse(_sse(state, rid, events, body, base_url, deadline), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-    event = await _until_final(client, rid, events, request, deadline, settings.request_timeout_s)
+    event = await _until_final(client, rid, events, request, deadline)
     data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, faults_of(state))
     _log(event.output)
     return ImagesResponse(created=int(time.time()), data=data)
@@ -79,38 +78,17 @@ def _check_file_store_fits(client, model: str, params, settings) -> None:
                        "invalid_request_error", "response_format", "response_too_large")
 
 
-def _timeout_error(rid: str, seconds: float) -> APIError:
-    return APIError(504, f"request {rid} did not finish within the server's request timeout ({seconds:g} s) and "
-                         "was aborted", "server_error", None, "request_timeout")
-
-
-async def _until_final(client, rid, events, request: Request, deadline: float | None = None, timeout_s: float = 0):
-    """Wait for the request's final event; abort it if the client disconnects or ``deadline`` passes
-    first. ``client``: an ``EngineClient`` (or an ``AsyncEngine``). (A dead engine loop fails every waiting
-    request itself: see AsyncEngine.)"""
+async def _until_final(client, rid, events, request: Request, deadline: Deadline | None = None):
+    """Wait for the request's final event; abort it in the engine if the client disconnects (503) or
+    ``deadline`` (the server's request timeout) passes first (504). ``client``: an ``EngineClient`` (or an
+    ``AsyncEngine``). (A dead engine loop fails every waiting request itself: see AsyncEngine.)"""
 
     async def consume():
         async for event in client.events(rid, events):
             if event.kind.final:
                 return event
 
-    task = asyncio.ensure_future(consume())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if task.done():
-                break
-            if await request.is_disconnected():
-                task.cancel()  # the stream's cleanup aborts the request in the engine
-                raise RequestAbortedError(rid, "client disconnected")
-            if deadline is not None and time.monotonic() > deadline:
-                client.abort(rid, f"the server's request timeout ({timeout_s:g} s) passed")
-                task.cancel()
-                raise _timeout_error(rid, timeout_s)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    event = task.result()
+    event = await watch(consume(), rid, request, deadline, abort=lambda reason: client.abort(rid, reason))
     if event.kind == EventKind.FAILED and client.died is not None:
         raise EngineDeadError(event.error)  # not this request's fault: 503, like any unavailable engine
     if event.kind == EventKind.FAILED:  # a stage that was down: StageUnavailableError (503 + Retry-After)
@@ -120,30 +98,17 @@ async def _until_final(client, rid, events, request: Request, deadline: float | 
     return event
 
 
-async def _until_deadline(events, deadline: float | None):
-    """The events of an async iterator until ``deadline`` (monotonic); then TimeoutError (the iterator's
-    cleanup, which aborts the request, runs when it is closed)."""
-    iterator = aiter(events)
-    while True:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            event = await asyncio.wait_for(anext(iterator), remaining)
-        except StopAsyncIteration:
-            return
-        yield event
-
-
-async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, deadline: float | None = None):
+async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, deadline: Deadline | None = None):
     """progress events, then one event per image, then [DONE]. Disconnecting aborts the request; so does
     the server's request timeout (an error event with code request_timeout)."""
     stream = state.client.events(rid, events)
     try:
-        async for event in _until_deadline(stream, deadline):
+        async for event in until_deadline(stream, deadline):
             for chunk in await _sse_event(state, rid, event, body, base_url):
                 yield chunk
     except (TimeoutError, asyncio.TimeoutError):
         await stream.aclose()  # aborts the request in the engine
-        err = _timeout_error(rid, state.settings.request_timeout_s)
+        err = deadline.error(rid)
         yield _sse_data({"type": "error", "id": rid, "error": {"message": err.message, "type": err.type,
                                                               "param": None, "code": err.code}})
     except EngineDeadError as e:  # the engine serving it went away (e.g. a Ray Serve replica died)

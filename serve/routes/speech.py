@@ -5,7 +5,9 @@ stream_format=...)`` and ``with_streaming_response`` work unchanged. ``stream_fo
 ``audio`` (the default, as OpenAI's) sends the encoded audio as chunked bytes as each DiT chunk
 finishes; ``sse`` sends ``speech.audio.delta`` events (base64 of the same bytes) and a final
 ``speech.audio.done``. FLAC cannot be streamed (its header carries the length), so it is sent
-whole, and is a 400 with ``sse``. A client that disconnects aborts its talker request and DiT chunks.
+whole, and is a 400 with ``sse``. A client that disconnects aborts its talker request and DiT chunks;
+so does the server's request timeout (``--request-timeout``): a 504 before any audio, an ``error`` event
+with code ``request_timeout`` in an ``sse`` stream, and a byte stream under way cut short.
 The routes drive TTS through ``EngineClient.speak``: in process, or in a Ray Serve engine replica.
 
 Failures (e.g. the talker's engine process died): before any audio, the response is the error's HTTP
@@ -16,9 +18,9 @@ cut short (the client sees an incomplete body).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
+import logging
 import time
 from typing import Literal
 
@@ -26,15 +28,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from dit_core import InvalidParamError, RequestAbortedError, RequestFailedError, StageUnavailableError
+from dit_core import InvalidParamError, RequestFailedError, StageUnavailableError
 from dit_core.audio import StreamEncoder, Waveform, content_type, encode
 
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
-from ..guards import check_prompts, check_steps
+from ..guards import Deadline, check_prompts, check_steps, until_deadline, watch
 from .audio import check_queue, find_model, is_speech
 
 router = APIRouter()
-DISCONNECT_POLL_S = 0.2
+logger = logging.getLogger("omnidit.serve")
 
 
 class SpeechRequestBody(BaseModel):
@@ -95,21 +97,22 @@ async def create_speech(body: SpeechRequestBody, request: Request):
     check_steps(state.settings, body.num_inference_steps)
     check_queue(state)
     fmt = body.response_format
+    deadline = Deadline.of(state.settings)
     start, gen = await state.client.speak(name, body.input, body.voice_name(), body.speed, body.seed,
                                           steps=body.num_inference_steps, stream=fmt != "flac")
     headers = {"X-Request-Id": start.request_id, "X-Sample-Rate": str(start.sample_rate), "Cache-Control": "no-cache"}
     if fmt == "flac":  # whole: a FLAC stream could not say its length
-        audio = await _watched(_whole(gen), start.request_id, request)
+        audio = await watch(_whole(gen), start.request_id, request, deadline)
         return Response(content=encode(Waveform(audio, start.sample_rate), fmt), media_type=content_type(fmt),
                         headers=headers)
     if body.stream_format == "sse":
-        return StreamingResponse(_sse(start, gen, fmt), media_type="text/event-stream", headers=headers)
-    try:
-        first = await _watched(_first(gen), start.request_id, request)
+        return StreamingResponse(_sse(start, gen, fmt, deadline), media_type="text/event-stream", headers=headers)
+    try:  # cancelled at a disconnect or the deadline: closing the stream aborts the utterance
+        first = await watch(_first(gen), start.request_id, request, deadline)
     except BaseException:
         await gen.aclose()
         raise
-    return StreamingResponse(_bytes(state, name, start, fmt, gen, first), media_type=content_type(fmt),
+    return StreamingResponse(_bytes(state, name, start, fmt, gen, first, deadline), media_type=content_type(fmt),
                              headers=headers)
 
 
@@ -128,22 +131,6 @@ async def _whole(gen):
         await gen.aclose()
 
 
-async def _watched(coro, rid: str, request: Request):
-    """``coro``'s result; cancelled (which aborts the utterance) if the client disconnects first."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()  # closing the stream aborts the talker request and its chunks
-                await asyncio.wait({task})  # it has left the stream before the caller closes it
-                raise RequestAbortedError(rid, "client disconnected")
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    return task.result()
-
-
 async def _pieces(gen, first):
     if first is not None:
         yield first
@@ -151,14 +138,20 @@ async def _pieces(gen, first):
         yield piece
 
 
-async def _bytes(state, model: str, start, fmt: str, gen, first):
+async def _bytes(state, model: str, start, fmt: str, gen, first, deadline: Deadline | None = None):
+    """The encoded audio as it is made. Past ``deadline`` the utterance is aborted and the body cut short
+    (the connection closes without the body's end, so a client cannot take it for the whole audio)."""
     enc = StreamEncoder(fmt, start.sample_rate, 1)
     try:
-        async for piece in _pieces(gen, first):
-            data = enc.write(piece)
-            if data:
-                _note_first_bytes(state, model, start.request_id)
-                yield data
+        try:
+            async for piece in until_deadline(_pieces(gen, first), deadline):
+                data = enc.write(piece)
+                if data:
+                    _note_first_bytes(state, model, start.request_id)
+                    yield data
+        except TimeoutError:
+            logger.warning("speech %s: %s; the audio stream was cut short", start.request_id, deadline.reason)
+            raise deadline.error(start.request_id) from None
         tail = enc.close()
         if tail:
             yield tail
@@ -166,12 +159,12 @@ async def _bytes(state, model: str, start, fmt: str, gen, first):
         await gen.aclose()  # a client that went away cancels us here: the utterance is aborted
 
 
-async def _sse(start, gen, fmt: str):
+async def _sse(start, gen, fmt: str, deadline: Deadline | None = None):
     enc = StreamEncoder(fmt, start.sample_rate, 1)
     samples = 0
     try:
         try:
-            async for piece in gen:
+            async for piece in until_deadline(gen, deadline):
                 samples += piece.shape[1]
                 data = enc.write(piece)
                 if data:
@@ -180,6 +173,11 @@ async def _sse(start, gen, fmt: str):
             code = STAGE_UNAVAILABLE if isinstance(e, StageUnavailableError) else "generation_failed"
             yield _event({"type": "error", "id": start.request_id, "error": {
                 "message": scrub(str(e)), "type": "server_error", "param": None, "code": code}})
+            return
+        except TimeoutError:  # the server's request timeout: the utterance is aborted (gen is closed below)
+            err = deadline.error(start.request_id)
+            yield _event({"type": "error", "id": start.request_id, "error": {
+                "message": err.message, "type": err.type, "param": None, "code": err.code}})
             return
         tail = enc.close()
         if tail:

@@ -23,7 +23,7 @@ from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
 
 from ..errors import APIError
-from ..guards import check_prompts, check_work, faults_of
+from ..guards import Deadline, check_prompts, check_work, faults_of
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
 
@@ -195,7 +195,7 @@ async def create_video(request: Request):
         state.videos.delete(job.id)
         raise
     job.task = asyncio.ensure_future(run_job(state.videos, state.client, job, events,
-                                                 _mp4(fps, faults_of(state), body.prompt)))
+                                                 _mp4(fps, faults_of(state), body.prompt), Deadline.of(state.settings)))
     return job.to_dict()
 
 
@@ -206,8 +206,9 @@ async def create_video_sync(request: Request):
     body = await read_body(request)
     name, _, params, fps = plan(request, body)
     p = await resolve(request, body, name, params)
+    deadline = Deadline.of(state.settings)  # the server's request timeout: 504, and the request is aborted
     rid, events = await state.client.submit(body.prompt, p, model=name, progress=False)
-    event = await _until_final(state.client, rid, events, request)
+    event = await _until_final(state.client, rid, events, request, deadline)
     mp4 = await asyncio.to_thread(_mp4(fps, faults_of(state), body.prompt), event.output)
     return Response(mp4, media_type="video/mp4", headers={
         "X-Request-Id": rid, "X-Num-Frames": str(p.num_frames), "X-Fps": str(fps), "X-Seed": str(p.seed)})
