@@ -142,7 +142,11 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for request bodies over ``max_bytes``, declared (Content-Length) or streamed."""
+    """413 for request bodies over ``max_bytes``, declared (Content-Length) or streamed (chunked).
+
+    A streamed body is found too large while the route reads it, inside whatever parses it: FastAPI
+    turns any exception raised there into its own 400 ("error parsing the body"). So once the limit
+    is passed, the answer the app then sends is dropped and the 413 sent instead."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -153,20 +157,30 @@ class BodyLimitMiddleware:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(scope, receive, send)
-        seen = 0
+        seen, over, started = 0, False, False
 
         async def limited_receive():
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    over = True
                     raise _BodyTooLarge()
             return message
 
+        async def guarded_send(message):
+            nonlocal started
+            if over and not started:  # the app's answer to a body it could not read: the 413 replaces it
+                return
+            started = True
+            await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, limited_receive, guarded_send)
         except _BodyTooLarge:
+            pass
+        if over and not started:
             await self._too_large(scope, receive, send)
 
     async def _too_large(self, scope, receive, send):
