@@ -148,10 +148,11 @@ def diffusers_side_by_side(model: Path, work: Path, rounds: int, steps: int) -> 
 # ---- int8-dynamic's ceiling on this machine ----
 
 def linear_calls(engine, side: int, text: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(layer name, input shape) of every call to a transformer ``nn.Linear`` in one forward."""
+    """(layer name, input shape) of every call to a transformer ``nn.Linear`` in one forward (oneDNN-
+    packed ones included: ``cpu_linear.PackedLinear`` is an ``nn.Linear``)."""
     calls, hooks = [], []
     for name, module in engine.family.transformer.named_modules():
-        if type(module) is nn.Linear:
+        if isinstance(module, nn.Linear):
             hooks.append(module.register_forward_hook(
                 lambda m, args, out, name=name: calls.append((name, tuple(args[0].shape)))))
     try:
@@ -178,7 +179,8 @@ def measure_ceiling(fp32_engine, int8_engine, step_ms_fp32: float, side: int, te
 
     ``benchmarks.quant`` times whole engine steps. This part times only the transformer's linear
     layers, each at the input shape it sees in one 256x256 x 1 step (shapes recorded by forward
-    hooks on the fp32 engine's transformer), fp32 ``nn.Linear`` against the int8-dynamic engine's
+    hooks on the fp32 engine's transformer), the fp32 engine's layers (oneDNN-packed where
+    ``cpu_linear`` packs them, as its steps run them) against the int8-dynamic engine's
     layer of the same name (per-token quantization and fbgemm's int8 GEMM included): passes over
     every call in the forward's order, fp32 and int8 interleaved. With the linear layers' share of the fp32 step, Amdahl's law bounds the step's
     speed-up when only the linear layers change:

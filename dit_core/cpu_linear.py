@@ -18,8 +18,10 @@ resident (``offload`` that streams blocks swaps weights between calls) and no pa
 (worker ranks load their own transformer; every rank should run the same kernels).
 
 Only the transformer's ``nn.Linear`` layers (exact type: quantized layers keep their own
-kernels) become :class:`PackedLinear`. A packed layer holds the packed weight instead of the dense
-one, so memory does not grow; ``.weight`` and ``state_dict()`` read back an exact dense copy.
+kernels) become :class:`PackedLinear`, a subclass of ``nn.Linear`` whose ``weight`` parameter is
+the packed tensor itself: memory does not grow, ``parameters()`` lists it with its true byte count,
+``state_dict()`` reads back exact dense copies and ``load_state_dict`` packs anew (the contract is
+in the class's docstring).
 Outputs differ from aten's by float32 rounding (about 3e-6 on the tests' images), as any other
 GEMM's would. Under ``torch.compile`` the layer is one opaque op (``omnidit::onednn_linear``,
 with a fake implementation for tracing): inductor calls it as an extern kernel and fuses what
@@ -28,6 +30,7 @@ comes after it as before.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -67,54 +70,127 @@ def _linear_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int
 FLOP_FORMULAS = {torch.ops.mkldnn._linear_pointwise: _linear_flops, torch.ops.omnidit.onednn_linear: _linear_flops}
 
 
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose fp32 weight lives packed in oneDNN's layout (inference only).
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose fp32 weight parameter holds oneDNN's packed layout (inference only).
 
-    Moved or cast off float32 on CPU (``.to(torch.bfloat16)``, as ``dtype="auto"`` does to a copy
-    it measures), it unpacks into a dense parameter and computes with ``F.linear`` from then on."""
+    The contract, for code that walks modules or parameters (quant, offload budgets, FLOP counts,
+    memory figures, LoRA):
+
+    * ``isinstance(layer, nn.Linear)`` holds; ``in_features``, ``out_features`` and ``bias`` are
+      nn.Linear's. Code that swaps only exact ``nn.Linear`` layers sees a different type: it can
+      take :meth:`dense_linear` (what ``quant.swap_linears`` does).
+    * ``weight`` is a real ``nn.Parameter`` listed by ``parameters()``: the packed tensor itself
+      (``layout=torch._mkldnn``, shape ``[out, in]``, float32, ``requires_grad=False``), so
+      ``numel() * element_size()`` counts the layer's bytes as for a dense weight. It has no
+      strided storage: arithmetic on it (``F.linear(x, layer.weight)``, ``.data_ptr()``) fails;
+      :meth:`dense_weight` returns an exact dense copy (packing only reorders).
+    * Nothing dense is kept: ``state_dict()`` builds dense copies when called (the caller owns
+      them); ``load_state_dict`` (strict or not, ``assign`` or not) packs the loaded weight anew.
+    * Moved or cast off float32 on CPU (``.to(torch.bfloat16)``, as ``dtype="auto"`` does to a
+      copy it measures), the weight becomes a dense parameter and the layer computes with
+      ``F.linear`` from then on (``is_packed`` False), exactly as ``nn.Linear``.
+    """
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a dense weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack(linear.weight.detach())
-        self.dense = None  # the weight once moved or cast off float32 on CPU
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.is_packed = True  # a plain attribute: torch.compile traces the packed path on it
+        self.weight = nn.Parameter(_pack(linear.weight.detach()), requires_grad=False)
+        self.register_parameter("bias", None if linear.bias is None
+                                else nn.Parameter(linear.bias.detach(), requires_grad=False))
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The weight as a dense tensor (a copy while packed: packing only reorders, so it is exact)."""
-        return self.dense if self.dense is not None else self.packed.to_dense()
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense tensor: a fresh copy while packed, the parameter itself once dense."""
+        return self.weight.detach().to_dense() if self.is_packed else self.weight
+
+    def dense_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` computing what this layer does (a dense copy of the weight while
+        packed; the bias parameter shared)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
+        linear.bias = self.bias
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None:
-            return nn.functional.linear(x, self.dense, self.bias)
+        if not self.is_packed:
+            return nn.functional.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            return onednn_linear(x, self.packed, self.bias)
-        return _linear(x, self.packed, self.bias)
+            return onednn_linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
     def _apply(self, fn, recurse=True):
-        if self.packed is not None:
-            dense = self.packed.to_dense()
-            moved = fn(dense)
-            if moved.dtype != torch.float32 or moved.device.type != "cpu":
-                self.packed, self.dense = None, nn.Parameter(moved, requires_grad=False)
-        return super()._apply(fn, recurse)
+        if not self.is_packed:
+            return super()._apply(fn, recurse)
+        target = fn(torch.empty(0))  # where and in which dtype fn puts a float32 CPU tensor, without a copy
+        packed = self.weight
+        with self._weight_hidden():
+            super()._apply(fn, recurse)  # the bias as nn.Module does; not the opaque weight
+        if target.dtype != torch.float32 or target.device.type != "cpu":
+            self.weight = nn.Parameter(fn(packed.detach().to_dense()), requires_grad=False)
+            self.is_packed = False
+        return self
 
     def __deepcopy__(self, memo):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "packed"}, memo))
-        new.packed = None if self.packed is None else self.packed.clone()  # oneDNN tensors have no storage
+        state = {k: v for k, v in self.__dict__.items() if k != "_parameters"}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        params = {}
+        for name, p in self._parameters.items():  # oneDNN tensors have no storage for deepcopy
+            params[name] = (nn.Parameter(p.detach().clone(), requires_grad=False) if name == "weight" and self.is_packed
+                            else copy.deepcopy(p, memo))
+        new.__dict__["_parameters"] = params
         return new
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # nn.Linear's keys, in its order
-        for name, value in (("weight", self.weight), ("bias", self.bias)):
-            if value is not None:
-                destination[prefix + name] = value if keep_vars else value.detach()
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if not self.is_packed:
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.dense_weight()  # nn.Linear's keys, in its order
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not self.is_packed:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        key = prefix + "weight"
+        packed = None
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+        else:
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or value.is_meta:
+                error_msgs.append(f'While copying the parameter named "{key}", expected a torch.Tensor with data '
+                                  f"from checkpoint but received {type(value).__name__}"
+                                  f"{' on the meta device' if isinstance(value, torch.Tensor) else ''}")
+            elif value.shape != self.weight.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                                  f"checkpoint, the shape in current model is {self.weight.shape}.")
+            else:
+                packed = _pack(value.detach().to(device="cpu", dtype=torch.float32).contiguous())
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        with self._weight_hidden():  # the bias, unexpected keys and hooks, as nn.Module does
+            super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        if packed is not None:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+
+    @contextlib.contextmanager
+    def _weight_hidden(self):
+        """nn.Module's own code, run without the packed weight (it cannot copy or move one); the
+        weight comes back first, in nn.Linear's order."""
+        weight = self._parameters.pop("weight")
+        try:
+            yield
+        finally:
+            rest = dict(self._parameters)
+            self._parameters.clear()
+            self._parameters.update(weight=weight, **rest)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}, {'onednn packed' if self.packed is not None else 'dense'}"
+        return super().extra_repr() + (", onednn packed" if self.is_packed else ", dense")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -62,12 +62,22 @@ def module_bytes(module: nn.Module) -> int:
     return total + sum(m.packed_bytes() for m in module.modules() if hasattr(m, "packed_bytes"))
 
 
+def swappable(m: nn.Module) -> bool:
+    """Whether ``swap_linears`` replaces ``m``: an ``nn.Linear`` of exact type, or a subclass that
+    stores the same layer in another layout and offers ``dense_linear()`` (an equivalent plain
+    ``nn.Linear``; e.g. ``dit_core.cpu_linear.PackedLinear``). Other subclasses (layers with kernels
+    of their own) stay."""
+    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and callable(getattr(m, "dense_linear", None)))
+
+
 def swap_linears(module: nn.Module, make) -> QuantReport:
     """Replace every ``nn.Linear`` under ``module`` by ``make(name, linear)`` (a module, or a string
-    saying why the layer stays as it is). Returns what was swapped and kept."""
+    saying why the layer stays as it is); a layer in another layout is handed to ``make`` as its
+    ``dense_linear()`` (one layer's dense copy at a time). Returns what was swapped and kept."""
     report = QuantReport(bytes_before=module_bytes(module))
-    targets = [(name, m) for name, m in module.named_modules() if type(m) is nn.Linear]
-    for name, linear in targets:
+    targets = [(name, m) for name, m in module.named_modules() if swappable(m)]
+    for name, layer in targets:
+        linear = layer if type(layer) is nn.Linear else layer.dense_linear()
         new = make(name, linear)
         if isinstance(new, str):
             report.kept[name] = new

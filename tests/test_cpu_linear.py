@@ -21,10 +21,11 @@ def test_packed_linear_matches_linear_and_keeps_its_weight(bias):
     for shape in [(5, 48), (3, 7, 48), (1, 1, 48)]:
         x = torch.randn(shape)
         torch.testing.assert_close(packed(x), ref(x), rtol=1e-5, atol=1e-5)
-    assert torch.equal(packed.weight, ref.weight)  # packing only reorders
+    assert torch.equal(packed.dense_weight(), ref.weight)  # packing only reorders
     theirs, ours = ref.state_dict(), packed.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    assert not any(p.shape == ref.weight.shape for p in packed.parameters())  # the dense weight is gone
+    # the dense weight is gone: the one weight parameter is the packed tensor
+    assert [p.layout for p in packed.parameters()] == [torch._mkldnn] + [torch.strided] * bias
 
 
 def test_pack_replaces_plain_linears_only():
@@ -103,12 +104,13 @@ def test_packed_linear_copies_and_casts_like_a_module():
     packed = PackedLinear(ref)
     twin = copy.deepcopy(packed)
     x = torch.randn(3, 16)
-    assert torch.equal(twin(x), packed(x)) and twin.packed is not packed.packed
+    assert torch.equal(twin(x), packed(x)) and twin.weight is not packed.weight and twin.is_packed
     half = twin.to(torch.bfloat16)
     assert half.weight.dtype == torch.bfloat16 and half.bias.dtype == torch.bfloat16
     torch.testing.assert_close(half(x.bfloat16()), ref(x).detach().bfloat16(), rtol=2e-2, atol=2e-2)
-    assert list(half.state_dict()) == ["weight", "bias"]
-    assert packed(x).dtype == torch.float32  # the original stays packed
+    assert list(half.state_dict()) == ["weight", "bias"] and not half.is_packed
+    assert packed(x).dtype == torch.float32 and packed.is_packed  # the original stays packed
+    assert packed.float() is packed and packed.is_packed and packed.weight.layout == torch._mkldnn  # a no-op cast
 
 
 def test_flop_counter_counts_packed_layers_with_the_formulas():
@@ -125,3 +127,106 @@ def test_flop_counter_counts_packed_layers_with_the_formulas():
             layer(x)
         counts.append(counter.get_total_flops())
     assert counts[0] == counts[1] == 2 * 10 * 32 * 48
+
+
+# ---- packed layers are nn.Linear layers for code that walks modules, parameters and state dicts ----
+
+def test_packed_linear_is_a_linear_whose_weight_parameter_is_the_packed_tensor():
+    import quant
+
+    ref = nn.Linear(48, 80)
+    packed = PackedLinear(ref)
+    assert isinstance(packed, nn.Linear)
+    assert dict(packed.named_parameters()) == {"weight": packed.weight, "bias": packed.bias}
+    assert packed.weight is packed.weight  # a parameter, not a copy made on each access
+    w = packed.weight
+    assert (w.layout, w.shape, w.dtype, w.requires_grad) == (torch._mkldnn, ref.weight.shape, torch.float32, False)
+    assert quant.module_bytes(packed) == quant.module_bytes(ref) == (48 * 80 + 80) * 4
+    packed.state_dict(), packed.dense_weight(), packed.dense_linear()  # dense copies for the caller...
+    held = [*vars(packed).values(), *packed.parameters(), *packed.buffers()]
+    assert not any(isinstance(t, torch.Tensor) and t.layout == torch.strided and t.shape == ref.weight.shape
+                   for t in held)  # ...none of them kept
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_packs_the_loaded_weight(strict, assign):
+    packed, other = PackedLinear(nn.Linear(48, 80)), nn.Linear(48, 80)
+    result = packed.load_state_dict(other.state_dict(), strict=strict, assign=assign)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert packed.is_packed and packed.weight.layout == torch._mkldnn
+    assert torch.equal(packed.dense_weight(), other.weight) and torch.equal(packed.bias, other.bias)
+    x = torch.randn(4, 48)
+    assert torch.equal(packed(x), PackedLinear(other)(x))  # what packing those weights computes, bit for bit
+
+
+@pytest.mark.parametrize("bad", [
+    {"weight": torch.zeros(80, 40), "bias": torch.zeros(80)},  # size mismatch
+    {"bias": torch.zeros(80)},  # missing weight
+    {"weight": torch.zeros(80, 48), "bias": torch.zeros(80), "scale": torch.ones(1)},  # unexpected key
+])
+def test_bad_state_dict_fails_a_packed_layer_as_it_fails_nn_linear(bad):
+    packed, ref = PackedLinear(nn.Linear(48, 80)), nn.Linear(48, 80)
+    before = packed.dense_weight()
+    errors = []
+    for layer in (packed, ref):
+        with pytest.raises(RuntimeError) as e:
+            layer.load_state_dict(bad)
+        errors.append(str(e.value).replace("PackedLinear", "Linear"))
+    assert errors[0] == errors[1]
+    if "weight" in bad and bad["weight"].shape == before.shape:  # strict only raises after loading, as torch does
+        assert torch.equal(packed.dense_weight(), bad["weight"])
+    else:
+        assert torch.equal(packed.dense_weight(), before)
+
+
+def test_load_state_dict_changes_a_packed_engine_as_it_changes_an_aten_engine(tiny_models):
+    packed = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2)
+    plain = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2, cpu_linear="aten")
+    p = params(num_inference_steps=2, seed=3)
+    before = packed.generate(["a cat"], p)[0]
+    original = {k: v.clone() for k, v in plain.family.transformer.state_dict().items()}
+    theirs = packed.family.transformer.state_dict()
+    assert theirs.keys() == original.keys() and all(torch.equal(theirs[k], original[k]) for k in original)
+    g = torch.Generator().manual_seed(0)
+    changed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    for engine in (packed, plain):
+        engine.family.transformer.load_state_dict(changed)  # strict
+    after = packed.generate(["a cat"], p)[0]
+    assert (after - before).abs().max().item() > 1e-2  # the new weights changed the image...
+    assert (after - plain.generate(["a cat"], p)[0]).abs().max().item() <= 1e-4  # ...as they changed aten's
+    assert pack(plain.family.transformer) > 0  # and exactly as packing the aten engine's loaded weights does
+    assert torch.equal(plain.generate(["a cat"], p)[0], after)
+    packed.family.transformer.load_state_dict(original)
+    assert torch.equal(packed.generate(["a cat"], p)[0], before)  # loading the original back: the same image
+
+
+@pytest.fixture(scope="module")
+def aten_flux(tiny_models):
+    return Engine.from_pretrained(tiny_models["flux"], max_batch_size=8, cpu_linear="aten")
+
+
+def test_offload_budgets_count_packed_layers_as_aten_ones(engines, aten_flux):
+    from dit_core.offloading import _fixed_bytes, _nbytes
+    from offload.lazy import find_blocks
+
+    counts = []
+    for engine in (engines("flux"), aten_flux):
+        model = engine.family.transformer
+        blocks = [b for _, b in find_blocks(model)]
+        counts.append((_nbytes(model.parameters()), [_nbytes(b.parameters()) for b in blocks],
+                       _fixed_bytes(model, blocks, {}, False)))
+    assert engines("flux").family.cpu_linear == "onednn"
+    assert counts[0] == counts[1] and counts[0][0] > 0
+
+
+def test_benchmarks_count_packed_layers_weights_calls_and_flops(engines, aten_flux):
+    from benchmarks.engine_throughput import transformer_flops_per_row
+    from benchmarks.quant import linear_calls
+    from quant import module_bytes
+
+    packed = engines("flux")
+    assert module_bytes(packed.family.transformer) == module_bytes(aten_flux.family.transformer)
+    calls = linear_calls(packed, 32, 16)
+    assert calls and calls == linear_calls(aten_flux, 32, 16)
+    assert transformer_flops_per_row(packed, 32, 16) == transformer_flops_per_row(aten_flux, 32, 16) > 0

@@ -377,3 +377,52 @@ def test_default_model_quality_gate_for_every_method():
         assert adherence >= base_adherence - 0.02, f"{method}: adherence {adherence} vs {base_adherence}"
         assert psnr(base, images) >= min_psnr, f"{method}: PSNR {psnr(base, images):.1f} dB"
         assert not math.isinf(psnr(base, images))
+
+
+@pytest.mark.parametrize("method", ["int8-weight", "int8-dynamic", "fp8", "gguf:Q8_0"])
+def test_quant_replaces_onednn_packed_layers_as_it_replaces_nn_linear(method):
+    """cpu_linear's PackedLinear is an nn.Linear in another layout: quant swaps it from its dense copy."""
+    from dit_core.cpu_linear import PackedLinear, pack
+
+    aten = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 48, bias=False), nn.Linear(48, 40))
+    packed = copy.deepcopy(aten)
+    assert pack(packed) == 3 and quant.module_bytes(packed) == quant.module_bytes(aten)
+    reports = [quant.quantize_module(m, method) for m in (aten, packed)]
+    assert reports[0] == reports[1] and reports[0].quantized  # same layers swapped or kept, same bytes
+    assert [type(m) for m in packed if not isinstance(m, nn.Linear)] == [type(m) for m in aten
+                                                                   if not isinstance(m, nn.Linear)]
+    kept = [m for m in packed if isinstance(m, nn.Linear)]  # a shape the method cannot hold stays packed
+    assert all(isinstance(m, PackedLinear) for m in kept) and len(kept) == len(reports[0].kept)
+    x = torch.randn(5, 64)
+    if kept:  # oneDNN's GEMM against aten's: float32 rounding apart
+        torch.testing.assert_close(packed(x), aten(x), rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(packed(x), aten(x))
+
+
+@pytest.mark.parametrize("method", ["int8-weight", "gguf:Q8_0"])
+def test_apply_quant_after_packing_equals_the_engine_that_quantizes_first(method, tiny_models):
+    from dit_core.quantize import apply_quant
+
+    first = Engine.from_pretrained(tiny_models["flux"], quant=method)  # the loading path: quant, then cpu_linear
+    later = Engine.from_pretrained(tiny_models["flux"])
+    assert later.family.cpu_linear == "onednn"
+    apply_quant(later.family, method)
+    a, b = (e.family.quant_reports["transformer"] for e in (first, later))
+    assert a.quantized == b.quantized and a.kept == b.kept and a.bytes_after == b.bytes_after
+    assert b.bytes_before == quant.module_bytes(Engine.from_pretrained(tiny_models["flux"], cpu_linear="aten")
+                                                .family.transformer)  # the packed weights counted in full
+    p = params(num_inference_steps=2, seed=4)
+    assert torch.equal(first.generate(["a red chair"], p)[0], later.generate(["a red chair"], p)[0])
+
+
+def test_gguf_export_of_a_packed_model_writes_the_aten_models_file(tmp_path):
+    from dit_core.cpu_linear import pack
+    from quant.gguf.io import write_gguf
+
+    aten = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 48))
+    packed = copy.deepcopy(aten)
+    assert pack(packed) == 2
+    reports = [write_gguf(tmp_path / f"{name}.gguf", m, "Q8_0") for name, m in (("aten", aten), ("packed", packed))]
+    assert reports[0] == reports[1] and len(reports[0]["quantized"]) == 2
+    assert (tmp_path / "aten.gguf").read_bytes() == (tmp_path / "packed.gguf").read_bytes()
