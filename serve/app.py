@@ -3,16 +3,16 @@ and the routes."""
 
 from __future__ import annotations
 
-import hmac
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
 from dit_core import AsyncEngine
 
 from . import openapi, playground
+from .auth import ApiKeyMiddleware, KeyRing
 from .client import EngineClient, LocalEngineClient
 from .errors import count_error, error_response, install_handlers
 from .files import FileStore
@@ -30,7 +30,10 @@ class ServeSettings:
     """Server behaviour; every field is a ``omnidit serve`` flag."""
 
     model_name: str | None = None  # the public id of a single-model engine's model (default: its name)
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # one key (never shown in a repr or a log)
+    # a file of keys, one ``KEY [NAME]`` a line (serve.auth); with api_key: their union. Read by the process
+    # that runs the app (on Ray Serve: the ingress), which owns what each key's requests create
+    api_keys_file: str | None = None
     max_queue: int = 64  # waiting (not yet admitted) requests before 429
     max_body_bytes: int = 1 << 20
     max_prompt_chars: int = 4000
@@ -67,6 +70,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     see ``serve.ray_app``). With ``owns_engine`` the app shuts the engine down when it stops."""
     settings = settings or ServeSettings()
     robot.check_settings(settings)
+    keys = KeyRing.from_settings(settings)  # before the engine work below: a bad key file fails at once
     client = engine if isinstance(engine, EngineClient) else LocalEngineClient(engine)
 
     @asynccontextmanager
@@ -84,6 +88,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.state.client = client  # what the routes use
     app.state.engine = engine if isinstance(engine, AsyncEngine) else None  # the in-process engine, if any
     app.state.settings = settings
+    app.state.keys = keys  # None: an open server (serve.auth)
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s, settings.max_file_bytes)
     app.state.metrics = client.make_metrics()
     # the engine panel's live figures of the in-process engine (on Ray Serve replicas the stats route merges theirs)
@@ -110,35 +115,10 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
         app.add_middleware(ClientLimitMiddleware, max_inflight=settings.max_inflight_per_client,
                            retry_after_s=settings.retry_after_s)
     openapi.install(app, ApiKeyMiddleware.open_paths)
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if keys is not None:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(CountMiddleware, metrics=app.state.metrics)  # outermost: counts 401s, 413s, WS sessions
     return app
-
-
-class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on every route but /health(z) and the playground page's files
-    (they hold no secret; the page asks for the key and sends it with its API calls). WebSockets
-    check the key themselves at the handshake (serve.routes.robot)."""
-
-    open_paths = ("/health", "/healthz", *playground.OPEN_PATHS)
-    open_prefixes = playground.OPEN_PREFIXES
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] != "http" or path in self.open_paths or (
-                path.startswith(self.open_prefixes) and ".." not in path):
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            count_error(scope.get("app"), "invalid_api_key")
-            response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                      "invalid_request_error", None, "invalid_api_key")
-            return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:

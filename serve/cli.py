@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every route but /health and the playground page "
                           "(/, /static/; the page asks for the key) (default: open)")
+    srv.add_argument("--api-keys-file", default=None, metavar="PATH",
+                     help="accept the keys of this file, one 'KEY [NAME]' a line ('#' comments and blank lines "
+                          "skipped); with --api-key, both. What a request creates (video jobs, url images) belongs "
+                          "to its key's NAME (an unnamed key: to itself): other keys get 404 and do not list it "
+                          "(default: none)")
     srv.add_argument("--model-name", default=None,
                      help="with a positional model folder: the model id clients send and /v1/models lists "
                           "(default: the folder's name)")
@@ -209,7 +214,10 @@ def cmd_serve(args) -> int:
     from .server import serve
 
     models = served_model_paths(args)
-    settings = ServeSettings(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+    # the key file's absolute path: on Ray Serve the ingress process reads it (serve.auth), from its own cwd
+    keys_file = os.path.abspath(args.api_keys_file) if args.api_keys_file else None
+    settings = ServeSettings(api_key=args.api_key, api_keys_file=keys_file,
+                             max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
                              max_files=args.max_files, max_file_bytes=args.max_file_bytes,
                              request_timeout_s=args.request_timeout, video_dir=args.video_dir,
@@ -220,6 +228,9 @@ def cmd_serve(args) -> int:
                              max_inflight_per_client=args.max_inflight_per_client,
                              max_pixel_steps=args.max_pixel_steps, max_steps=args.max_steps,
                              gc_freeze=args.gc_freeze, malloc_trim_s=args.malloc_trim_interval)
+    from .auth import KeyRing
+
+    KeyRing.from_settings(settings)  # a bad key or key file fails now, not after the models have loaded
     options = engine_kwargs(args)
     if "policy" not in options:
         options["policy"] = default_policy(models.values())

@@ -5,6 +5,9 @@ either bound evicts the oldest files first (a URL older than ``max_items`` newer
 ``max_bytes`` of newer files, stops working). A single file larger than ``max_bytes`` is
 refused (``FileTooLarge``); the route checks a response's worst-case size before generating, so a
 request whose images could not all be kept is refused up front with a 400.
+
+Each file belongs to the owner of the API key that made it (``serve.auth``; None on a server without
+keys): ``get`` with another owner finds nothing, as if the file did not exist.
 """
 
 from __future__ import annotations
@@ -30,27 +33,33 @@ class FileStore:
     def __init__(self, max_items: int = 256, ttl_s: float = 3600.0, max_bytes: int = 256 << 20):
         self.max_items, self.ttl_s, self.max_bytes = max_items, ttl_s, max_bytes
         self.bytes = 0
-        self._items: collections.OrderedDict[str, tuple[float, bytes, str]] = collections.OrderedDict()
+        # id -> (expiry, data, content type, owner)
+        self._items: collections.OrderedDict[str, tuple[float, bytes, str, str | None]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, data: bytes, content_type: str = "image/png") -> str:
+    def put(self, data: bytes, content_type: str = "image/png", owner: str | None = None) -> str:
         if len(data) > self.max_bytes:
             raise FileTooLarge(f"a {len(data)}-byte file is larger than the file store ({self.max_bytes} bytes)")
         file_id = "file-" + secrets.token_urlsafe(16)
         with self._lock:
             self._expire()
-            self._items[file_id] = (time.monotonic() + self.ttl_s, data, content_type)
+            self._items[file_id] = (time.monotonic() + self.ttl_s, data, content_type, owner)
             self.bytes += len(data)
             while len(self._items) > self.max_items or self.bytes > self.max_bytes:
-                _, (_, dropped, _) = self._items.popitem(last=False)
+                _, (_, dropped, _, _) = self._items.popitem(last=False)
                 self.bytes -= len(dropped)
         return file_id
 
-    def get(self, file_id: str) -> tuple[bytes, str] | None:
+    def get(self, file_id: str, owner: str | None = None) -> tuple[bytes, str] | None:
+        """(data, content type) of a file ``owner`` stored; None if it is missing, expired or another's."""
         with self._lock:
             self._expire()
             item = self._items.get(file_id)
-        return None if item is None else (item[1], item[2])
+        return None if item is None or item[3] != owner else (item[1], item[2])
+
+    def owned_by(self, owner: str | None) -> "OwnedFiles":
+        """A view whose ``put`` stores files as ``owner``'s (what a request's encoder is handed)."""
+        return OwnedFiles(self, owner)
 
     def __len__(self) -> int:
         with self._lock:
@@ -59,5 +68,15 @@ class FileStore:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for key in [k for k, (expiry, _, _) in self._items.items() if expiry <= now]:
+        for key in [k for k, (expiry, *_) in self._items.items() if expiry <= now]:
             self.bytes -= len(self._items.pop(key)[1])
+
+
+class OwnedFiles:
+    """``FileStore.put`` for one owner."""
+
+    def __init__(self, store: FileStore, owner: str | None):
+        self.store, self.owner = store, owner
+
+    def put(self, data: bytes, content_type: str = "image/png") -> str:
+        return self.store.put(data, content_type, owner=self.owner)

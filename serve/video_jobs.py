@@ -6,6 +6,8 @@ progress percentage from the step events), and ends ``completed`` (its MP4 on di
 ``max_bytes`` of MP4 files, and finished jobs expire ``ttl_s`` after they complete. A full store
 refuses new jobs (429 + Retry-After) instead of growing. Files live in a private folder under
 ``root`` that the store removes when it closes: jobs do not outlive the server that ran them.
+Each job belongs to the owner of the API key that created it (``serve.auth``; None on a server without
+keys): ``get`` and ``list`` with another owner do not find it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class VideoJob:
     request_id: str | None = None
     task: asyncio.Task | None = None
     expiry: float | None = None  # time.time() when a finished job goes (expires_at, unrounded)
+    owner: str | None = field(default=None, repr=False)  # the creating key's owner (serve.auth); never shown
 
     @property
     def seconds(self) -> str:
@@ -113,16 +116,20 @@ class VideoJobStore:
             self._jobs[job.id] = job
             return job
 
-    def get(self, job_id: str) -> VideoJob | None:
+    def get(self, job_id: str, owner: str | None = None) -> VideoJob | None:
+        """The job, if it exists and ``owner`` created it."""
         with self._lock:
             self._expire()
-            return self._jobs.get(job_id)
+            job = self._jobs.get(job_id)
+        return job if job is not None and job.owner == owner else None
 
-    def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> tuple[list[VideoJob], bool]:
-        """A page of jobs by creation time, after the job ``after``; returns (jobs, has_more)."""
+    def list(self, limit: int = 20, after: str | None = None, order: str = "desc",
+             owner: str | None = None) -> tuple[list[VideoJob], bool]:
+        """A page of ``owner``'s jobs by creation time, after the job ``after``; returns (jobs, has_more)."""
         with self._lock:
             self._expire()
-            jobs = sorted(self._jobs.values(), key=lambda j: j.seq, reverse=order == "desc")
+            jobs = sorted((j for j in self._jobs.values() if j.owner == owner), key=lambda j: j.seq,
+                          reverse=order == "desc")
         if after is not None:
             ids = [j.id for j in jobs]
             if after not in ids:

@@ -14,11 +14,14 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -39,6 +42,7 @@ from serve_helpers import assert_error, live_server
 
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+OTHER_KEY = "kb-0c4a86e2"  # the cluster's --api-keys-file (beside --api-key KEY): another owner
 BUDGET = 4  # --max-batch-size: the router's per-replica budget
 # Ray Serve's autoscaler hears about load every 10 s by default; the test cluster reports faster.
 FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
@@ -86,9 +90,11 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 def cli_cluster(extra_models: dict):
     port = free_port()
     models = [arg for name, path in extra_models.items() for arg in ("--model", f"{name}={path}")]
+    keys_file = Path(tempfile.mkdtemp(prefix="omnidit-keys-")) / "keys"
+    keys_file.write_text(f"# KEY [NAME]\n{OTHER_KEY} bob\n")
     cmd = [sys.executable, "-m", "serve.cli", "serve", "--model", "digits", *models, "--model", "tts", "--model", "reach",
            "--dtype", "float32",
-           "--port", str(port), "--api-key", KEY,
+           "--port", str(port), "--api-key", KEY, "--api-keys-file", str(keys_file),
            "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
            "--autoscaling", json.dumps(AUTOSCALING), "--replica-threads", "1", "--replica-cpus", "0.5",
            "--max-batch-size", str(BUDGET), "--shared-thinker", "--shutdown-timeout", "5"]
@@ -115,6 +121,7 @@ def cli_cluster(extra_models: dict):
                 proc.kill()
             for p in alive(left):  # never leave a Ray process behind, even when a test failed
                 p.kill()
+        shutil.rmtree(keys_file.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -411,6 +418,28 @@ def test_killing_a_replica_fails_its_requests_clearly_and_the_survivor_serves(sc
     restarted = wait_for(lambda: [e for e in replicas(url)["engines"] if e["pid"] != victim["pid"]]
                          if len(replicas(url)["engines"]) == 2 else None, 300, "Ray Serve to restart the replica")
     assert victim["pid"] not in {e["pid"] for e in restarted} and not psutil.pid_exists(victim["pid"])
+
+
+def test_keys_own_their_jobs_and_files_in_the_ingress(cluster):
+    """--api-key and --api-keys-file reach the ingress (their union), which owns what each key creates:
+    the other key gets 404 for KEY's video job and url image, and does not list the job."""
+    _, url = cluster
+    a, b = (openai.OpenAI(base_url=f"{url}/v1", api_key=k, max_retries=0) for k in (KEY, OTHER_KEY))
+    video = a.videos.create_and_poll(model="clips", prompt="waves", size="32x32", extra_body=VIDEO,
+                                     poll_interval_ms=100)
+    assert video.status == "completed", video.error
+    image = a.images.generate(model="digits", prompt="digit 2", size="32x32", response_format="url",
+                              extra_body={"num_inference_steps": 2})
+    file_url = image.data[0].url
+    for call in (b.videos.retrieve, b.videos.download_content, b.videos.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(video.id)
+    assert video.id not in [v.id for v in b.videos.list(limit=100).data]
+    assert_error(httpx.get(file_url, headers={"Authorization": f"Bearer {OTHER_KEY}"}), 404, code="file_not_found")
+    assert a.videos.retrieve(video.id).status == "completed"  # still there: B's delete deleted nothing
+    assert video.id in [v.id for v in a.videos.list(limit=100).data]
+    assert httpx.get(file_url, headers=AUTH).content.startswith(b"\x89PNG")
+    assert a.videos.delete(video.id).deleted
 
 
 def test_sigterm_stops_everything_and_leaves_no_ray_process(scaled):

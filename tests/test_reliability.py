@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from benchmarks.fuzz import run_fuzz
-from serve import app as app_module
+from serve import auth as auth_module
 from serve.app import ServeSettings, create_app
 from serve.files import FileStore
 from serve.video_jobs import VideoJobStore
@@ -100,8 +100,8 @@ def test_api_key_is_needed_on_every_http_route_but_health_and_the_page(reliabili
     live = reliability_server
     app = create_app(live.engine, ServeSettings(api_key="s3cret"), owns_engine=False)
     compared = []
-    real = app_module.hmac.compare_digest
-    monkeypatch.setattr(app_module.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
+    real = auth_module.hmac.compare_digest
+    monkeypatch.setattr(auth_module.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
     client = TestClient(app)
     schema = client.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
     routes = [(m.upper(), re.sub(r"\{[^}]+\}", "x", p)) for p, ops in schema["paths"].items() for m in ops]

@@ -41,7 +41,8 @@ class ScaleOutConfig:
         has one) instead of one copy per replica.
     thinker_replicas, thinker_cpus, thinker_threads: the shared thinker deployment's replicas and size.
     engine: ``EngineConfig`` fields for every replica (max_batch_size, dtype, cache, thinker, ...).
-    settings: ``ServeSettings`` fields of the HTTP app (api_key, max_queue, ...).
+    settings: ``ServeSettings`` fields of the HTTP app (api_key, api_keys_file, max_queue, ...); the ingress
+        process builds the app from them, so it checks the keys and owns what each key's requests create.
     shutdown_timeout_s: how long a stopping replica lets in-flight requests finish.
     """
 

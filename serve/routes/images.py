@@ -17,6 +17,7 @@ from dit_core.errors import failed_error
 from dit_core.faults import NO_FAULTS
 from dit_core.request import EventKind, RequestOutput
 
+from ..auth import owner_of
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..models import resolve_model
 from ..files import png_bound
@@ -50,17 +51,19 @@ async def create_image(body: ImageGenerationRequest, request: Request):
     base_url = str(request.base_url)
     deadline = Deadline.of(settings)
     if body.stream:
-        return StreamingResponse(_sse(state, rid, events, body, base_url, deadline), media_type="text/event-stream",
+        return StreamingResponse(_sse(state, rid, events, body, base_url, deadline, owner_of(request)),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
     event = await _until_final(client, rid, events, request, deadline)
-    data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, faults_of(state))
+    files = state.files.owned_by(owner_of(request))  # url files belong to the caller's key (serve.auth)
+    data = await asyncio.to_thread(_encode, event.output, body, files, base_url, faults_of(state))
     _log(event.output)
     return ImagesResponse(created=int(time.time()), data=data)
 
 
 @router.get("/v1/files/{file_id}")
 async def get_file(file_id: str, request: Request):
-    item = request.app.state.files.get(file_id)
+    item = request.app.state.files.get(file_id, owner_of(request))  # another key's file: 404
     if item is None:
         raise APIError(404, f"file {file_id!r} does not exist or has expired", "not_found_error", "file_id",
                        "file_not_found")
@@ -98,13 +101,14 @@ async def _until_final(client, rid, events, request: Request, deadline: Deadline
     return event
 
 
-async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, deadline: Deadline | None = None):
+async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, deadline: Deadline | None = None,
+               owner: str | None = None):
     """progress events, then one event per image, then [DONE]. Disconnecting aborts the request; so does
     the server's request timeout (an error event with code request_timeout)."""
     stream = state.client.events(rid, events)
     try:
         async for event in until_deadline(stream, deadline):
-            for chunk in await _sse_event(state, rid, event, body, base_url):
+            for chunk in await _sse_event(state, rid, event, body, base_url, owner):
                 yield chunk
     except (TimeoutError, asyncio.TimeoutError):
         await stream.aclose()  # aborts the request in the engine
@@ -116,13 +120,15 @@ async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, 
     yield "data: [DONE]\n\n"
 
 
-async def _sse_event(state, rid, event, body: ImageGenerationRequest, base_url: str) -> list[str]:
+async def _sse_event(state, rid, event, body: ImageGenerationRequest, base_url: str,
+                     owner: str | None = None) -> list[str]:
     """The SSE chunks one engine event becomes."""
     if event.kind == EventKind.STEP:
         return [_sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})]
     if event.kind == EventKind.FINISHED:
         out = [_sse_data({"type": "progress", "id": rid, "step": event.step, "total": event.total})]
-        data = await asyncio.to_thread(_encode, event.output, body, state.files, base_url, faults_of(state))
+        files = state.files.owned_by(owner)
+        data = await asyncio.to_thread(_encode, event.output, body, files, base_url, faults_of(state))
         out += [_sse_data({"type": "image", "id": rid, "index": i, **item.model_dump(exclude_none=True)})
                 for i, item in enumerate(data)]
         _log(event.output)

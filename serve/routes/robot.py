@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hmac
 import logging
 import time
 
@@ -92,20 +91,22 @@ def _subprotocol_key(ws: WebSocket) -> bytes | None:
     return None
 
 
-def _authorized(ws: WebSocket, api_key: str | None) -> bool:
-    if not api_key:
+def _authorized(ws: WebSocket, keys) -> bool:
+    """The handshake's key is one of ``keys`` (a ``serve.auth.KeyRing``; None: an open server). Every
+    form is compared with every key (constant time), whichever matched."""
+    if keys is None:
         return True
     given = ws.headers.get("authorization", "").encode()
-    if any(hmac.compare_digest(given, f"{scheme} {api_key}".encode()) for scheme in ("Api-Key", "Bearer")):
-        return True
+    found = [keys.match(given, scheme) for scheme in (b"Api-Key ", b"Bearer ")]
     offered = _subprotocol_key(ws)
-    return offered is not None and hmac.compare_digest(offered, api_key.encode())
+    found.append(keys.match(offered) if offered is not None else None)
+    return any(k is not None for k in found)
 
 
 @router.websocket(PATH)
 async def robot_socket(ws: WebSocket):
     state, settings = ws.app.state, ws.app.state.settings
-    if not _authorized(ws, settings.api_key):
+    if not _authorized(ws, state.keys):
         count_error(ws.app, "invalid_api_key")
         await _deny(ws, APIError(401, "missing or invalid API key (send 'Authorization: Api-Key KEY')",
                                  "invalid_request_error", None, "invalid_api_key"))

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
 
+from ..auth import owner_of
 from ..errors import APIError
 from ..guards import Deadline, check_prompts, check_work, faults_of
 from ..video_jobs import StoreFullError, run_job
@@ -185,7 +186,7 @@ async def create_video(request: Request):
     p = await resolve(request, body, name, params)
     try:
         job = state.videos.create(model=public, prompt=body.prompt, width=p.width, height=p.height,
-                                  num_frames=p.num_frames, fps=fps)
+                                  num_frames=p.num_frames, fps=fps, owner=owner_of(request))
     except StoreFullError as e:
         raise APIError(429, str(e), "rate_limit_error", None, "video_store_full",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
@@ -217,14 +218,14 @@ async def create_video_sync(request: Request):
 @router.get("/v1/videos")
 async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
                       order: Literal["asc", "desc"] = "desc"):
-    jobs, more = request.app.state.videos.list(limit, after, order)
+    jobs, more = request.app.state.videos.list(limit, after, order, owner=owner_of(request))  # the caller's
     data = [j.to_dict() for j in jobs]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
 def _job(request: Request, video_id: str):
-    job = request.app.state.videos.get(video_id)
+    job = request.app.state.videos.get(video_id, owner_of(request))  # another key's job: as if none
     if job is None:
         raise APIError(404, f"video {video_id!r} does not exist or has expired", "invalid_request_error",
                        "video_id", "video_not_found")
