@@ -6,7 +6,9 @@ then every chunk of every utterance goes to the engine at once).
 one token per step; each time an utterance has the tokens for its next chunk, the chunk is
 submitted to the engine (so it shares forwards with the chunks of every other utterance), and the
 caller's async iterator yields audio as chunks finish, in order. Leaving the iterator early (a
-client that went away) aborts the utterance in the talker and its chunks in the engine.
+client that went away) or ``SpeechService.abort`` aborts the utterance at any point: its talker
+request if the talker is still speaking, and every chunk it submitted that is not yet computed
+(including after the talker has finished, while the last chunks are still queued or running).
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ class SpeechService:
         self.text: SpeechText = self.family.text
         self.talker = self.family.talker
         self.timelines: dict[str, dict] = {}  # request id -> server-side timestamps (bounded)
-        self._live: dict[str, _Utterance] = {}
+        self._live: dict[str, _Utterance] = {}  # utterances whose talker is speaking
+        self._open: dict[str, _Utterance] = {}  # utterances not yet delivered whole (talker or chunks left)
         self._chunk_done: dict[str, float] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -171,14 +174,22 @@ class SpeechService:
         finally:
             if not finished:
                 self.abort(req.id)
+            else:
+                self._commands.put(("close", req.id))
             self._record(utt)
 
     def abort(self, request_id: str) -> None:
-        """Stop an utterance: its talker request and every chunk it submitted."""
+        """Stop an utterance at any point: its talker request (while it speaks) and every chunk it
+        submitted (those already computed are no-ops; the rest leave the engine at its next step)."""
         self._commands.put(("abort", request_id))
 
     def live(self) -> int:
+        """Utterances whose talker is still speaking (0: each has submitted all its chunks)."""
         return len(self._live)
+
+    def open(self) -> int:
+        """Utterances not yet delivered whole nor aborted (their talker or their chunks still run)."""
+        return len(self._open)
 
     def close(self) -> None:
         self._stop.set()
@@ -211,9 +222,12 @@ class SpeechService:
             return
         while True:
             if cmd[0] == "add":
+                self._open[cmd[1].req.id] = cmd[1]
                 self._add(cmd[1])
             elif cmd[0] == "abort":
                 self._abort(cmd[1])
+            elif cmd[0] == "close":  # delivered whole: nothing left to abort
+                self._open.pop(cmd[1], None)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -229,20 +243,23 @@ class SpeechService:
         try:
             self.talker.add(self._talker_id(utt), t.prompt(words, req.voice, req.speed), t.max_tokens(words),
                             [t.special["eos"]])
-        except Exception as e:  # noqa: BLE001 - reported to that utterance only
-            self._live.pop(req.id, None)
-            self._send(utt, ("error", f"{type(e).__name__}: {e}", getattr(e, "retry_after_s", None)))
+        except Exception as e:  # noqa: BLE001 - reported to that utterance only (a later group: its chunks stop)
+            self._fail(utt, f"{type(e).__name__}: {e}", getattr(e, "retry_after_s", None))
             return
         self._live[req.id] = utt
 
     def _abort(self, rid: str) -> None:
-        utt = self._live.pop(rid, None)
+        # the utterance is open until its stream ends: after its talker finished (it left _live), its
+        # chunks may still be queued or running, and each must leave the engine
+        utt = self._open.get(rid)
         if utt is None:
             return
         utt.aborted = True
-        self.talker.abort(self._talker_id(utt))
+        if self._live.pop(rid, None) is not None:
+            self.talker.abort(self._talker_id(utt))
         for chunk_id in utt.chunk_ids:
             self.engine.abort(chunk_id, "speech request aborted")
+        del self._open[rid]  # last: open() == 0 means every abort was sent to the engine
 
     def _on_tokens(self, utt: _Utterance, tokens: list[int], finished: bool) -> None:
         t = self.text
@@ -255,15 +272,16 @@ class SpeechService:
             finished = False
         elif finished:
             utt.timeline["talker_done"] = time.perf_counter()
-            del self._live[utt.req.id]
         if not utt.stream and not finished:
             return
         total = t.chunk_count(len(utt.units)) if finished else None
-        while (total is not None and utt.submitted < total) or \
-                (total is None and len(utt.units) >= (utt.submitted + 1) * t.chunk):
+        while not utt.aborted and ((total is not None and utt.submitted < total) or
+                                   (total is None and len(utt.units) >= (utt.submitted + 1) * t.chunk)):
             self._submit(utt, utt.submitted)
-        if finished:
-            self._send(utt, ("done", utt.submitted))
+        if finished:  # it leaves _live once every chunk is submitted (live() counts it until then)
+            self._live.pop(utt.req.id, None)
+            if not utt.aborted:
+                self._send(utt, ("done", utt.submitted))
 
     def _submit(self, utt: _Utterance, k: int) -> None:
         req, t = utt.req, self.text
@@ -281,10 +299,12 @@ class SpeechService:
     def _fail(self, utt: _Utterance, message: str, retry_after_s: float | None = None) -> None:
         """Fail the utterance; ``retry_after_s`` set: its talker was down (a temporary failure, as the
         ``retry_after_s`` of a failed engine event)."""
-        self._live.pop(utt.req.id, None)
-        self.talker.abort(self._talker_id(utt))
+        utt.aborted = True  # nothing more is submitted for it
+        if self._live.pop(utt.req.id, None) is not None:
+            self.talker.abort(self._talker_id(utt))
         for chunk_id in utt.chunk_ids:  # its stream stops at the error: the chunks it submitted are not needed
             self.engine.abort(chunk_id, "speech request failed")
+        self._open.pop(utt.req.id, None)
         self._send(utt, ("error", message, retry_after_s))
 
     def _send(self, utt: _Utterance, msg: tuple) -> None:

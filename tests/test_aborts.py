@@ -1,0 +1,153 @@
+"""Aborts reach everything a request queued: a client that goes away (or an abort) at any point leaves
+no step of its work to run. Each test holds the engine loop right after a step, makes the client go
+away, waits until the abort is on its way to the engine, lets the loop go, and checks that the engine
+took no further step for that work: every chunk or denoise step not yet computed was cancelled.
+
+Covered elsewhere: a robot socket closed mid-inference (tests/test_openpi_socket.py), a plain image
+request whose client hangs up (tests/test_serve.py), and the same on Ray replicas
+(tests/test_ray_serve.py)."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from dit_core import AsyncEngine, Engine
+from dit_core.audio.service import SpeechService, make_speech_request
+from dit_core.request import EventKind
+from dit_core.zoo import tts_model
+from serve.app import ServeSettings
+from serve_helpers import live_server
+
+pytestmark = [pytest.mark.filterwarnings("ignore:Should have"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # the openai client's video API
+
+
+class EngineGate:
+    """Holds an ``AsyncEngine``'s loop thread after a step (in its event dispatch) while armed, and counts
+    the steps the engine takes after the hold and the final events each request gets."""
+
+    def __init__(self, aengine: AsyncEngine):
+        self.aengine = aengine
+        self.armed = threading.Event()
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.steps_at_hold = None
+        self.finals: dict[str, EventKind] = {}
+        aengine.listeners.append(self)
+
+    def __call__(self, event) -> None:  # on the engine loop thread
+        if event.kind.final:
+            self.finals[event.request_id] = event.kind
+        if event.kind == EventKind.STEP and self.armed.is_set():
+            self.armed.clear()
+            self.steps_at_hold = self.aengine.engine.stats.steps
+            self.held.set()
+            assert self.release.wait(60), "the test never let the engine loop go"
+
+    def hold(self, timeout: float = 60) -> None:
+        """Return once the loop is held right after a step."""
+        self.held.clear()
+        self.armed.set()
+        assert self.held.wait(timeout), "the engine took no step to hold after"
+
+    def let_go(self) -> None:
+        self.release.set()
+
+    def steps_after_hold(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        busy = lambda: self.aengine.engine.has_unfinished() or self.aengine.num_unfinished  # noqa: E731
+        while busy() and time.monotonic() < deadline:  # (num_unfinished: until every final event went out)
+            time.sleep(0.02)
+        assert not busy(), "the engine still runs the work"
+        return self.aengine.engine.stats.steps - self.steps_at_hold
+
+    def remove(self) -> None:
+        self.release.set()
+        self.aengine.listeners.remove(self)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+# ---- speech: the utterance's DiT chunks after its talker finished ----
+
+
+@pytest.fixture(scope="module")
+def speech():
+    aengine = AsyncEngine(Engine.from_pretrained(tts_model(), max_batch_size=2))
+    service = SpeechService(aengine, aengine.engine.default_model)
+    yield aengine, service
+    service.close()
+    aengine.shutdown()
+
+
+def _chunks(finals: dict, rid: str) -> dict:
+    return {k: v for k, v in finals.items() if k.startswith(f"{rid}-chunk")}
+
+
+@pytest.mark.parametrize("how", ["disconnect", "abort"])
+def test_speech_cancelled_after_its_talker_finished_computes_no_further_chunk(speech, how):
+    """A streamed utterance: the first audio arrives, the talker finishes, then (with chunks still queued)
+    the client goes away or the utterance is aborted: no chunk is computed after that."""
+    aengine, service = speech
+    gate = EngineGate(aengine)
+    req = make_speech_request(service.text, " ".join(["7"] * 24), "adam", seed=3, steps=40)
+
+    async def scenario():
+        stream = service.stream(req)
+        await stream.__anext__()  # the first audio
+        await asyncio.to_thread(wait_until, lambda: service.live() == 0, 60, "the talker to finish")
+        await asyncio.to_thread(gate.hold)  # (the loop thread waits in it until let go)
+        unfinished = list(aengine.engine.scheduler.running + aengine.engine.scheduler.waiting)
+        assert unfinished and any(r.total_steps - r.step_index > 1 for r in unfinished), \
+            "every chunk was computed before the talker finished: the test needs longer chunks"
+        if how == "disconnect":
+            await stream.aclose()  # the client went away
+        else:
+            service.abort(req.id)
+        await asyncio.to_thread(wait_until, lambda: service.open() == 0, 10, "the aborts to be sent")
+        gate.let_go()
+        return len(unfinished)
+
+    try:
+        left = asyncio.run(scenario())
+        assert gate.steps_after_hold() == 0  # no chunk took a step after the client went away
+    finally:
+        gate.remove()
+    chunks = _chunks(gate.finals, req.id)
+    aborted = [k for k, v in chunks.items() if v == EventKind.ABORTED]
+    # every chunk submitted ended; those not computed by the hold (and any still on their way in) were aborted
+    assert len(chunks) == service.timelines[req.id]["chunks"] and len(aborted) >= left
+    assert "talker_done" in service.timelines[req.id]  # it was the chunks, not the talker, that were cut
+
+
+def test_whole_speech_cancelled_while_its_chunks_run_computes_no_further_chunk(speech):
+    """``stream=False``: the talker finishes before any chunk is submitted; a client that goes away while
+    the chunks run leaves none of them running."""
+    aengine, service = speech
+    gate = EngineGate(aengine)
+    req = make_speech_request(service.text, " ".join(["4"] * 16), "eve", seed=4, steps=40)
+
+    async def scenario():
+        task = asyncio.ensure_future(anext(aiter(service.stream(req, stream=False))))
+        await asyncio.to_thread(gate.hold)  # after the first chunk step
+        task.cancel()  # what the route does when its client disconnects
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.to_thread(wait_until, lambda: service.open() == 0, 10, "the aborts to be sent")
+        gate.let_go()
+
+    try:
+        asyncio.run(scenario())
+        assert gate.steps_after_hold() == 0
+    finally:
+        gate.remove()
+    chunks = _chunks(gate.finals, req.id)
+    assert len(chunks) >= 3 and all(v == EventKind.ABORTED for v in chunks.values())
