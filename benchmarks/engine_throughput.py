@@ -252,7 +252,8 @@ def main(argv=None):
     ap.add_argument("--no-speed", action="store_true", help="skip the dtype / compile comparison (benchmarks.speed)")
     ap.add_argument("--speed-sizes", default=None,
                     help="image sizes of the dtype / compile comparison (default 64,256; quick 128); the "
-                         "largest gives the throughput_ratio_256* keys (large_size says which it was)")
+                         "largest gives the throughput_ratio_<size>* keys, named for that size "
+                         "(throughput_ratio_256 at the default sizes, throughput_ratio_128 with --quick)")
     ap.add_argument("--speed-requests", type=int, default=16, help="requests per round there (quick: 4)")
     ap.add_argument("--only-speed", action="store_true",
                     help="a targeted run: the dtype / compile comparison only (no scenarios, no prompt-cache "

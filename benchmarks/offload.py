@@ -23,9 +23,17 @@ dynamic default, the heap's holes included) and ``none+mmap`` (``none`` with the
 threshold, set through ``MALLOC_MMAP_THRESHOLD_`` in the worker's environment): what each setting
 does to each side's peak and time, reported apart (``summary.allocator``).
 
+Kernels: every side computes the transformer's linear layers with aten (``cpu_linear="aten"``),
+as streamed blocks must (``dit_core.cpu_linear`` packs resident weights only), so times and
+outputs compare like with like: ``outputs_identical`` / ``max_abs_diff_vs_none`` hold our policies
+to ``none`` within ``TOLERANCE`` (the disk tier bit for bit). ``none+onednn`` is ``none`` with the
+oneDNN-packed linears that ``cpu_linear="auto"`` gives a resident model on CPU; its difference from
+``none`` is reported apart (``packed_vs_aten_max_abs_diff``: float32 rounding of another GEMM, not an
+offload effect), with its speed (``packed_over_aten_speed_b8``).
+
 Overhead per image = time per image - ``none``'s, at the same size and batch; the
-amortization is its batch-8 / batch-1 ratio. ``--quick``: 64x64 only, ``none`` / ``disk:1`` /
-``diffusers-disk``, one repeat (every summary key, under 5 minutes).
+amortization is its batch-8 / batch-1 ratio. ``--quick``: 64x64 only, ``none`` / ``none+onednn`` /
+``disk:1`` / ``diffusers-disk``, one repeat (every summary key, under 5 minutes).
 """
 
 from __future__ import annotations
@@ -44,14 +52,17 @@ import torch
 
 from benchmarks.common import RESULTS, machine, mm_gflops, scratch_dir, write_json
 
-FULL = ["none", "components", "blocks:1", "blocks:2", "blocks:all", "disk:1", "disk:2", "diffusers-group",
-        "diffusers-disk", "none+mmap", "disk:1+glibc", "disk:1+system"]
-QUICK = ["none", "disk:1", "diffusers-disk"]
+FULL = ["none", "none+onednn", "components", "blocks:1", "blocks:2", "blocks:all", "disk:1", "disk:2",
+        "diffusers-group", "diffusers-disk", "none+mmap", "disk:1+glibc", "disk:1+system"]
+QUICK = ["none", "none+onednn", "disk:1", "diffusers-disk"]
+NEEDED = ("none", "none+onednn", "disk:1", "diffusers-disk")  # what the summary reads
 ROOT = Path(__file__).resolve().parents[1]
 # "+mmap": the policy with glibc malloc's mmap threshold fixed at the disk tier's 1 MiB from the
 # worker's start (environment); "+glibc": the engine told to leave glibc's dynamic threshold and
 # torch's allocator alone; "+system": the 1 MiB threshold without the reuse allocator
 ALLOCATOR = {"mmap": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, "glibc": {}, "system": {}}
+# "+onednn": the policy with oneDNN-packed linears (cpu_linear="onednn"); every other side runs aten's
+PACKED = "onednn"
 TOLERANCE = 1e-6  # "identical": max abs difference to none (see tests/test_offload.py on alignment)
 
 
@@ -73,6 +84,18 @@ def reset_peak() -> bool:
 
 
 # ---- one configuration, in its own process ----
+
+def engine_settings(config: str) -> dict:
+    """``Engine.from_pretrained`` settings of one configuration: its offload policy, aten linears
+    unless ``+onednn`` (the same kernels on every compared side), the allocator its suffix names."""
+    offload, _, variant = config.partition("+")
+    if variant and variant not in ALLOCATOR and variant != PACKED:
+        raise ValueError(f"config {config!r}: the suffix after '+' must be one of {sorted(ALLOCATOR) + [PACKED]}")
+    return {"offload": "none" if offload.startswith("diffusers") else offload,
+            "cpu_linear": "onednn" if variant == PACKED else "aten",
+            "malloc_mmap_threshold": 0 if variant == "glibc" else "auto",
+            "cpu_allocator": "system" if variant in ("glibc", "system") else "auto"}
+
 
 class Peak:
     """The process's peak RSS over its life, and per phase: VmHWM is reset (clear_refs) at
@@ -101,11 +124,7 @@ def worker(args) -> None:
     start = time.perf_counter()
     from offload import heap, reuse
 
-    offload, _, allocator = args.worker.partition("+")
-    offload = "none" if offload.startswith("diffusers") else offload
-    engine = Engine.from_pretrained(args.model, max_batch_size=8, offload=offload,
-                                    malloc_mmap_threshold=0 if allocator == "glibc" else "auto",
-                                    cpu_allocator="system" if allocator in ("glibc", "system") else "auto")
+    engine = Engine.from_pretrained(args.model, max_batch_size=8, **engine_settings(args.worker))
     if args.worker.startswith("diffusers"):
         disk = str(scratch_dir(prefix="diffusers-offload-")) if args.worker == "diffusers-disk" else None
         engine.family.transformer.enable_group_offload(
@@ -134,6 +153,7 @@ def worker(args) -> None:
                       "load_s": load_s, "phases": phases,
                       "mmap_threshold": heap.applied() or heap.set_by_environment(),
                       "cpu_allocator": "reuse" if reuse.installed() else "system",
+                      "cpu_linear": engine.family.cpu_linear,
                       "offload": handle.stats() if handle else None,
                       "loadavg_1min": os.getloadavg()[0]}))
 
@@ -142,10 +162,8 @@ def run_config(config: str, args, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.offload", "--worker", config, "--model", str(args.model),
            "--steps", str(args.steps), "--text-len", str(args.text_len), "--out-dir", str(out_dir),
            "--sizes", *map(str, args.sizes)]
-    allocator = config.partition("+")[2]
-    if allocator and allocator not in ALLOCATOR:
-        raise ValueError(f"config {config!r}: the suffix after '+' must be one of {sorted(ALLOCATOR)}")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **ALLOCATOR.get(allocator, {}))
+    engine_settings(config)  # a bad suffix fails here, before a process starts
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **ALLOCATOR.get(config.partition("+")[2], {}))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{config} failed:\n{proc.stderr[-3000:]}")
@@ -168,7 +186,8 @@ def aggregate(runs: dict[str, list[dict]], sizes: list[int]) -> dict:
                "loadavg_1min": [r["loadavg_1min"] for r in results],
                "load_s": statistics.median(r["load_s"] for r in results), "offload": results[-1]["offload"],
                "mmap_threshold": results[-1]["mmap_threshold"],
-               "cpu_allocator": sorted({r["cpu_allocator"] for r in results})}
+               "cpu_allocator": sorted({r["cpu_allocator"] for r in results}),
+               "cpu_linear": sorted({r["cpu_linear"] for r in results})}
         for phase in results[0]["phases"]:
             times = [r["phases"][phase]["time_per_image"] for r in results]
             phase_peaks = [r["phases"][phase]["phase_peak_rss"] for r in results]
@@ -198,8 +217,9 @@ def compare_outputs(out_dir: Path, configs: list[str], sizes: list[int]) -> dict
 
 def summarize(rows: dict, diffs: dict, sizes: list[int]) -> dict:
     big, small = f"{max(sizes)} b", f"{min(sizes)} b"
-    disk, none, theirs = rows["disk:1"], rows["none"], rows["diffusers-disk"]
-    ours = [c for c in diffs if not c.startswith("diffusers")]
+    disk, none, theirs, packed = rows["disk:1"], rows["none"], rows["diffusers-disk"], rows["none+onednn"]
+    # our offload policies, all on aten's kernels as none is (the packed side is reported apart)
+    ours = [c for c in diffs if not c.startswith("diffusers") and c.partition("+")[2] != PACKED]
     over_b1, over_b8 = disk[small + "1"]["overhead_per_image"], disk[small + "8"]["overhead_per_image"]
     summary = {
         "disk_rss_ratio": disk["peak_rss_gb"] / none["peak_rss_gb"],
@@ -213,6 +233,10 @@ def summarize(rows: dict, diffs: dict, sizes: list[int]) -> dict:
         "disk_rss_ratio_above_imports": (disk["peak_rss_gb"] - disk["imported_rss_gb"])
         / (none["peak_rss_gb"] - none["imported_rss_gb"]),
         "disk_overhead_per_image_s": {"b1": over_b1, "b8": over_b8, "size": min(sizes)},
+        # none with oneDNN-packed linears against none with aten's: the kernels' difference, not offload's
+        "packed_vs_aten_max_abs_diff": diffs["none+onednn"],
+        "packed_over_aten_speed_b8": none[big + "8"]["time_per_image"] / packed[big + "8"]["time_per_image"],
+        "cpu_linear": "aten on every side but none+onednn",
         "time_ratios_at": f"{max(sizes)}x{max(sizes)}",
         "overhead_ratio_at": f"{min(sizes)}x{min(sizes)}",
     }
@@ -295,7 +319,7 @@ def main(argv=None):
     args.sizes = args.sizes or ([64] if args.quick else [64, 256])
     repeats = args.repeats or (1 if args.quick else 3)
     configs = args.configs or (QUICK if args.quick else FULL)
-    for needed in ("none", "disk:1", "diffusers-disk"):
+    for needed in NEEDED:
         if needed not in configs:
             configs.append(needed)  # the summary compares against these
     gflops_before = mm_gflops()  # the machine is shared: how fast it is now, before and after

@@ -250,11 +250,7 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         "auto_dtype_choice": auto_dtype,
         "auto_dtype_reason": auto_reason,
         "auto_over_slower_dtype": _least(r["auto_over_slower"] for r in results.values()),
-        # the large-image keys keep the issue's names; large_size says what they measured (quick: 128)
-        "throughput_ratio_256": big["best_over_diffusers_fp32"],
-        "throughput_ratio_256_vs_compiled_diffusers": big["best_over_compiled_diffusers_fp32"],
-        "best_engine_256": big["best_engine"],
-        "large_size": f"{max(sizes)}x{max(sizes)}",
+        **large_size_keys(big, max(sizes)),
         "gflops_ratio_bf16": results[min(sizes)]["bf16_gflops_over_mm_bf16"],
         "compile_warmup_s": compile_warmup_s,
         "compiled_over_eager_engine_by_size": {s: r["compiled_over_eager_engine"] for s, r in results.items()},
@@ -267,7 +263,6 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         "cpu_linear_gemm_by_size": linear,
         # the engine with int8-dynamic weights and activations (quant/), beside fp32 and bf16
         "int8_dynamic_over_fp32_engine_by_size": {s: r["int8_dynamic_over_fp32_engine"] for s, r in results.items()},
-        "int8_dynamic_over_diffusers_fp32_256": big["int8_dynamic_over_diffusers_fp32"],
         # compiled blocks compute tanh-GELU as x * sigmoid(2z) (dit_core.graph_rewrites): that op alone
         "gelu_rewrite_speedup": gelu[max(sizes)]["speedup"],
         "gelu_rewrite_by_size": gelu,
@@ -276,6 +271,16 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
         "cpu_allocator": "reuse" if reuse.installed() is not None else "system",
     }
     return {"summary": summary, "by_size": results}
+
+
+def large_size_keys(big: dict, size: int) -> dict:
+    """The largest size's summary keys, named for the size they measured: ``throughput_ratio_256``
+    and its kin at 256x256 (the default sizes), ``throughput_ratio_128`` at 128x128 (``--quick``)."""
+    return {f"throughput_ratio_{size}": big["best_over_diffusers_fp32"],
+            f"throughput_ratio_{size}_vs_compiled_diffusers": big["best_over_compiled_diffusers_fp32"],
+            f"best_engine_{size}": big["best_engine"],
+            f"int8_dynamic_over_diffusers_fp32_{size}": big["int8_dynamic_over_diffusers_fp32"],
+            "large_size": f"{size}x{size}"}
 
 
 def _least(values):
