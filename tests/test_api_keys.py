@@ -186,7 +186,8 @@ def test_keys_file_lines_and_names(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("good-key-1\nbad-kéy-2 x\n", " line 2: a key must be printable ASCII without spaces (found the character U+00E9)"),
+    ("good-key-1\nbad-kéy-2 x\n",
+     " line 2: a key must be printable ASCII without spaces (found the character U+00E9)"),
     ("dup-key-1 a\n# c\ndup-key-1 b\n", " line 3: the same key as line 1"),
     ("# nothing but comments\n\n", ": holds no key"),
     ("flag-key-9 a\n", " line 1: the same key as --api-key"),
