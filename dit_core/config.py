@@ -11,6 +11,7 @@ import torch
 from ar_adapters import ON_FAILURE, THINKERS
 from attention import AttentionConfig, UnknownBackendError
 from offload import OffloadConfigError, OffloadPolicy, check_budget, check_cpu_allocator, check_threshold
+from offload.reuse import IDLE_S, check_idle_s
 
 from .cache.config import CacheConfig
 from .errors import InvalidParamError
@@ -84,6 +85,10 @@ class EngineConfig:
         peak plus 32 MiB (a batch-8 forward at 256x256 on CPU: no page faults instead of 13-39k,
         x1.09 the batching gain of the system allocator, ``benchmarks.cpu_allocator``).
         Process-wide; needs a C++ compiler once (about 2 s, cached). See ``offload.reuse``.
+    cpu_allocator_idle_s: seconds a buffer the reuse allocator keeps may go unused before it is
+        unmapped (given back to the system), so the memory a large request left behind does not
+        stay resident; 0 keeps buffers until a miss needs the room. Process-wide, like the
+        allocator (the last engine to install it sets it).
     cpu_linear: the transformer's linear layers on CPU: ``"auto"`` (``onednn`` where it applies:
         float32 on CPU, weights resident, no parallel degree; else ``aten``), ``"onednn"`` (always;
         an error where it cannot apply) or ``"aten"`` (plain ``nn.Linear``). ``onednn`` packs each
@@ -130,6 +135,7 @@ class EngineConfig:
     max_resident_gb: float | None = None
     malloc_mmap_threshold: int | str = "auto"
     cpu_allocator: str = "auto"
+    cpu_allocator_idle_s: float = IDLE_S
     cpu_linear: str = "auto"
     quant: str | None = None
     compile: bool = False
@@ -158,6 +164,7 @@ class EngineConfig:
             self.max_resident_gb = check_budget(self.max_resident_gb)
             self.malloc_mmap_threshold = check_threshold(self.malloc_mmap_threshold)
             self.cpu_allocator = check_cpu_allocator(self.cpu_allocator)
+            self.cpu_allocator_idle_s = check_idle_s(self.cpu_allocator_idle_s)
         except OffloadConfigError as e:
             raise InvalidParamError(e.field, e.value, e.allowed) from None
         from .cpu_linear import check_choice

@@ -92,7 +92,7 @@ def offload_loader(config):
     if heap.applied() is not None:
         logger.info("offload %s: %s", policy, done)
     try:
-        chosen = reuse.choose(config.cpu_allocator, on_cpu)
+        chosen = reuse.choose(config.cpu_allocator, on_cpu, config.cpu_allocator_idle_s)
     except reuse.ReuseUnavailable as e:
         raise InvalidParamError("cpu_allocator", "reuse", f"'auto' or 'system' here ({e})") from None
     if on_cpu or reuse.installed() is not None or config.cpu_allocator != "auto":

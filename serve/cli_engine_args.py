@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from offload.reuse import IDLE_S
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true",
@@ -62,6 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "for the next request of a similar size (no heap holes, no page fault per 4 KiB; within "
                         "the live peak + 32 MiB; built once with the C++ compiler); auto uses it whenever the "
                         "engine computes on CPU; system leaves torch's own (default auto)")
+    p.add_argument("--cpu-allocator-idle-s", type=float, default=IDLE_S, metavar="SECONDS",
+                   help="the reuse allocator gives a kept buffer back to the system (munmap) once it has gone "
+                        "unused this long, so a large request's memory does not stay resident; 0 keeps buffers "
+                        f"until a miss needs the room (default {IDLE_S:g})")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "aten"],
                    help="the transformer's linear layers on CPU: onednn packs each weight once into oneDNN's "
                         "layout (no extra memory; x1.14 faster than aten's MKL GEMMs on an AMD EPYC); auto "
@@ -122,7 +128,7 @@ def engine_kwargs(args) -> dict:
                 thinker_memory_utilization=args.thinker_memory_utilization, thinker_on_failure=args.thinker_on_failure,
                 prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant, offload=args.offload,
                 max_resident_gb=args.max_resident_gb, malloc_mmap_threshold=args.malloc_mmap_threshold,
-                cpu_allocator=args.cpu_allocator,
+                cpu_allocator=args.cpu_allocator, cpu_allocator_idle_s=args.cpu_allocator_idle_s,
                 cpu_linear=args.cpu_linear,
                 compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,
                 row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
