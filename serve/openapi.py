@@ -34,7 +34,9 @@ ERROR_SCHEMA = {
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 REASONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or invalid API key",
            404: "Unknown model, file, job or route", 405: "Method not allowed (see the Allow header)",
-           413: "Request body too large", 429: "Queue, store or per-client limit full (see Retry-After)",
+           413: "Request body too large",
+           416: "The Range header's range is not within the file (see Content-Range: bytes */SIZE)",
+           429: "Queue, store or per-client limit full (see Retry-After)",
            500: "The generation failed",
            503: "Engine unavailable, request aborted, or a stage the request needs is down (code "
                 "stage_unavailable, with Retry-After: send it again then)",
@@ -54,6 +56,8 @@ MEDIA = {
     ("post", "/v1/images/generations"): ("application/json", "text/event-stream"),
 }
 GENERATION = {"/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/audio/generate", "/v1/audio/speech"}
+# (method, path) of downloads that answer Range requests (serve/file_stream.py): 206 and 416 too
+RANGED = {("get", "/v1/videos/{video_id}/content")}
 # links for stateful testing and for readers: (method, path) of a creating operation -> the operations
 # that take the id it answers with, and the path parameter that id fills
 LINKS = {("post", "/v1/videos"): [("get", "/v1/videos/{video_id}"), ("get", "/v1/videos/{video_id}/content"),
@@ -86,6 +90,8 @@ def _statuses(method: str, path: str, op: dict, open_paths: tuple) -> list[int]:
         codes += [429, 503]
         if path != "/v1/videos":  # a video job answers at once; its timeout shows in the job
             codes.append(504)
+    if (method, path) in RANGED:
+        codes.append(416)
     if path in ("/health", "/healthz"):  # liveness: 200, or 503 when the engine loop is down
         codes = [503]
     return sorted(set(codes))
@@ -132,6 +138,10 @@ def _document(method: str, path: str, op: dict, open_paths: tuple) -> None:
         ok = responses.setdefault("200", {"description": "Successful Response"})
         json_schema = ok.get("content", {}).get("application/json", {"schema": {}})
         ok["content"] = {m: json_schema if m == "application/json" else {"schema": _media_schema(m)} for m in media}
+    if (method, path) in RANGED:
+        part = {"description": "The requested byte range (Range: bytes=a-b, a- or -n; see Content-Range)",
+                "content": {m: {"schema": _media_schema(m)} for m in media or ()}}
+        responses.setdefault("206", part)
     for code in _statuses(method, path, op, open_paths):
         entry = {"description": REASONS[code], "content": {"application/json": {"schema": ERROR_REF}}}
         if code == 429 or (code == 503 and path in GENERATION):  # (a 503 has it when a stage is down)

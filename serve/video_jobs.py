@@ -138,7 +138,9 @@ class VideoJobStore:
         return jobs[:limit], len(jobs) > limit
 
     def complete(self, job: VideoJob, mp4: bytes) -> None:
-        """Store the job's MP4 (or fail the job if it would pass ``max_bytes``)."""
+        """Store the job's MP4 (or fail the job if it would pass ``max_bytes``). Blocking: the file is
+        written outside the store's lock (its bytes reserved meanwhile), so ``run_job`` calls this in a
+        worker thread and the event loop, and every other store call, go on while it writes."""
         with self._lock:
             if job.id not in self._jobs:  # deleted while it was encoding
                 return
@@ -146,19 +148,36 @@ class VideoJobStore:
                 self._finish(job, "failed", error={"code": "storage_full", "message": (
                     f"the finished video ({len(mp4)} bytes) does not fit the store's {self.max_bytes} bytes")})
                 return
-            path = self.dir / f"{job.id}.mp4"
-            try:
-                self.faults.hit("file_store", [job.prompt])
-                path.write_bytes(mp4)
-            except OSError as e:  # a full or failing disk fails this job, not the server
-                logger.error("video job %s: writing its MP4 failed: %r", job.id, e)
-                path.unlink(missing_ok=True)
+            job.size_bytes = len(mp4)  # reserved while the file is written
+        path = self.dir / f"{job.id}.mp4"
+        try:
+            self.faults.hit("file_store", [job.prompt])
+            self.write_file(path, mp4)
+        except OSError as e:  # a full or failing disk fails this job, not the server
+            logger.error("video job %s: writing its MP4 failed: %r", job.id, e)
+            path.unlink(missing_ok=True)
+            with self._lock:
+                job.size_bytes = 0
                 self._finish(job, "failed", error={"code": "storage_full" if e.errno == errno.ENOSPC else
                                                    "storage_error", "message": "the video could not be stored: "
                                                    f"{os.strerror(e.errno) if e.errno else 'write failed'}"})
-                return
-            job.path, job.size_bytes, job.progress = path, len(mp4), 100
-            self._finish(job, "completed")
+            return
+        except BaseException:
+            path.unlink(missing_ok=True)
+            job.size_bytes = 0
+            raise
+        with self._lock:
+            kept = job.id in self._jobs
+            if kept:
+                job.path, job.progress = path, 100
+                self._finish(job, "completed")
+        if not kept:  # deleted (or the store closed) while it was written
+            path.unlink(missing_ok=True)
+
+    @staticmethod
+    def write_file(path: Path, data: bytes) -> None:
+        """Write one finished MP4 (blocking; ``complete`` calls it off the event loop)."""
+        path.write_bytes(data)
 
     def fail(self, job: VideoJob, code: str, message: str) -> None:
         with self._lock:
@@ -204,7 +223,7 @@ async def run_job(store: VideoJobStore, client, job: VideoJob, events, encode,
             elif event.kind == EventKind.FINISHED:
                 job.progress = 99
                 mp4 = await asyncio.to_thread(encode, event.output)
-                store.complete(job, mp4)
+                await asyncio.to_thread(store.complete, job, mp4)  # the disk write, off the event loop
             elif event.kind == EventKind.FAILED:
                 store.fail(job, "generation_failed", event.error or "the generation failed")
             elif event.kind == EventKind.ABORTED:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
@@ -24,6 +25,7 @@ from dit_core.video import as_uint8, encode_mp4
 
 from ..auth import owner_of
 from ..errors import APIError
+from ..file_stream import FileStreamResponse, RangeNotSatisfiable, open_stored
 from ..guards import Deadline, check_prompts, check_work, faults_of
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
@@ -248,7 +250,19 @@ async def download_video(video_id: str, request: Request, variant: str = "video"
         detail = f": {job.error['message']}" if job.error else f" ({job.progress}% done)"
         raise APIError(404, f"video {video_id!r} has no content yet: it is {job.status}{detail}",
                        "invalid_request_error", "video_id", "video_not_ready")
-    return Response(job.path.read_bytes(), media_type="video/mp4")
+    try:  # the handle, opened now, keeps the bytes readable even if the job expires while they are sent
+        fd, st = await asyncio.to_thread(open_stored, job.path)
+    except FileNotFoundError:  # it expired (or was deleted) since the lookup
+        raise APIError(404, f"video {video_id!r} does not exist or has expired", "invalid_request_error",
+                       "video_id", "video_not_found") from None
+    try:
+        return FileStreamResponse(fd, st, request.headers.get("range"), request.headers.get("if-range"),
+                                  media_type="video/mp4")
+    except RangeNotSatisfiable as e:
+        os.close(fd)
+        raise APIError(416, f"the range {request.headers['range']!r} is not within the video's {e.size} bytes",
+                       "invalid_request_error", "range", "range_not_satisfiable",
+                       headers={"Content-Range": f"bytes */{e.size}"}) from None
 
 
 @router.delete("/v1/videos/{video_id}")
