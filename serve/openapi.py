@@ -16,9 +16,14 @@ A route added later (e.g. a WebSocket, which OpenAPI does not describe) gets the
 
 from __future__ import annotations
 
+import typing
+
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 
+from .routes import audio, speech
 from .routes.videos import VideoCreateRequest
 
 ERROR_SCHEMA = {
@@ -97,6 +102,16 @@ def _statuses(method: str, path: str, op: dict, open_paths: tuple) -> list[int]:
     return sorted(set(codes))
 
 
+def _body_models(app: FastAPI) -> list[type[BaseModel]]:
+    """The pydantic models the app's routes take as their JSON body."""
+    models = []
+    for route in app.routes:
+        if isinstance(route, APIRoute) and route.body_field is not None:
+            hints = typing.get_type_hints(route.endpoint)
+            models += [t for t in hints.values() if isinstance(t, type) and issubclass(t, BaseModel)]
+    return models
+
+
 def build_schema(app: FastAPI, open_paths: tuple = ("/health",)) -> dict:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                          description="omnidit: OpenAI-compatible image, video and audio generation")
@@ -104,7 +119,9 @@ def build_schema(app: FastAPI, open_paths: tuple = ("/health",)) -> dict:
     components["ErrorResponse"] = ERROR_SCHEMA
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    for model in MANUAL_BODIES.values():
+    # pydantic's own schema of each request body: FastAPI's passes bounds through floats (a seed's maximum
+    # 2**63 - 1 would read 2**63, which the route refuses)
+    for model in {*MANUAL_BODIES.values(), *_body_models(app)}:
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
@@ -170,16 +187,28 @@ def _set_bound(prop: dict, kind: str, key: str, value: int) -> None:
             option[key] = value
 
 
-def _list_voices(schema: dict, app: FastAPI) -> None:
-    """The speech body's ``voice`` names one of the served speech models' voices."""
-    engine = getattr(app.state, "engine", None)
-    body = schema.get("components", {}).get("schemas", {}).get("SpeechRequestBody")
-    if engine is None or body is None:
+# request bodies whose bounds depend on the served models: component -> the route module, whose
+# ``takes(model)`` says which models the route takes and ``document(body, described)`` states their bounds
+MODEL_BOUND_BODIES = {"SpeechRequestBody": speech, "AudioGenerateRequest": audio}
+
+
+def _model_bounds(schema: dict, app: FastAPI) -> None:
+    """On each body of ``MODEL_BOUND_BODIES``: ``model`` is one of the served models the route takes
+    (required when there are several), and the route's ``document`` adds the bounds those models set."""
+    state = app.state
+    client, ids = getattr(state, "client", None), getattr(state, "model_ids", None)
+    if client is None or ids is None:
         return
-    voices = sorted({v for f in engine.engine.models.values() for v in getattr(getattr(f, "text", None), "voices", ())})
-    for option in body.get("properties", {}).get("voice", {}).get("anyOf", ()):
-        if voices and option.get("type") == "string":
-            option["enum"] = voices
+    components = schema.get("components", {}).get("schemas", {})
+    for name, route in MODEL_BOUND_BODIES.items():
+        body = components.get(name)
+        fitting = sorted(public for public, engine_name in ids.items() if route.takes(client.models[engine_name]))
+        if body is None or not fitting:  # no model to take: every request is a 400 naming model
+            continue
+        body["properties"]["model"] = {"type": "string", "enum": fitting, "title": "Model"}
+        if len(fitting) > 1:
+            body["required"] = sorted(set(body.get("required", [])) | {"model"})
+        route.document(body, [client.models[ids[public]].describe() for public in fitting])
 
 
 def install(app: FastAPI, open_paths: tuple = ("/health",)) -> None:
@@ -191,7 +220,7 @@ def install(app: FastAPI, open_paths: tuple = ("/health",)) -> None:
             settings = getattr(app.state, "settings", None)
             if settings is not None:
                 _limit_components(schema, settings)
-            _list_voices(schema, app)
+            _model_bounds(schema, app)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from dit_core import InvalidParamError, SamplingParams
 
 MAX_N = 10  # images per HTTP request (the engine allows more; GET /v1/models/{id} states the lower one)
+
+
+def _integral(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def json_int(ge: int, le: int):
+    """An integer field in [ge, le] of a strict body. JSON Schema's ``integer`` takes 5.0 as 5, and so does
+    this ("5", true and 5.5 stay errors, as strict mode has them)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
 
 
 class ImageGenerationRequest(BaseModel):

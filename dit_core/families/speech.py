@@ -91,7 +91,7 @@ class SpeechFamily(AudioDiTFamily):
     def describe(self) -> dict:
         t = self.text
         return {**super().describe(), "voices": {k: v.get("description", "") for k, v in t.voices.items()},
-                "speeds": sorted(t.speeds), "words": sorted(t.words), "max_words": t.max_words,
+                "speeds": sorted(t.speeds), "words": sorted(t.words), "max_words": t.max_words, "max_chars": t.max_chars,
                 "chunk_tokens": t.chunk, "overlap_tokens": t.overlap, "token_ms": 1000 * t.hop / t.sample_rate,
                 "talker": getattr(self.talker, "kind", None)}
 

@@ -17,13 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.audio import content_type, encode
+from dit_core.params import MAX_SEED, MAX_STEPS
 
 from ..errors import APIError
 from ..guards import Deadline, check_prompts, check_steps, faults_of
+from ..schemas import json_int
 from .images import _until_final
 
 router = APIRouter()
 AUDIO_FORMATS = ("wav", "flac", "mp3", "opus", "pcm")
+# a prompt must hold a character that is not white space (the engine strips it: str.isspace, a wider set
+# than the \s of JSON Schema's ECMA patterns, which lacks \x1c-\x1f and \x85)
+NOT_ONLY_SPACE = r"[^\s\x1c-\x1f\x85]"
 
 
 class AudioGenerateRequest(BaseModel):
@@ -32,14 +37,31 @@ class AudioGenerateRequest(BaseModel):
     # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str = Field(min_length=1)
+    # (the documented schema also carries what depends on the served models: see ``document``)
+    prompt: str = Field(min_length=1, json_schema_extra={"pattern": NOT_ONLY_SPACE})
     model: str | None = None
     negative_prompt: str | None = None
-    seconds: float | None = Field(None, gt=0, description="clip length (default: the model's maximum)")
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
+    seconds: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                  description="clip length (default: the model's maximum)")
+    num_inference_steps: json_int(1, MAX_STEPS) | None = None
+    guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False)
+    seed: json_int(0, MAX_SEED) | None = None
     response_format: Literal["wav", "flac", "mp3", "opus", "pcm"] = "wav"
+
+
+def takes(model) -> bool:
+    """Whether this route takes an engine model (a family, or a remote replica's description of one)."""
+    return model.output_kind == "audio" and not is_speech(model)
+
+
+def document(body: dict, described: list[dict]) -> None:
+    """State on the documented body (its JSON schema) the bounds of ``described``, the ``describe()`` of
+    every text-to-audio model the route takes: the longest clip all of them make."""
+    longest = [d["max_seconds"] for d in described if "max_seconds" in d]
+    if longest:
+        for option in body["properties"]["seconds"].get("anyOf", ()):
+            if option.get("type") == "number":
+                option["maximum"] = min(longest)
 
 
 def find_model(request: Request, name: str | None, kind: str, route: str, check=None) -> str:

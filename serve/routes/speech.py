@@ -29,31 +29,44 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dit_core import InvalidParamError, RequestFailedError, StageUnavailableError
+from dit_core.params import MAX_SEED, MAX_STEPS
 from dit_core.audio import StreamEncoder, Waveform, content_type, encode
 
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..guards import Deadline, check_prompts, check_steps, until_deadline, watch
+from ..schemas import json_int
 from .audio import check_queue, find_model, is_speech
 
 router = APIRouter()
 logger = logging.getLogger("omnidit.serve")
 
 
+VOICE_OBJECT = {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"],
+                "additionalProperties": False}
+SEPARATORS = "[ ,.!?]"  # what the documented ``input`` pattern puts between words (the model takes any non-letter)
+
+
 class SpeechRequestBody(BaseModel):
-    """OpenAI's audio.speech.create body (``seed`` and ``num_inference_steps`` are extensions)."""
+    """OpenAI's audio.speech.create body (``seed`` and ``num_inference_steps`` are extensions). The
+    documented schema also carries what depends on the served models (``document``): their ids,
+    voices, speeds, words and lengths."""
 
     # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        # flac cannot be streamed as sse (its header carries the length): a 400 naming response_format
+        "not": {"required": ["response_format", "stream_format"],
+                "properties": {"response_format": {"const": "flac"}, "stream_format": {"const": "sse"}}}})
 
     model: str | None = None
     input: str = Field(min_length=1)
-    voice: str | dict
-    instructions: str | None = None
+    voice: str | dict = Field(json_schema_extra={"anyOf": [{"type": "string"}, VOICE_OBJECT]})
+    # no style control: only an empty one is taken (checked by the route, whose 400 says so)
+    instructions: str | None = Field(None, json_schema_extra={"maxLength": 0})
     response_format: Literal["wav", "flac", "mp3", "opus", "pcm"] = "mp3"
-    speed: float = 1.0
+    speed: float = Field(1.0, allow_inf_nan=False)
     stream_format: Literal["audio", "sse"] = "audio"
-    seed: int | None = None
-    num_inference_steps: int | None = None
+    seed: json_int(0, MAX_SEED) | None = None
+    num_inference_steps: json_int(1, MAX_STEPS) | None = None
 
     def voice_name(self):
         if isinstance(self.voice, dict):
@@ -61,6 +74,30 @@ class SpeechRequestBody(BaseModel):
                 raise InvalidParamError("voice", self.voice, 'a voice name or {"id": NAME}')
             return self.voice["id"]
         return self.voice
+
+
+def takes(model) -> bool:
+    """Whether this route takes an engine model (a family, or a remote replica's description of one)."""
+    return model.output_kind == "audio" and is_speech(model)
+
+
+def document(body: dict, described: list[dict]) -> None:
+    """State on the documented body (its JSON schema) the bounds of ``described``, the ``describe()``
+    of every speech model the route takes: what every one of them accepts (voices, words, speeds and
+    lengths they share), so that a body valid by the schema is taken by whichever model it names."""
+    props = body["properties"]
+    voices = sorted(set.intersection(*(set(d["voices"]) for d in described)))
+    words = sorted(set.intersection(*(set(d["words"]) for d in described)), key=lambda w: (-len(w), w))
+    max_words = min(d["max_words"] for d in described)
+    word = "(?:" + "|".join(words + ["[0-9]"]) + ")"
+    props["input"].update(pattern=f"^{SEPARATORS}*(?:{word}{SEPARATORS}+){{0,{max_words - 1}}}{word}{SEPARATORS}*$",
+                          maxLength=min([props["input"].get("maxLength", 1 << 30)] + [d["max_chars"] for d in described]),
+                          description=f"at most {max_words} words, each one of the model's words or a digit "
+                                      f"(digits are read one by one), separated by spaces or punctuation")
+    props["voice"]["anyOf"] = [{"type": "string", "enum": voices},
+                               {**VOICE_OBJECT, "properties": {"id": {"type": "string", "enum": voices}}}]
+    props["speed"].update(minimum=max(min(d["speeds"]) for d in described),
+                          maximum=min(max(d["speeds"]) for d in described))
 
 
 def _note_first_bytes(state, model: str, rid: str) -> None:
