@@ -19,9 +19,12 @@ resident (``offload`` that streams blocks swaps weights between calls) and no pa
 
 Only the transformer's ``nn.Linear`` layers (exact type: quantized layers keep their own
 kernels) become :class:`PackedLinear`, a subclass of ``nn.Linear`` whose ``weight`` parameter is
-the packed tensor itself: memory does not grow, ``parameters()`` lists it with its true byte count,
-``state_dict()`` reads back exact dense copies and ``load_state_dict`` packs anew (the contract is
-in the class's docstring).
+the packed tensor itself: memory does not grow, ``parameters()`` lists it (``numel() x 4`` bytes,
+the dense weight's, which is what weight counts, offload budgets and FLOP counts read),
+``state_dict()`` reads back exact dense copies and ``load_state_dict`` packs anew. Quantization may
+run before packing (the engine's order: quantized layers are not ``nn.Linear`` and stay) or after it
+(``quant.swap_linears`` replaces a packed layer from its ``dense_linear()``). The contract is in
+the class's docstring.
 Outputs differ from aten's by float32 rounding (about 3e-6 on the tests' images), as any other
 GEMM's would. Under ``torch.compile`` the layer is one opaque op (``omnidit::onednn_linear``,
 with a fake implementation for tracing): inductor calls it as an extern kernel and fuses what
