@@ -37,7 +37,10 @@ class EngineGate:
         self.release = threading.Event()
         self.steps_at_hold = None
         self.finals: dict[str, EventKind] = {}
+        self.aborted: list[str] = []  # ids whose abort was asked of the engine (queued for its loop)
         aengine.listeners.append(self)
+        ask = aengine.abort
+        aengine.abort = lambda rid, *a, **kw: (self.aborted.append(rid), ask(rid, *a, **kw))[1]  # this object only
 
     def __call__(self, event) -> None:  # on the engine loop thread
         if event.kind.final:
@@ -68,6 +71,7 @@ class EngineGate:
     def remove(self) -> None:
         self.release.set()
         self.aengine.listeners.remove(self)
+        del self.aengine.abort  # the class's method again
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
@@ -151,3 +155,60 @@ def test_whole_speech_cancelled_while_its_chunks_run_computes_no_further_chunk(s
         gate.remove()
     chunks = _chunks(gate.finals, req.id)
     assert len(chunks) >= 3 and all(v == EventKind.ABORTED for v in chunks.values())
+
+
+# ---- an image request streamed as Server-Sent Events, cut mid-way ----
+
+
+@pytest.fixture(scope="module")
+def image_server(tiny_models):
+    with live_server(tiny_models["flux"], ServeSettings(model_name="tiny-flux"), max_batch_size=4) as srv:
+        yield srv
+
+
+def test_a_cut_image_event_stream_takes_no_further_step(image_server):
+    gate = EngineGate(image_server.engine)
+    body = {"prompt": "slow", "size": "32x32", "num_inference_steps": 500, "stream": True}
+    try:
+        with httpx.stream("POST", f"{image_server.url}/v1/images/generations", json=body, timeout=60) as r:
+            rid = r.headers["x-request-id"]
+            lines = r.iter_lines()
+            while not next(lines).startswith("data:"):  # the first progress event
+                pass
+            gate.hold()
+        # the connection is closed: the server notices and aborts the request while the loop is held
+        wait_until(lambda: rid in gate.aborted, 10, "the cut stream to abort its request")
+        gate.let_go()
+        assert gate.steps_after_hold() == 0
+    finally:
+        gate.remove()
+    assert gate.finals[rid] == EventKind.ABORTED
+
+
+# ---- a video job deleted while it runs ----
+
+
+@pytest.fixture(scope="module")
+def video_server(wan_tiny, tmp_path_factory):
+    settings = ServeSettings(model_name="tiny-wan", video_dir=str(tmp_path_factory.mktemp("videos")))
+    with live_server(wan_tiny, settings, max_batch_size=4) as srv:
+        yield srv
+
+
+def test_a_video_job_deleted_while_it_runs_takes_no_further_step(video_server):
+    client = openai.OpenAI(base_url=video_server.url + "/v1", api_key="unused", max_retries=0)
+    gate = EngineGate(video_server.engine)
+    try:
+        job = client.videos.create(prompt="long", size="32x32",
+                                   extra_body={"num_inference_steps": 1000, "max_sequence_length": 16})
+        wait_until(lambda: client.videos.retrieve(job.id).status == "in_progress", 60, "the job to start")
+        gate.hold()
+        assert client.videos.delete(job.id).deleted
+        wait_until(lambda: job.id in gate.aborted, 10, "the delete to abort the job's request")
+        gate.let_go()
+        assert gate.steps_after_hold() == 0
+    finally:
+        gate.remove()
+    assert gate.finals[job.id] == EventKind.ABORTED
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(job.id)
