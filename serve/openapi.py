@@ -5,13 +5,14 @@ FastAPI's generated schema documents a 422 the server never sends (validation er
 every 200 even where the answer is a PNG, an MP4, audio or Prometheus text. ``install(app)``
 replaces ``app.openapi`` with one that post-processes FastAPI's schema:
 
-* every error status a route can answer, each with the OpenAI error body (``ErrorResponse``);
+* every error status a route can answer (what its decorator declares, ``responses=errors(...)``, and
+  what the middleware adds: serve.route_errors), each with the OpenAI error body (``ErrorResponse``);
 * the real media types of non-JSON answers (``MEDIA``);
 * request bodies of routes that read their body themselves (the video routes take JSON or a form);
 * the server's own limits where a field carries one (the prompt length).
 
-A route added later (e.g. a WebSocket, which OpenAPI does not describe) gets the generic rules from
-``_statuses``; a non-JSON one adds a line to ``MEDIA``.
+A route added later declares its error statuses on its decorator (tests/test_route_errors.py checks
+them against its code); a non-JSON one adds a line to ``MEDIA``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
+from .route_errors import REASONS, middleware_errors
 from .routes import audio, speech
 from .routes.videos import VideoCreateRequest
 
@@ -37,15 +39,6 @@ ERROR_SCHEMA = {
     }},
 }
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
-REASONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or invalid API key",
-           404: "Unknown model, file, job or route", 405: "Method not allowed (see the Allow header)",
-           413: "Request body too large",
-           416: "The Range header's range is not within the file (see Content-Range: bytes */SIZE)",
-           429: "Queue, store or per-client limit full (see Retry-After)",
-           500: "The generation failed",
-           503: "Engine unavailable, request aborted, or a stage the request needs is down (code "
-                "stage_unavailable, with Retry-After: send it again then)",
-           504: "The server's request timeout passed"}
 AUDIO = ("audio/wav", "audio/flac", "audio/mpeg", "audio/ogg", "audio/pcm")
 BINARY = {"type": "string", "format": "binary"}
 SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"},
@@ -61,7 +54,7 @@ MEDIA = {
     ("post", "/v1/images/generations"): ("application/json", "text/event-stream"),
 }
 GENERATION = {"/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/audio/generate", "/v1/audio/speech"}
-# (method, path) of downloads that answer Range requests (serve/file_stream.py): 206 and 416 too
+# (method, path) of downloads that answer Range requests (serve/file_stream.py): 206 too (416: their errors)
 RANGED = {("get", "/v1/videos/{video_id}/content")}
 # links for stateful testing and for readers: (method, path) of a creating operation -> the operations
 # that take the id it answers with, and the path parameter that id fills
@@ -80,26 +73,10 @@ def _media_schema(media_type: str) -> dict:
 
 
 def _statuses(method: str, path: str, op: dict, open_paths: tuple) -> list[int]:
-    """The error statuses an operation can answer."""
-    codes = [500]
-    if path not in open_paths:
-        codes.append(401)
-    has_input = bool(op.get("parameters")) or "requestBody" in op
-    if has_input:
-        codes.append(400)
-    if "{" in path or path in GENERATION or path.startswith("/v1/audio/voices"):
-        codes.append(404)  # an unknown id, or a model that is not served
-    if method in ("post", "put", "patch"):
-        codes.append(413)
-    if path in GENERATION and method == "post":
-        codes += [429, 503]
-        if path != "/v1/videos":  # a video job answers at once; its timeout shows in the job
-            codes.append(504)
-    if (method, path) in RANGED:
-        codes.append(416)
-    if path in ("/health", "/healthz"):  # liveness: 200, or 503 when the engine loop is down
-        codes = [503]
-    return sorted(set(codes))
+    """The error statuses an operation can answer: those its route declares (``responses=errors(...)``,
+    serve.route_errors) and those the middleware adds."""
+    declared = {int(code) for code in op.get("responses", {}) if code[0] in "45"}
+    return sorted(declared | middleware_errors(method, path, open_paths))
 
 
 def _body_models(app: FastAPI) -> list[type[BaseModel]]:
@@ -161,6 +138,7 @@ def _document(method: str, path: str, op: dict, open_paths: tuple) -> None:
         responses.setdefault("206", part)
     for code in _statuses(method, path, op, open_paths):
         entry = {"description": REASONS[code], "content": {"application/json": {"schema": ERROR_REF}}}
+        responses.pop(str(code), None)  # a route's declaration: documented with the error body
         if code == 429 or (code == 503 and path in GENERATION):  # (a 503 has it when a stage is down)
             entry["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds to wait"}}
         responses.setdefault(str(code), entry)

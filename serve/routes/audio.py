@@ -22,6 +22,7 @@ from dit_core.params import MAX_SEED, MAX_STEPS
 from ..errors import APIError
 from ..guards import Deadline, check_prompts, check_steps, faults_of
 from ..schemas import json_int
+from ..route_errors import errors
 from .images import _until_final
 
 router = APIRouter()
@@ -103,7 +104,7 @@ def check_queue(state) -> None:
                        None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
 
 
-@router.post("/v1/audio/generate")
+@router.post("/v1/audio/generate", responses=errors(400, 404, 429, 503, 504))
 async def generate_audio(body: AudioGenerateRequest, request: Request):
     state = request.app.state
     name = find_model(request, body.model, "audio", "/v1/audio/generate",

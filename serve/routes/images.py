@@ -23,12 +23,14 @@ from ..models import resolve_model
 from ..files import png_bound
 from ..guards import Deadline, check_model_work, faults_of, until_deadline, watch
 from ..schemas import ImageData, ImageGenerationRequest, ImagesResponse
+from ..route_errors import errors
 
 router = APIRouter()
 logger = logging.getLogger("omnidit.serve")
 
 
-@router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True)
+@router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True,
+             responses=errors(400, 404, 429, 503, 504))
 async def create_image(body: ImageGenerationRequest, request: Request):
     state = request.app.state
     settings, client = state.settings, state.client
@@ -61,7 +63,7 @@ async def create_image(body: ImageGenerationRequest, request: Request):
     return ImagesResponse(created=int(time.time()), data=data)
 
 
-@router.get("/v1/files/{file_id}")
+@router.get("/v1/files/{file_id}", responses=errors(404))
 async def get_file(file_id: str, request: Request):
     item = request.app.state.files.get(file_id, owner_of(request))  # another key's file: 404
     if item is None:

@@ -50,6 +50,7 @@ from ..errors import APIError, count_error, error_response
 from ..models import resolve_model
 from ..openpi_wire import WireError, pack, unpack
 from ..robot_session import RobotSession
+from ..route_errors import errors
 
 router = APIRouter()
 logger = logging.getLogger("omnidit.serve.robot")
@@ -59,7 +60,7 @@ SUBPROTOCOL = "omnidit.openpi"  # accepted when offered (a browser must get one 
 KEY_SUBPROTOCOL = "omnidit.key."  # + base64url(key): the API key from a browser (see the docstring)
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses=errors(503))
 async def healthz(request: Request):
     """Liveness for robot deployments (openpi's server answers this path)."""
     if request.app.state.client.is_alive:

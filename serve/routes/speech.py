@@ -35,6 +35,7 @@ from dit_core.audio import StreamEncoder, Waveform, content_type, encode
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..guards import Deadline, check_prompts, check_steps, until_deadline, watch
 from ..schemas import json_int
+from ..route_errors import errors
 from .audio import check_queue, find_model, is_speech
 
 router = APIRouter()
@@ -107,7 +108,7 @@ def _note_first_bytes(state, model: str, rid: str) -> None:
         service.timelines.setdefault(rid, {}).setdefault("first_bytes", time.perf_counter())
 
 
-@router.get("/v1/audio/voices")
+@router.get("/v1/audio/voices", responses=errors(400, 404))
 async def list_voices(request: Request, model: str | None = None):
     models = request.app.state.client.models
     names = [find_model(request, model, "audio", "/v1/audio/voices", check=is_speech)] if model else \
@@ -120,7 +121,7 @@ async def list_voices(request: Request, model: str | None = None):
     return {"object": "list", "data": data}
 
 
-@router.post("/v1/audio/speech")
+@router.post("/v1/audio/speech", responses=errors(400, 404, 429, 503, 504))
 async def create_speech(body: SpeechRequestBody, request: Request):
     state = request.app.state
     name = find_model(request, body.model, "audio", "/v1/audio/speech", check=is_speech)

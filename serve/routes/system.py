@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import APIError, error_response
 from ..schemas import MAX_N, ModelCard, ModelDetail, ModelList
+from ..route_errors import errors
 
 router = APIRouter()
 
@@ -22,7 +23,7 @@ async def list_models(request: Request):
                            for public, name in state.model_ids.items()])
 
 
-@router.get("/v1/models/{model_id}", response_model=ModelDetail)
+@router.get("/v1/models/{model_id}", response_model=ModelDetail, responses=errors(404))
 async def describe_model(model_id: str, request: Request):
     """One model: its kind, the family, its defaults and the limits a request must respect."""
     state = request.app.state
@@ -36,7 +37,7 @@ async def describe_model(model_id: str, request: Request):
     return ModelDetail(id=model_id, created=state.started, kind=family.output_kind, details=details)
 
 
-@router.get("/health")
+@router.get("/health", responses=errors(503))
 async def health(request: Request):
     if not request.app.state.client.is_alive:
         return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")

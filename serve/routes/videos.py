@@ -27,6 +27,7 @@ from ..auth import owner_of
 from ..errors import APIError
 from ..file_stream import FileStreamResponse, RangeNotSatisfiable, open_stored
 from ..guards import Deadline, check_prompts, check_work, faults_of
+from ..route_errors import errors
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
 
@@ -180,7 +181,7 @@ def _mp4(fps: int, faults, prompt: str):
     return encode
 
 
-@router.post("/v1/videos")
+@router.post("/v1/videos", responses=errors(400, 404, 429, 503))
 async def create_video(request: Request):
     state = request.app.state
     body = await read_body(request)
@@ -202,7 +203,7 @@ async def create_video(request: Request):
     return job.to_dict()
 
 
-@router.post("/v1/videos/sync")
+@router.post("/v1/videos/sync", responses=errors(400, 404, 429, 503, 504))
 async def create_video_sync(request: Request):
     """Generate and answer with the MP4 bytes (no job is stored); a disconnect aborts the request."""
     state = request.app.state
@@ -217,7 +218,7 @@ async def create_video_sync(request: Request):
         "X-Request-Id": rid, "X-Num-Frames": str(p.num_frames), "X-Fps": str(fps), "X-Seed": str(p.seed)})
 
 
-@router.get("/v1/videos")
+@router.get("/v1/videos", responses=errors(400))
 async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
                       order: Literal["asc", "desc"] = "desc"):
     jobs, more = request.app.state.videos.list(limit, after, order, owner=owner_of(request))  # the caller's
@@ -234,14 +235,14 @@ def _job(request: Request, video_id: str):
     return job
 
 
-@router.get("/v1/videos/{video_id}")
+@router.get("/v1/videos/{video_id}", responses=errors(404))
 async def retrieve_video(video_id: str, request: Request):
     job = _job(request, video_id)
     headers = {"openai-poll-after-ms": str(POLL_AFTER_MS)} if job.status in ("queued", "in_progress") else {}
     return JSONResponse(job.to_dict(), headers=headers)
 
 
-@router.get("/v1/videos/{video_id}/content")
+@router.get("/v1/videos/{video_id}/content", responses=errors(400, 404, 416))
 async def download_video(video_id: str, request: Request, variant: str = "video"):
     job = _job(request, video_id)
     if variant != "video":
@@ -265,7 +266,7 @@ async def download_video(video_id: str, request: Request, variant: str = "video"
                        headers={"Content-Range": f"bytes */{e.size}"}) from None
 
 
-@router.delete("/v1/videos/{video_id}")
+@router.delete("/v1/videos/{video_id}", responses=errors(404))
 async def delete_video(video_id: str, request: Request):
     """Delete a job and its file; a job still running is aborted in the engine first."""
     state = request.app.state
