@@ -20,6 +20,7 @@ from .guards import ClientLimitMiddleware, faults_of
 from .live_stats import LiveStats
 from .memory import MemoryKeeper
 from .models import served_models
+from .robot_limits import SessionSlots, default_max_sessions
 from .routes import audio, images, robot, speech, stats, system, videos
 from .traffic import CountMiddleware
 from .video_jobs import VideoJobStore
@@ -54,10 +55,13 @@ class ServeSettings:
     max_pixel_steps: int = 1 << 42
     max_steps: int = 1000  # num_inference_steps a request may ask (every route)
     # the OpenPI robot WebSocket (serve.routes.robot): default latency budget per observation
-    # (None: bulk work), idle close, largest frame accepted
+    # (None: bulk work), the floor a client's deadline_ms is raised to, idle close, largest frame
+    # accepted (MiB), sessions open at once (default: 8 per CPU core, at least 16)
     robot_deadline_ms: float | None = 1000.0
+    robot_min_deadline_ms: float = 10.0
     robot_idle_timeout_s: float = 300.0
-    robot_max_frame_bytes: int = 64 << 20
+    max_ws_frame_mb: float = 4.0
+    max_robot_sessions: int = field(default_factory=default_max_sessions)
     # resident memory (serve.memory): freeze startup objects out of the cyclic collector's view while the
     # server runs, and give the allocator's free pages back to the system every so many seconds (0: never)
     gc_freeze: bool = True
@@ -88,6 +92,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.state.client = client  # what the routes use
     app.state.engine = engine if isinstance(engine, AsyncEngine) else None  # the in-process engine, if any
     app.state.settings = settings
+    app.state.robot_sessions = SessionSlots(settings.max_robot_sessions)  # open robot sockets (routes.robot)
     app.state.keys = keys  # None: an open server (serve.auth)
     app.state.files = FileStore(settings.max_files, settings.file_ttl_s, settings.max_file_bytes)
     app.state.metrics = client.make_metrics()

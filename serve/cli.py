@@ -13,6 +13,7 @@ from .cli_tools import add_model_tools
 from .cli_train import add_training_commands
 from .quiet import quiet_third_party
 from .ray_flags import add_ray_args, ray_requested
+from .robot_limits import default_max_sessions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--robot-idle-timeout", type=float, default=300.0,
                      help="robot WebSocket: close a connection that sends no frame for this many seconds "
                           "(default 300)")
-    srv.add_argument("--robot-max-frame-bytes", type=int, default=64 << 20,
-                     help="robot WebSocket: larger frames get an error text frame and close 1011 (default 64 MiB)")
+    srv.add_argument("--robot-min-deadline-ms", type=float, default=10.0,
+                     help="robot WebSocket: the tightest latency budget a client may claim; a deadline_ms below it "
+                          "(?deadline_ms= or a frame's) is raised to it, not refused, and the budget used is what "
+                          "the session metadata and each reply's server_timing.deadline_ms show; 0: no floor "
+                          "(default 10)")
+    srv.add_argument("--max-ws-frame-mb", type=float, default=4.0,
+                     help="robot WebSocket: the largest frame in MiB; a larger one gets an error text frame and close "
+                          "1011, one over twice it is cut at the WebSocket layer (close 1009). The default, 4, is "
+                          "about 14x what two 224x224x3 uint8 images plus a 32-float state and a prompt take "
+                          "(301,597 bytes = 0.29 MiB packed)")
+    srv.add_argument("--max-robot-sessions", type=int, default=default_max_sessions(),
+                     help="robot WebSocket: sessions open at once; one more is refused at the handshake with 429 "
+                          "too_many_robot_sessions (each session has at most one frame in flight; a second is "
+                          "answered with a 'busy' error frame, not queued) (default: 8 per CPU core, at least 16: "
+                          "%(default)s here)")
     srv.add_argument("--max-file-bytes", type=int, default=256 << 20,
                      help="bytes of url images kept at most; the oldest go first, and a request whose PNGs could "
                           "exceed it is refused with 400 (default 256 MiB)")
@@ -224,7 +238,8 @@ def cmd_serve(args) -> int:
                              max_videos=args.max_videos, max_video_bytes=args.max_video_bytes,
                              video_ttl_s=args.video_ttl, robot_deadline_ms=args.robot_deadline_ms or None,
                              robot_idle_timeout_s=args.robot_idle_timeout,
-                             robot_max_frame_bytes=args.robot_max_frame_bytes,
+                             robot_min_deadline_ms=args.robot_min_deadline_ms, max_ws_frame_mb=args.max_ws_frame_mb,
+                             max_robot_sessions=args.max_robot_sessions,
                              max_inflight_per_client=args.max_inflight_per_client,
                              max_pixel_steps=args.max_pixel_steps, max_steps=args.max_steps,
                              gc_freeze=args.gc_freeze, malloc_trim_s=args.malloc_trim_interval)

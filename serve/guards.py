@@ -53,6 +53,17 @@ def check_steps(settings, steps: int | None) -> None:
                        "invalid_request_error", "num_inference_steps", "invalid_value")
 
 
+def check_queue(state) -> None:
+    """429 ``queue_full`` + Retry-After when ``max_queue`` requests already wait for admission (robot
+    frames obey it too: serve.routes.robot)."""
+    settings = state.settings
+    waiting = state.client.num_waiting()
+    if waiting >= settings.max_queue:
+        raise APIError(429, f"the queue is full ({waiting} requests waiting; the limit is --max-queue="
+                            f"{settings.max_queue}); retry later", "rate_limit_error", None, "queue_full",
+                       headers={"Retry-After": str(settings.retry_after_s)})
+
+
 def check_work(settings, params) -> None:
     """400 naming ``num_inference_steps`` when a resolved request asks more steps than ``max_steps`` or more
     pixel-steps than ``max_pixel_steps``."""
@@ -69,7 +80,9 @@ def check_work(settings, params) -> None:
 
 class ClientLimitMiddleware:
     """429 ``too_many_requests`` when one client (by address) already has ``max_inflight`` POSTs
-    in flight. A request counts until its answer, streamed or not, has been sent."""
+    in flight or WebSocket sessions open (a robot session holds at most one request in the engine at a
+    time, see serve.routes.robot). A request counts until its answer, streamed or not, has been sent; a
+    WebSocket session until it closes. A refused WebSocket handshake gets the 429 as its HTTP answer."""
 
     def __init__(self, app, max_inflight: int, retry_after_s: int = 1):
         self.app, self.max_inflight, self.retry_after_s = app, max_inflight, retry_after_s
@@ -77,7 +90,8 @@ class ClientLimitMiddleware:
         self._lock = threading.Lock()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        websocket = scope["type"] == "websocket"
+        if not websocket and (scope["type"] != "http" or scope.get("method") != "POST"):
             return await self.app(scope, receive, send)
         client = (scope.get("client") or ("unknown", 0))[0]
         with self._lock:
@@ -86,9 +100,12 @@ class ClientLimitMiddleware:
                 self.inflight[client] = n + 1
         if n >= self.max_inflight:
             count_error(scope.get("app"), "too_many_requests")
-            response = error_response(429, f"this client already has {n} requests in flight (the limit is "
-                                           f"{self.max_inflight}); wait for one to finish", "rate_limit_error",
-                                      None, "too_many_requests", {"Retry-After": str(self.retry_after_s)})
+            message = (f"this client already has {n} requests in flight or WebSocket sessions open (the limit is "
+                       f"{self.max_inflight}, --max-inflight-per-client); wait for one to finish")
+            if websocket and "websocket.http.response" not in scope.get("extensions", {}):
+                return await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+            response = error_response(429, message, "rate_limit_error", None, "too_many_requests",
+                                      {"Retry-After": str(self.retry_after_s)})
             return await response(scope, receive, send)
         try:
             await self.app(scope, receive, send)

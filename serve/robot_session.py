@@ -8,6 +8,11 @@ sees the observation):
   and is answered with ``{"reset": true}``. The stock client's ``reset()`` sends nothing, so a
   robot calls ``policy.infer({"reset": True})`` at the start of each episode.
 * ``deadline_ms``: this frame's latency budget (default: the connection's, ``?deadline_ms=``).
+  A budget below the server's floor (``--robot-min-deadline-ms``) is raised to the floor, not
+  refused: under ``edf`` a tighter deadline would put the robot ahead of everyone else's work, so a
+  client may not claim one tighter than the server allows. The connection's budget is clamped the
+  same way; the metadata frame's ``session`` and each reply's ``server_timing.deadline_ms`` carry
+  the budget actually used.
 * ``seed``: the sampling seed of this chunk (default: a per-session counter from ``?seed=``).
 * ``num_inference_steps``: denoising steps (default: the policy's).
 
@@ -63,6 +68,7 @@ class RobotSession:
     model: str  # the engine's model name
     action_horizon: int
     deadline_ms: float | None = None
+    min_deadline_ms: float = 0.0  # the server's floor: tighter budgets are raised to it
     seed: int = 0
     rtc_delay: int = 0
     exec_horizon: int | None = None
@@ -72,9 +78,13 @@ class RobotSession:
     client_id: str = field(default_factory=lambda: f"robot-{uuid.uuid4().hex[:12]}")
 
     @classmethod
-    def from_query(cls, query: dict, model: str, action_horizon: int, default_deadline_ms: float | None):
-        """The session a connection's query string asks for (``InvalidParamError`` names a bad one)."""
+    def from_query(cls, query: dict, model: str, action_horizon: int, default_deadline_ms: float | None,
+                   min_deadline_ms: float = 0.0):
+        """The session a connection's query string asks for (``InvalidParamError`` names a bad one);
+        a deadline below ``min_deadline_ms`` is raised to it."""
         deadline = _query_number(query, "deadline_ms", default_deadline_ms, 0.001, 3.6e6)
+        if deadline is not None:
+            deadline = max(float(deadline), min_deadline_ms)
         seed = _query_number(query, "seed", 0, 0, MAX_SEED, integer=True)
         delay = _query_number(query, "rtc_delay", 0, 0, action_horizon - 1, integer=True)
         horizon = _query_number(query, "exec_horizon", None, 1, action_horizon, integer=True)
@@ -84,12 +94,12 @@ class RobotSession:
         if delay and horizon is not None and action_horizon - horizon < delay:
             raise InvalidParamError("exec_horizon", horizon, f"at most {action_horizon - delay} (action_horizon - "
                                                              f"rtc_delay) so the old chunk covers the delay")
-        return cls(model, action_horizon, deadline, seed, delay, horizon)
+        return cls(model, action_horizon, deadline, min_deadline_ms, seed, delay, horizon)
 
     def describe(self) -> dict:
         """What the metadata frame tells the client about its session."""
-        return {"deadline_ms": self.deadline_ms, "seed": self.seed, "rtc_delay": self.rtc_delay,
-                "exec_horizon": self.exec_horizon, "reset_frame": {"reset": True},
+        return {"deadline_ms": self.deadline_ms, "min_deadline_ms": self.min_deadline_ms, "seed": self.seed,
+                "rtc_delay": self.rtc_delay, "exec_horizon": self.exec_horizon, "reset_frame": {"reset": True},
                 "control_keys": list(CONTROL_KEYS)}
 
     def reset(self) -> None:
@@ -109,7 +119,7 @@ class RobotSession:
         obs = {k: v for k, v in frame.items() if k not in CONTROL_KEYS}
         deadline = frame.get("deadline_ms", self.deadline_ms)
         if deadline is not None:
-            deadline = float(_number("deadline_ms", deadline, 0.001, 3.6e6))
+            deadline = max(float(_number("deadline_ms", deadline, 0.001, 3.6e6)), self.min_deadline_ms)
         seed = frame.get("seed")
         seed = _number("seed", seed, 0, MAX_SEED, integer=True) if seed is not None else \
             (self.seed + self.frames) % (MAX_SEED + 1)

@@ -12,12 +12,14 @@ import uvicorn
 from dit_core import AsyncEngine, Engine
 
 from .app import ServeSettings, create_app
+from .robot_limits import frame_limit_bytes
 
 
 def ws_options(settings: ServeSettings) -> dict:
-    """uvicorn's WebSocket limit: above the robot socket's own frame limit, so that an oversized
-    frame gets the socket's error text frame (frames over twice the limit are cut by uvicorn, 1009)."""
-    return {"ws_max_size": 2 * settings.robot_max_frame_bytes}
+    """uvicorn's WebSocket limit: twice the robot socket's own (``--max-ws-frame-mb``), so that a frame
+    somewhat over the limit gets the socket's error text frame naming it, while one over twice the limit
+    is cut by uvicorn (close 1009) before it is held in memory (uvicorn's own default is 16 MiB)."""
+    return {"ws_max_size": 2 * frame_limit_bytes(settings)}
 
 
 def serve(models, host: str = "127.0.0.1", port: int = 8000, settings: ServeSettings | None = None,

@@ -8,6 +8,7 @@ import time
 
 import uvicorn
 
+from dit_core.request import EventKind
 from serve.app import create_app
 from serve.server import ws_options
 
@@ -38,3 +39,29 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class HeldRequest:
+    """Engine event listener: the first step of a request with ``total`` steps holds the engine loop until
+    ``release`` is set (so a test can act while that request is in flight); records how it ended."""
+
+    def __init__(self, engine, total: int):
+        self.engine, self.total = engine, total
+        self.rid, self.final, self.steps = None, None, 0
+        self.running, self.release, self.ended = threading.Event(), threading.Event(), threading.Event()
+        engine.listeners.append(self)
+
+    def __call__(self, event):
+        if self.rid is None and event.kind == EventKind.STEP and event.total == self.total:
+            self.rid = event.request_id
+            self.running.set()
+            self.release.wait(30)
+        if event.request_id == self.rid:
+            self.steps = max(self.steps, event.step)
+            if event.kind.final:
+                self.final = event.kind
+                self.ended.set()
+
+    def remove(self):
+        self.release.set()
+        self.engine.listeners.remove(self)

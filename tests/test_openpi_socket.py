@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
-from robot_server import LiveServer
+from robot_server import HeldRequest, LiveServer
 from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK, InvalidStatus
 
 from benchmarks import soak_ws
@@ -25,7 +25,7 @@ from dit_core.zoo.train_policy import policy_config
 from serve.app import ServeSettings
 
 KEY = "robot-key"
-FRAME_LIMIT = 200_000
+FRAME_MB = 0.2  # 209,715 bytes
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,8 @@ def folders(tmp_path_factory, tiny_models):
 
 def live(folders, policy: str, **settings) -> LiveServer:
     engine = AsyncEngine(Engine.from_models(folders, policy=policy, max_batch_size=8, edf_bulk_every=4))
-    return LiveServer(engine, ServeSettings(api_key=KEY, robot_max_frame_bytes=FRAME_LIMIT, **settings))
+    # sessions: the tests' clients stay open until the server's idle timeout closes them
+    return LiveServer(engine, ServeSettings(api_key=KEY, max_ws_frame_mb=FRAME_MB, max_robot_sessions=64, **settings))
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +163,8 @@ def test_bad_frames_get_an_error_and_1011_and_others_carry_on(server, case):
     elif case == "bad_deadline":
         expect_error(policy, lambda: policy.infer(obs(3, deadline_ms=-5)), "deadline_ms")
     else:
-        o["observation/image"] = np.zeros((300, 300, 3), np.uint8)  # 270 kB > the test's 200 kB limit
-        expect_error(policy, lambda: policy.infer(o), "larger than the limit")
+        o["observation/image"] = np.zeros((300, 300, 3), np.uint8)  # 270 kB > the test's 0.2 MiB limit
+        expect_error(policy, lambda: policy.infer(o), "larger than the limit", "--max-ws-frame-mb=0.2")
     after = bystander.infer({"reset": True}) and bystander.infer(obs(3))["actions"]
     np.testing.assert_allclose(after, before, atol=1e-5)
 
@@ -300,15 +301,19 @@ def test_the_robot_loop_example_runs_against_the_server(server, capsys):
     assert "connected to reach" in out and "success" in out and "p95" in out and "deadline met" in out
 
 
-@pytest.mark.parametrize("field, value, flag", [("robot_deadline_ms", -1.0, "--robot-deadline-ms"),
-                                                 ("robot_idle_timeout_s", 0, "--robot-idle-timeout"),
-                                                 ("robot_max_frame_bytes", 0, "--robot-max-frame-bytes")])
-def test_bad_robot_settings_are_refused_at_startup_by_flag_name(server, field, value, flag):
+@pytest.mark.parametrize("fields, flag", [({"robot_deadline_ms": -1.0}, "--robot-deadline-ms"),
+                                          ({"robot_idle_timeout_s": 0}, "--robot-idle-timeout"),
+                                          ({"max_ws_frame_mb": 0}, "--max-ws-frame-mb"),
+                                          ({"max_robot_sessions": 0}, "--max-robot-sessions"),
+                                          ({"robot_min_deadline_ms": -1}, "--robot-min-deadline-ms"),
+                                          ({"robot_deadline_ms": 5.0, "robot_min_deadline_ms": 10.0},
+                                           "--robot-deadline-ms.*--robot-min-deadline-ms")])
+def test_bad_robot_settings_are_refused_at_startup_by_flag_name(server, fields, flag):
     from dit_core import InvalidParamError
     from serve.app import create_app
 
     with pytest.raises(InvalidParamError, match=flag):
-        create_app(server.engine, ServeSettings(**{field: value}), owns_engine=False)
+        create_app(server.engine, ServeSettings(**fields), owns_engine=False)
 
 
 def _ws_counts(server) -> collections.Counter:
@@ -346,32 +351,6 @@ def test_every_session_is_counted_once_with_its_outcome(server):
         time.sleep(0.05)
     assert new == collections.Counter(seen)
     assert after["open"] <= before["open"]  # none of these is still running
-
-
-class HeldRequest:
-    """Engine event listener: the first step of a request with ``total`` steps holds the engine loop until
-    ``release`` is set (so a test can act while that request is in flight); records how it ended."""
-
-    def __init__(self, engine, total: int):
-        self.engine, self.total = engine, total
-        self.rid, self.final, self.steps = None, None, 0
-        self.running, self.release, self.ended = threading.Event(), threading.Event(), threading.Event()
-        engine.listeners.append(self)
-
-    def __call__(self, event):
-        if self.rid is None and event.kind == EventKind.STEP and event.total == self.total:
-            self.rid = event.request_id
-            self.running.set()
-            self.release.wait(30)
-        if event.request_id == self.rid:
-            self.steps = max(self.steps, event.step)
-            if event.kind.final:
-                self.final = event.kind
-                self.ended.set()
-
-    def remove(self):
-        self.release.set()
-        self.engine.listeners.remove(self)
 
 
 def _request_counts(server) -> collections.Counter:

@@ -22,9 +22,23 @@ WebsocketClientPolicy`` works unchanged (give it ``host="ws://HOST:PORT/v1/realt
 5. an idle connection (no frame for ``robot_idle_timeout_s``) is closed with code 1000.
 6. a robot that disconnects while its observation is inferred aborts that engine request (counted
    ``aborted`` in ``omnidit_requests_total``; its session ``disconnected`` in
-   ``omnidit_ws_sessions_total``). The server reads at most one frame ahead: a frame sent before the
-   answer to the previous one is answered next (a disconnect after it is then seen once that answer
-   is done).
+   ``omnidit_ws_sessions_total``).
+
+Bounds (each a ``omnidit serve`` flag, the same with ``--replicas``, where the ingress runs this route):
+
+* ``--max-robot-sessions``: sessions open at once; one more is refused at the handshake with HTTP
+  429 ``too_many_robot_sessions`` (+ Retry-After; the stock client raises ``InvalidStatus``). A
+  session also counts against its address' ``--max-inflight-per-client`` (serve.guards) while open.
+* one frame in flight per session: a frame that arrives before the previous one is answered is not
+  queued; it gets a text frame ``busy: ...`` and is dropped, the session stays open and the first
+  frame is still answered (after that text frame).
+* ``--max-queue``: an observation that arrives while that many requests wait for admission gets a
+  text frame ``queue_full: ...`` (as HTTP's 429) and is not run; the session stays open, so the
+  robot may send it again. (These two refusals keep the session; every other error closes it.)
+* ``--max-ws-frame-mb``: a larger frame gets the error text frame and close 1011; one over twice
+  the limit is cut by the WebSocket layer first (close 1009). On Ray Serve the HTTP proxy keeps
+  uvicorn's default instead of twice the limit: it cuts frames over 16 MiB, whatever the flag.
+* ``--robot-min-deadline-ms``: a ``deadline_ms`` below it is raised to it (serve.robot_session).
 
 Each observation goes through ``app.state.client`` (an ``EngineClient``): the socket works the same on
 an in-process engine and on Ray Serve engine replicas (each observation's request runs in a replica).
@@ -47,8 +61,10 @@ from dit_core.errors import failed_error
 from dit_core.request import EventKind
 
 from ..errors import APIError, count_error, error_response
+from ..guards import check_queue
 from ..models import resolve_model
 from ..openpi_wire import WireError, pack, unpack
+from ..robot_limits import frame_limit_bytes
 from ..robot_session import RobotSession
 from ..route_errors import errors
 
@@ -58,6 +74,9 @@ PATH = "/v1/realtime/robot/openpi"
 INTERNAL_ERROR = 1011  # what openpi's server closes with after an error text frame
 SUBPROTOCOL = "omnidit.openpi"  # accepted when offered (a browser must get one of its offers back)
 KEY_SUBPROTOCOL = "omnidit.key."  # + base64url(key): the API key from a browser (see the docstring)
+MAX_FRAME_MB = 1024
+# refusals of one frame that keep the session open (the text frame starts with the code)
+BUSY, QUEUE_FULL = "busy", "queue_full"
 
 
 @router.get("/healthz", responses=errors(503))
@@ -75,9 +94,18 @@ def check_settings(settings) -> None:
         raise InvalidParamError("--robot-deadline-ms", d, "a number of milliseconds in (0, 3600000], or 0 for none")
     if not settings.robot_idle_timeout_s > 0:
         raise InvalidParamError("--robot-idle-timeout", settings.robot_idle_timeout_s, "a number of seconds > 0")
-    if isinstance(settings.robot_max_frame_bytes, bool) or not isinstance(settings.robot_max_frame_bytes, int) \
-            or settings.robot_max_frame_bytes < 1:
-        raise InvalidParamError("--robot-max-frame-bytes", settings.robot_max_frame_bytes, "an integer >= 1")
+    mb = settings.max_ws_frame_mb
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb <= MAX_FRAME_MB:
+        raise InvalidParamError("--max-ws-frame-mb", mb, f"a number of MiB in (0, {MAX_FRAME_MB}]")
+    n = settings.max_robot_sessions
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidParamError("--max-robot-sessions", n, "an integer >= 1")
+    floor = settings.robot_min_deadline_ms
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor <= 3.6e6:
+        raise InvalidParamError("--robot-min-deadline-ms", floor, "a number of milliseconds in [0, 3600000]")
+    if d is not None and d < floor:
+        raise InvalidParamError("--robot-deadline-ms", d,
+                                f"at least --robot-min-deadline-ms ({floor:g}), or 0 for none")
 
 
 def _subprotocol_key(ws: WebSocket) -> bytes | None:
@@ -122,6 +150,23 @@ async def robot_socket(ws: WebSocket):
         count_error(ws.app, "invalid_value")
         await _deny(ws, APIError(400, str(e), "invalid_request_error", e.field, "invalid_value"))
         return
+    slots = state.robot_sessions
+    if not slots.take():
+        count_error(ws.app, "too_many_robot_sessions")
+        await _deny(ws, APIError(429, f"the server already has {slots.open} robot sessions open (the limit is "
+                                      f"--max-robot-sessions={slots.limit}); retry later", "rate_limit_error", None,
+                                 "too_many_robot_sessions", headers={"Retry-After": str(settings.retry_after_s)}))
+        return
+    try:
+        await _run_session(ws, session)
+    finally:
+        slots.release()
+
+
+async def _run_session(ws: WebSocket, session: RobotSession) -> None:
+    """Accept the handshake, send the metadata frame, then answer frames one at a time until the robot
+    leaves, a frame is bad or the connection idles."""
+    state, settings = ws.app.state, ws.app.state.settings
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in (ws.scope.get("subprotocols") or ()) else None)
     public = next(p for p, n in state.model_ids.items() if n == session.model)
     await ws.send_bytes(pack({**_metadata(state.client.models[session.model]), "model": public,
@@ -129,7 +174,6 @@ async def robot_socket(ws: WebSocket):
     previous_end, receiving, answering = None, None, None
     try:
         while True:
-            # the next frame; while a frame is answered the receive goes on, to see the robot leave
             receiving = receiving or asyncio.ensure_future(ws.receive())
             if not (await asyncio.wait({receiving}, timeout=settings.robot_idle_timeout_s))[0]:
                 await ws.close(code=1000, reason="idle timeout")
@@ -139,13 +183,25 @@ async def robot_socket(ws: WebSocket):
                 return
             received = time.perf_counter()
             answering = asyncio.ensure_future(_answer(state, session, message))
-            receiving = asyncio.ensure_future(ws.receive())
-            await asyncio.wait({answering, receiving}, return_when=asyncio.FIRST_COMPLETED)
-            if not answering.done() and receiving.result()["type"] == "websocket.disconnect":
-                await _cancel(answering)  # leaving the engine's event stream aborts the request
-                return
+            # while a frame is answered the receive goes on: to see the robot leave, and to refuse (not
+            # queue) a frame sent before the answer
+            while True:
+                receiving = asyncio.ensure_future(ws.receive())
+                await asyncio.wait({answering, receiving}, return_when=asyncio.FIRST_COMPLETED)
+                if answering.done():
+                    break  # (a frame that came at the same moment waits in ``receiving``, answered next)
+                early, receiving = receiving.result(), None
+                if early["type"] == "websocket.disconnect" or not await _refuse(ws, BUSY, BUSY_MESSAGE):
+                    await _cancel(answering)  # leaving the engine's event stream aborts the request
+                    return
             try:
-                reply = await answering  # (a frame sent early waits in ``receiving``, answered next)
+                reply = answering.result()
+            except APIError as e:
+                if e.code == QUEUE_FULL and await _refuse(ws, QUEUE_FULL, e.message):
+                    continue
+                count_error(ws.app, e.code or "robot_bad_frame")
+                await _fail(ws, e.message)
+                return
             except (WireError, InvalidParamError, OmniditError) as e:
                 count_error(ws.app, "robot_bad_frame")
                 await _fail(ws, _message(e))
@@ -166,6 +222,20 @@ async def robot_socket(ws: WebSocket):
                 task.cancel()
 
 
+BUSY_MESSAGE = ("a frame arrived while this session's previous frame was still being answered; it was dropped, not "
+                "queued (one frame in flight per session): wait for each answer before sending the next frame")
+
+
+async def _refuse(ws: WebSocket, code: str, message: str) -> bool:
+    """Refuse one frame with the text frame ``CODE: message``, keeping the session; False if the robot is gone."""
+    count_error(ws.app, f"robot_{code}")
+    try:
+        await ws.send_text(f"{code}: {message}")
+        return True
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        return False
+
+
 async def _cancel(task: asyncio.Task) -> None:
     """Cancel ``task`` and wait for it to end (its cleanup, e.g. the engine abort, has then run)."""
     task.cancel()
@@ -176,7 +246,9 @@ def _open_session(ws: WebSocket) -> RobotSession:
     state = ws.app.state
     name = resolve_model(state, ws.query_params.get("model"), "actions")
     horizon = state.client.models[name].describe()["action_horizon"]
-    return RobotSession.from_query(dict(ws.query_params), name, horizon, state.settings.robot_deadline_ms)
+    settings = state.settings
+    return RobotSession.from_query(dict(ws.query_params), name, horizon, settings.robot_deadline_ms,
+                                   settings.robot_min_deadline_ms)
 
 
 def _metadata(model) -> dict:
@@ -204,14 +276,16 @@ async def _answer(state, session: RobotSession, message: dict) -> dict:
     data = message.get("bytes")
     if data is None:
         raise WireError("expected a binary msgpack frame, got a text frame")
-    limit = state.settings.robot_max_frame_bytes
+    limit = frame_limit_bytes(state.settings)
     if len(data) > limit:
-        raise WireError(f"frame of {len(data)} bytes is larger than the limit of {limit} bytes")
+        raise WireError(f"frame of {len(data)} bytes is larger than the limit of {limit} bytes "
+                        f"(--max-ws-frame-mb={state.settings.max_ws_frame_mb:g})")
     frame = unpack(data)
     if session.is_reset(frame):
         session.reset()
         return {"reset": True}
     obs, params = session.request(frame)
+    check_queue(state)  # robot frames obey --max-queue as HTTP requests do (a refusal keeps the session)
     output = await _generate(state.client, obs, params, session.model)
     actions = np.asarray(output.actions, dtype=np.float32)
     session.answered(actions)
@@ -226,7 +300,7 @@ async def _deny(ws: WebSocket, e: APIError) -> None:
     """Refuse the handshake with the HTTP error (status and JSON body as the HTTP routes give);
     servers without the denial-response extension send a bare 403."""
     try:
-        await ws.send_denial_response(error_response(e.status, e.message, e.type, e.param, e.code))
+        await ws.send_denial_response(error_response(e.status, e.message, e.type, e.param, e.code, e.headers))
     except RuntimeError:
         await ws.close(code=1008)
 
