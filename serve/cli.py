@@ -92,11 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with a positional model folder: the model id clients send and /v1/models lists "
                           "(default: the folder's name)")
     srv.add_argument("--max-queue", type=int, default=64,
-                     help="requests waiting for admission before 429 + Retry-After (default 64)")
+                     help="requests waiting for admission before 429 + Retry-After; a robot observation then gets a "
+                          "'queue_full' error frame and its session stays open (default 64)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
     srv.add_argument("--max-prompt-chars", type=int, default=4000, help="longer prompts get 400 (default 4000)")
     srv.add_argument("--max-inflight-per-client", type=int, default=64,
-                     help="POST requests one client address may have in flight before 429 (default 64; 0: no limit)")
+                     help="POST requests in flight plus WebSocket (robot) sessions open that one client address may "
+                          "have before 429 (default 64; 0: no limit)")
     srv.add_argument("--max-pixel-steps", type=int, default=1 << 42,
                      help="work one request may ask: outputs x width x height x frames x steps; more is a 400 "
                           "(default 2^42; 0: no limit)")
