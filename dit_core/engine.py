@@ -140,38 +140,8 @@ class Engine:
     @classmethod
     def from_models(cls, paths: dict[str, str | Path], **config) -> "Engine":
         """Load several model folders under names (``{"digits": path_a, "reach": path_b}``) into
-        one engine: one step loop, one scheduler."""
-        if not isinstance(paths, dict) or not paths:
-            raise InvalidParamError("models", paths, "a non-empty {name: model folder} mapping")
-        cfg = EngineConfig(**config)
-        if cfg.dtype == "auto" and (cfg.offload.streams_blocks or cfg.max_resident_gb is not None):
-            # measuring would load every block at once, which the memory budget exists to avoid
-            logger.info("dtype auto -> float32: block offload is on, so the model is not loaded whole to measure")
-            cfg.dtype = "float32"
-        elif cfg.dtype == "auto":  # measured once per machine and model (dit_core.dtype_auto)
-            from .dtype_auto import resolve
-
-            cfg.dtype = resolve(paths, config)
-        options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization,
-                   on_failure=cfg.thinker_on_failure)
-        models = {}
-        try:
-            for name, path in paths.items():
-                if not isinstance(name, str) or not name.strip():
-                    raise InvalidParamError("models", name, "a non-empty model name")
-                with component_loader(offload_loader(cfg)):  # offload: leave streamed blocks unread
-                    models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device), cfg.thinker,
-                                               options)
-                apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
-                cpu_linear.apply(models[name], cfg, name)  # EngineConfig.cpu_linear: oneDNN-packed linears
-                apply_offload(models[name], cfg)  # after loading, before the engine sees the family
-                after_loading()  # the reuse allocator forgets what loading freed
-        except BaseException:
-            for family in models.values():
-                release_offload(family)
-                family.close()
-            raise
-        return cls(models, cfg)
+        one engine: one step loop, one scheduler (``load_engine``, the one loading path)."""
+        return load_engine(paths, config)
 
     @property
     def family(self) -> Family:
@@ -352,6 +322,54 @@ class Engine:
             if ev.kind == EventKind.ABORTED:
                 raise RequestAbortedError(req.id, ev.error)
         return [finals[r.id].output for r in requests]
+
+
+def load_engine(paths: dict[str, str | Path], options: dict | None = None, thinkers: dict | None = None) -> Engine:
+    """Model folders (name -> folder) and ``EngineConfig`` fields (``options``) -> a ready engine.
+
+    The one loading path: ``Engine.from_pretrained`` / ``from_models``, the ``omnidit`` commands, the
+    benchmarks and the Ray Serve replicas all build their engines here, so every setting means the
+    same everywhere. In order: ``dtype="auto"`` resolved; the heap (``malloc_mmap_threshold``) and the
+    CPU allocator (``cpu_allocator``) set up and the offload loader chosen (``offload_loader``); each
+    model loaded, quantized (``quant``), its linears packed (``cpu_linear``) and its offload attached;
+    then the engine. ``thinkers``: model name -> a ready ``ar_adapters.Thinker`` that model uses instead
+    of the one ``thinker`` would build (a Ray replica's shared thinker stage)."""
+    if not isinstance(paths, dict) or not paths:
+        raise InvalidParamError("models", paths, "a non-empty {name: model folder} mapping")
+    options = dict(options or {})
+    cfg = EngineConfig(**options)
+    thinkers = dict(thinkers or {})
+    unknown = set(thinkers) - set(paths)
+    if unknown:
+        raise InvalidParamError("thinkers", sorted(unknown), f"names among the models {sorted(paths)}")
+    if cfg.dtype == "auto" and (cfg.offload.streams_blocks or cfg.max_resident_gb is not None):
+        # measuring would load every block at once, which the memory budget exists to avoid
+        logger.info("dtype auto -> float32: block offload is on, so the model is not loaded whole to measure")
+        cfg.dtype = "float32"
+    elif cfg.dtype == "auto":  # measured once per machine and model (dit_core.dtype_auto)
+        from .dtype_auto import resolve
+
+        cfg.dtype = resolve(paths, options)
+    stage_options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization,
+                         on_failure=cfg.thinker_on_failure)
+    models = {}
+    try:
+        for name, path in paths.items():
+            if not isinstance(name, str) or not name.strip():
+                raise InvalidParamError("models", name, "a non-empty model name")
+            with component_loader(offload_loader(cfg)):  # offload: leave streamed blocks unread
+                models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device),
+                                           thinkers.get(name, cfg.thinker), stage_options)
+            apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
+            cpu_linear.apply(models[name], cfg, name)  # EngineConfig.cpu_linear: oneDNN-packed linears
+            apply_offload(models[name], cfg)  # after loading, before the engine sees the family
+            after_loading()  # the reuse allocator forgets what loading freed
+        return Engine(models, cfg)
+    except BaseException:
+        for family in models.values():
+            release_offload(family)
+            family.close()
+        raise
 
 
 def require_policy(family: Family, name: str) -> None:

@@ -22,8 +22,9 @@ def faults_of(state):
 
 
 def check_model_work(state, model: str, params) -> None:
-    """``check_work`` on the request resolved by its model (an in-process engine); on remote replicas,
-    which resolve a request themselves, the step bound alone."""
+    """``check_work`` on the request resolved by its model (an in-process engine); on Ray Serve replicas,
+    which resolve a request themselves, the step bound here and ``check_work`` in the replica that takes
+    the request (``EngineReplica.generate``, with the same settings)."""
     engine = getattr(state, "engine", None)
     if engine is not None:
         check_work(state.settings, engine.engine.models[model].resolve(params))

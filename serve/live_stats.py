@@ -8,6 +8,7 @@ import threading
 import time
 
 from dit_core import AsyncEngine
+from dit_core.effective_config import effective_config
 from dit_core.request import RequestEvent
 
 WINDOW_S = 5.0  # steps/s and the peak batch size are taken over the last WINDOW_S seconds
@@ -91,4 +92,7 @@ class LiveStats:
             },
             "requests": {"in_flight": self.engine.num_unfinished, "finished": outcomes.get("finished", 0),
                          "aborted": outcomes.get("aborted", 0), "failed": outcomes.get("failed", 0)},
+            # every EngineConfig field as this engine runs it (dtype auto measured, cpu_linear and
+            # cpu_allocator as applied, offload with its blocks, ...): dit_core.effective_config
+            "config": effective_config(self.engine.engine),
         }

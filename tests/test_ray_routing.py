@@ -147,13 +147,25 @@ def test_build_app_takes_serve_run_style_string_args():
         ScaleOutConfig.from_args({"models": "digits", "replicas": "two"})
 
 
-def _replica_snapshot(rid: str, batches: list[int], finished: int, hits: int) -> dict:
-    """A real ``LiveStats.snapshot()`` of an engine that ran ``batches`` (requests per forward)."""
+@pytest.fixture(scope="module")
+def digits_engine():
+    from dit_core import Engine
+    from dit_core.zoo import default_model
+
+    engine = Engine.from_models({"digits": default_model()}, thinker="hf")
+    yield engine
+    engine.close()
+
+
+def _replica_snapshot(rid: str, batches: list[int], finished: int, hits: int, built) -> dict:
+    """A real ``LiveStats.snapshot()`` of an engine that ran ``batches`` (requests per forward); its
+    settings (the snapshot's ``config``) are those of ``built``, a real engine."""
     from serve.live_stats import LiveStats
 
     cache = SimpleNamespace(stats=lambda: {"hits": hits, "misses": 1, "entries": 2, "bytes": 100})
     engine = SimpleNamespace(step_listeners=[], listeners=[], num_unfinished=1, engine=SimpleNamespace(
-        scheduler=SimpleNamespace(running=[object()]), prompt_cache=cache, config=SimpleNamespace(cache="none")))
+        scheduler=SimpleNamespace(running=[object()], max_batch=built.scheduler.max_batch), prompt_cache=cache,
+        config=built.config, models=built.models, attention_by_model=built.attention_by_model))
     live = LiveStats(engine)
     for i, n in enumerate(batches):
         live.on_step(SimpleNamespace(step_ms=[10.0], batch_sizes=[n], batch_rows=[2 * n], rows_skipped=[0],
@@ -163,10 +175,11 @@ def _replica_snapshot(rid: str, batches: list[int], finished: int, hits: int) ->
     return {"replica": rid, **live.snapshot()}
 
 
-def test_engine_stats_merge_every_replica_into_the_single_process_shape():
+def test_engine_stats_merge_every_replica_into_the_single_process_shape(digits_engine):
+    from dit_core.effective_config import effective_config
     from serve.ray_app.stats_merge import merge_snapshots
 
-    a, b = _replica_snapshot("r1", [1, 3], 2, 3), _replica_snapshot("r2", [2], 1, 0)
+    a, b = _replica_snapshot("r1", [1, 3], 2, 3, digits_engine), _replica_snapshot("r2", [2], 1, 0, digits_engine)
     merged = merge_snapshots([b, a])
     assert set(merged) == set(a) - {"replica"} | {"replicas"}  # what the panel reads, and each replica
     assert set(merged["steps"]) == set(a["steps"]) and set(merged["step_cache"]) == set(a["step_cache"])
@@ -178,3 +191,7 @@ def test_engine_stats_merge_every_replica_into_the_single_process_shape():
     assert sorted((r["replica"], r["batch_size"]) for r in merged["steps"]["recent"]) == [("r1", 1), ("r1", 3),
                                                                                          ("r2", 2)]
     assert merge_snapshots([])["steps"]["total"] == 0  # no replica answered
+    # the replicas' effective engine settings: one section when they agree, else None (each replica has its own)
+    assert merged["config"] == a["config"] == effective_config(digits_engine) and a["config"]["cpu_linear"]
+    other = {**b, "config": {**b["config"], "cpu_linear": {"digits": "aten"}}}
+    assert merge_snapshots([a, other])["config"] is None

@@ -8,8 +8,10 @@ every later test runs against 2 replicas; the last stops it with SIGTERM and che
 no Ray process is left.
 """
 
+import argparse
 import base64
 import concurrent.futures
+import dataclasses
 import io
 import json
 import os
@@ -33,13 +35,17 @@ import torch
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from PIL import Image
 
+from dit_core import EngineConfig
 from dit_core.video import decode_mp4
 from dit_core.zoo import default_model, default_policy, tts_model
 from dit_core.zoo.reach_env import ReachEnv
+from serve import ray_flags
 from serve.app import ServeSettings
+from serve.cli import build_parser
 from serve.server import free_port
 from serve_helpers import assert_error, live_server
 
+SERVE_PARSER = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 OTHER_KEY = "kb-0c4a86e2"  # the cluster's --api-keys-file (beside --api-key KEY): another owner
@@ -86,20 +92,34 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@contextmanager
-def cli_cluster(extra_models: dict):
-    port = free_port()
+# --max-pixel-steps: above the slowest request of these tests (a 32x32 video of 81 frames x 1000 steps,
+# 8.3e7), below a 512x512 image of 1000 steps (2.6e8)
+PIXEL_STEPS = 1 << 27
+TRIM_S = 7.0  # --malloc-trim-interval: not the default, so the replicas' own trims show that it reached them
+
+
+def serve_flags(extra_models: dict, keys_file: Path) -> list[str]:
+    """The cluster's flags that mean the same without Ray: its models, engine and server settings."""
     models = [arg for name, path in extra_models.items() for arg in ("--model", f"{name}={path}")]
-    keys_file = Path(tempfile.mkdtemp(prefix="omnidit-keys-")) / "keys"
-    keys_file.write_text(f"# KEY [NAME]\n{OTHER_KEY} bob\n")
-    cmd = [sys.executable, "-m", "serve.cli", "serve", "--model", "digits", *models, "--model", "tts", "--model", "reach",
-           "--dtype", "float32",
-           "--port", str(port), "--api-key", KEY, "--api-keys-file", str(keys_file),
-           "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
-           "--autoscaling", json.dumps(AUTOSCALING), "--replica-threads", "1", "--replica-cpus", "0.5",
-           "--max-batch-size", str(BUDGET), "--shared-thinker", "--shutdown-timeout", "5"]
+    return ["--model", "digits", *models, "--model", "tts", "--model", "reach", "--dtype", "float32",
+            "--api-key", KEY, "--api-keys-file", str(keys_file), "--max-batch-size", str(BUDGET),
+            "--max-pixel-steps", str(PIXEL_STEPS), "--malloc-trim-interval", str(TRIM_S)]
+
+
+# the Ray Serve layout: flags of kind "scale_out" in serve.ray_flags.REACH (no meaning in one process)
+RAY_FLAGS = ["--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
+             "--autoscaling", json.dumps(AUTOSCALING), "--replica-threads", "1", "--replica-cpus", "0.5",
+             "--shared-thinker", "--shutdown-timeout", "5"]
+
+
+@contextmanager
+def cli_server(flags: list[str], env: dict | None = None):
+    """``omnidit serve FLAGS`` in a subprocess on a free port, from when /health answers: (process, url).
+    Stopped with SIGTERM at the end; no process it started (Ray's included) is left behind."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.cli", "serve", *flags, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **FAST_METRICS, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         def healthy():
@@ -109,7 +129,7 @@ def cli_cluster(extra_models: dict):
             except httpx.TransportError:
                 return False
 
-        wait_for(healthy, 600, "the Ray Serve app to come up")  # a loaded 2-core machine starts Ray slowly
+        wait_for(healthy, 600, "the server to come up")  # a loaded 2-core machine starts Ray slowly
         yield proc, url
     finally:
         if proc.poll() is None:
@@ -121,12 +141,20 @@ def cli_cluster(extra_models: dict):
                 proc.kill()
             for p in alive(left):  # never leave a Ray process behind, even when a test failed
                 p.kill()
-        shutil.rmtree(keys_file.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_audio, wan_tiny):
-    with cli_cluster({"sound": tiny_audio, "clips": wan_tiny}) as (proc, url):
+def keys_file():
+    path = Path(tempfile.mkdtemp(prefix="omnidit-keys-")) / "keys"
+    path.write_text(f"# KEY [NAME]\n{OTHER_KEY} bob\n")
+    yield path
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_audio, wan_tiny, keys_file):
+    flags = serve_flags({"sound": tiny_audio, "clips": wan_tiny}, keys_file) + RAY_FLAGS
+    with cli_server(flags, FAST_METRICS) as (proc, url):
         yield proc, url
 
 
@@ -258,14 +286,9 @@ def test_audio_speech_and_videos_match_the_single_process_server(scaled, tiny_au
             local = {**audio_and_videos(srv.url, {}), **speech(srv.url, {})}
     finally:
         torch.set_num_threads(threads)
-    # one request at a time, each alone in its batch on both sides. The samples agree to one 16-bit
-    # level, not always to the byte: with oneDNN-packed linears (cpu_linear="auto") one sample of 4k
-    # differed by one level between a replica and this process in CI (2026-12-02), where aten's
-    # GEMMs gave equal bytes; a float32 rounding difference of the kind the speech check below allows
-    assert remote["rate"] == local["rate"] == "8000"
-    assert remote["audio"][:44] == local["audio"][:44] and remote["audio"][36:40] == b"data"  # the same WAV header
-    a, b = (np.frombuffer(x["audio"][44:], "<i2").astype(np.int32) for x in (remote, local))
-    assert a.shape == b.shape and a.size > 1000 and np.abs(a - b).max() <= 1
+    # one request at a time: each ran alone in its batch on both sides, with the same kernels (both engines
+    # come from dit_core.engine.load_engine: oneDNN-packed linears in both), so the bytes are the same
+    assert remote["audio"] == local["audio"] and remote["rate"] == local["rate"] == "8000"
     assert remote["job"] == local["job"] == "32x32"
     assert remote["sync_headers"] == local["sync_headers"] == {"x-num-frames": "5", "x-fps": "16", "x-seed": "4"}
     for name, shape in (("job_mp4", (5, 32, 32, 3)), ("sync_mp4", (5, 32, 48, 3))):
@@ -400,6 +423,41 @@ def test_client_disconnect_aborts_the_request_in_its_replica(scaled):
     wait_for(lambda: all(e["live"] == 0 for e in replicas(url)["engines"]), 30, "the request to be aborted")
     ran = sum(e["forwards"] - forwards.get(e["replica"], 0) for e in replicas(url)["engines"])
     assert ran < 1000  # it stopped well before its 1000 steps
+
+
+def test_replicas_run_the_engine_the_same_flags_give_in_one_process(scaled, tiny_audio, wan_tiny, keys_file):
+    """Every EngineConfig field, as each replica's engine runs it (``config`` of /v1/engine/stats), equals
+    what ``omnidit serve`` with the same flags but no Ray builds in one process; and the server flags that
+    act on the engine's process or on the requests reach the replicas (--malloc-trim-interval,
+    --max-pixel-steps on images)."""
+    url = scaled["url"]
+    flags = serve_flags({"sound": tiny_audio, "clips": wan_tiny}, keys_file)
+    kinds = {f: ray_flags.REACH[SERVE_PARSER._option_string_actions[f].dest].kind
+             for f in RAY_FLAGS + flags if f.startswith("--")}
+    # the one process gets every flag of the cluster but those that only lay out Ray Serve
+    assert {f for f, kind in kinds.items() if kind == "scale_out"} == {f for f in RAY_FLAGS if f.startswith("--")}
+    too_large = {"prompt": "x", "size": "512x512", "num_inference_steps": 1000}
+    with cli_server(flags) as (_, local_url):
+        local = httpx.get(f"{local_url}/v1/engine/stats", headers=AUTH, timeout=30).json()["config"]
+        local_error = assert_error(post(local_url, too_large, timeout=60), 400, "num_inference_steps",
+                                   "request_too_large")
+    stats = httpx.get(f"{url}/v1/engine/stats", headers=AUTH, timeout=30).json()
+    assert set(local) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert local["cpu_linear"]["digits"] == "onednn" and local["cpu_allocator"] == "reuse"  # what auto chose here
+    (stage,) = replicas(url)["thinkers"]["digits"]
+    assert len(stats["replicas"]) == 2
+    for replica in stats["replicas"]:
+        for field, value in local.items():
+            if field == "thinker":  # --shared-thinker: the replicas call the stage, which runs what one process runs
+                assert replica["config"][field] == {**value, "digits": "remote"} and stage["kind"] == value["digits"]
+            else:
+                assert replica["config"][field] == value, (field, replica["replica"])
+    assert stats["config"] == stats["replicas"][0]["config"]  # (they agree: one merged section)
+    # the pixel-step bound, resolved by a replica: the same answer as the single process gives
+    remote_error = assert_error(post(url, too_large, timeout=60), 400, "num_inference_steps", "request_too_large")
+    assert remote_error["message"] == local_error["message"]
+    for engine in replicas(url)["engines"]:  # the process-memory settings act in each replica's own process
+        assert engine["memory"]["malloc_trim_s"] == TRIM_S and engine["memory"]["gc_frozen"], engine["memory"]
 
 
 def test_killing_a_replica_fails_its_requests_clearly_and_the_survivor_serves(scaled):

@@ -15,18 +15,23 @@ import os
 import torch
 from ray import serve
 
-from dit_core import AsyncEngine, Engine, EngineConfig, OmniditError, RequestFailedError
-from dit_core.families import load_family
-from dit_core.quantize import apply_quant
+from dit_core import AsyncEngine, OmniditError, RequestFailedError, SamplingParams
+from dit_core.engine import load_engine
 from dit_core.request import EventKind
 
+from ..app import ServeSettings
 from ..client import LocalEngineClient
+from ..errors import APIError
+from ..guards import check_work
 from ..live_stats import LiveStats
+from ..memory import MemoryKeeper
 from ..metrics import Metrics
 from .keys import route_defaults, route_key
 from .options import ScaleOutConfig
 from .thinker import remote_thinker
 from .wire import Accepted, failure, rejection
+
+WORK_BOUNDED = ("image", "video")  # the output kinds whose routes bound a request's work (serve.guards)
 
 
 class EngineReplica:
@@ -39,11 +44,17 @@ class EngineReplica:
         for name, handle in (thinkers or {}).items():
             info = await handle.info.remote()
             remote[name] = remote_thinker(cfg.models[name], handle, info)
-        engine = await asyncio.to_thread(build_engine, cfg.models, cfg.engine, remote)
+        # the one loading path (dit_core.engine.load_engine), as the single-process server's engine
+        engine = await asyncio.to_thread(load_engine, cfg.models, cfg.engine, remote)
         self.engine = AsyncEngine(engine)
         self.local = LocalEngineClient(self.engine)  # TTS runs here, as in the single-process server
         self.metrics = Metrics(self.engine)
         self.live_stats = LiveStats(self.engine)  # the playground's engine panel, merged at the ingress
+        # --no-gc-freeze / --malloc-trim-interval act on the process that holds the engine: here, as the
+        # single-process server's app does for its own (serve.memory)
+        self.settings = settings = ServeSettings(**cfg.settings)
+        self.memory = MemoryKeeper(settings.gc_freeze, settings.malloc_trim_s)
+        self.memory.start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.shutdown_timeout_s = cfg.shutdown_timeout_s
         self.live: dict[str, tuple[str, str | None]] = {}  # request id -> (routing key, origin)
@@ -56,8 +67,9 @@ class EngineReplica:
         """First an ``Accepted`` (or a rejection naming the bad field), then the request's events.
         ``progress=False`` sends only the first step event and the final one."""
         try:
+            self._check_work(model, params)
             rid, events = self.engine.submit(prompt, params, request_id=request_id, model=model)
-        except OmniditError as e:
+        except (OmniditError, APIError) as e:
             yield rejection(e)
             return
         key = route_key or self._route_key(model, params)
@@ -133,6 +145,7 @@ class EngineReplica:
                 "batched_requests": self.batched,
                 "mean_batch": self.batched / self.forwards if self.forwards else None,
                 "thinkers": {n: t.kind for n, t in thinkers.items() if t is not None},
+                "memory": self.memory.stats(),
                 "lm_parameters": sum(p.numel() for t in thinkers.values() if t is not None
                                      for p in getattr(getattr(t, "model", None), "parameters", list)())}
 
@@ -149,11 +162,23 @@ class EngineReplica:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self):
+        memory = getattr(self, "memory", None)
+        if memory is not None:
+            memory.stop()
         for service in getattr(getattr(self, "local", None), "speech", {}).values():
             service.close()
         engine = getattr(self, "engine", None)
         if engine is not None and engine.is_alive:
             engine.shutdown(drain_timeout_s=self.shutdown_timeout_s)
+
+    def _check_work(self, model: str | None, params) -> None:
+        """The server's work bounds (``max_steps``, ``max_pixel_steps``) on an image or video request as
+        this replica resolves it: what the single-process server's routes check before submitting
+        (``serve.guards.check_work``); the ingress cannot resolve a request's defaults itself."""
+        engine = self.engine.engine
+        family = engine.models[engine.model_name(model)]
+        if family.output_kind in WORK_BOUNDED:
+            check_work(self.settings, family.resolve(params if params is not None else SamplingParams()))
 
     def _route_key(self, model: str | None, params) -> str:
         """For callers that do not send one (the ingress does): from the resolved parameters."""
@@ -165,25 +190,3 @@ class EngineReplica:
     def _on_step(self, stats) -> None:
         self.forwards += 1
         self.batched += stats.batch_sizes[-1]
-
-
-def build_engine(models: dict[str, str], engine_options: dict, thinkers: dict) -> Engine:
-    """Load ``models`` into one engine; a model in ``thinkers`` uses that (shared) thinker."""
-    cfg = EngineConfig(**engine_options)
-    if cfg.dtype == "auto":  # as Engine.from_models: measured once per machine and model (dit_core.dtype_auto)
-        from dit_core.dtype_auto import resolve
-
-        cfg.dtype = resolve(models, engine_options)
-    options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization,
-                   on_failure=cfg.thinker_on_failure)
-    families = {}
-    try:
-        for name, path in models.items():
-            families[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device),
-                                         thinkers.get(name, cfg.thinker), options)
-            apply_quant(families[name], cfg.quant)
-    except BaseException:
-        for family in families.values():
-            family.close()
-        raise
-    return Engine(families, cfg)

@@ -6,7 +6,8 @@ Counts add up (queue, requests, steps, step-cache rows, prompt-cache lookups); `
 requests in a forward right now on all replicas together and ``max_batch_size`` the largest one
 forward held in the window; ``per_second`` adds the replicas' step rates; ``last_ms`` is the most
 recent step's; ``recent`` interleaves the replicas' recent steps by age (oldest first, the newest ``HISTORY`` kept),
-each naming its replica.
+each naming its replica; ``config`` is the replicas' effective engine settings when they all report the
+same (None otherwise: see each replica's).
 """
 
 from __future__ import annotations
@@ -50,5 +51,12 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
         },
         "requests": {k: sum(s["requests"][k] for s in snapshots) for k in ("in_flight", "finished", "aborted",
                                                                           "failed")},
+        # the replicas' effective engine settings when they all agree (each replica's own: under replicas)
+        "config": _common([s.get("config") for s in snapshots]),
         "replicas": sorted(snapshots, key=lambda s: s["replica"]),
     }
+
+
+def _common(values: list):
+    """The one value every replica reports, else None."""
+    return values[0] if values and all(v == values[0] for v in values) else None

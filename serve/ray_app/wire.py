@@ -1,6 +1,7 @@
 """What travels between the ingress and the engine replicas besides ``RequestEvent``s: the first
 item of every ``generate`` stream says whether the replica took the request. A rejection carries
-the error's fields, so the ingress raises the same typed error the single-process server would."""
+the error's fields, so the ingress raises the same typed error the single-process server would (an
+``APIError`` for a bound the replica checks, e.g. ``max_pixel_steps``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 
 from dit_core import EngineDeadError, InvalidParamError, OmniditError, RequestFailedError
 from dit_core.errors import failed_error
+
+from ..errors import APIError
 
 
 @dataclass
@@ -18,13 +21,16 @@ class Accepted:
 
 @dataclass
 class Rejected:
-    kind: str  # "invalid" | "dead" | "other"
+    kind: str  # "invalid" | "dead" | "api" | "other"
     message: str
     field: str | None = None
     value: object = None
     allowed: str | None = None
+    http: dict | None = None  # kind "api": the server's own answer (serve.errors.APIError's fields)
 
-    def error(self) -> OmniditError:
+    def error(self) -> Exception:
+        if self.kind == "api":
+            return APIError(message=self.message, **self.http)
         if self.kind == "invalid":
             e = InvalidParamError(self.field, self.value, self.allowed)
             e.args = (self.message,)  # word for word what the replica said
@@ -53,7 +59,11 @@ def failure(e: RequestFailedError) -> Failed:
     return Failed(e.request_id, str(e), getattr(e, "retry_after_s", None))
 
 
-def rejection(e: OmniditError) -> Rejected:
+def rejection(e: Exception) -> Rejected:
+    """An ``OmniditError``, or a server bound's ``APIError`` (a request over ``--max-pixel-steps``)."""
+    if isinstance(e, APIError):
+        return Rejected("api", e.message, http={"status": e.status, "type": e.type, "param": e.param,
+                                               "code": e.code, "headers": e.headers})
     if isinstance(e, InvalidParamError):
         return Rejected("invalid", str(e), e.field, _plain(e.value), e.allowed)
     if isinstance(e, EngineDeadError):
