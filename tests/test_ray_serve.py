@@ -32,6 +32,7 @@ import psutil
 import pytest
 import soundfile as sf
 import torch
+from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from PIL import Image
 
@@ -368,6 +369,27 @@ def test_robot_socket_matches_the_single_process_server(scaled):
     assert meta == local_meta and meta["model"] == "reach" and meta["action_horizon"] == 16
     for a, b in zip(remote, local):
         assert a.shape == (16, 2) and a.dtype == np.float32 and np.array_equal(a, b)
+
+
+def test_robot_socket_bounds_hold_in_the_ingress(cluster):
+    """The robot socket's bounds are the ingress' (the same create_app and settings): the deadline floor
+    (--robot-min-deadline-ms, default 10), one frame in flight per session, and --max-ws-frame-mb (4 MiB;
+    Ray Serve's HTTP proxy lets frames through up to 16 MiB, so the app refuses this one itself)."""
+    _, url = cluster
+    policy = WebsocketClientPolicy(url.replace("http://", "ws://") + "/v1/realtime/robot/openpi?model=reach&"
+                                   "deadline_ms=1", api_key=KEY)
+    session = policy.get_server_metadata()["session"]
+    assert session["deadline_ms"] == session["min_deadline_ms"] == 10.0
+    observation, _ = ReachEnv().reset(seed=0)
+    policy._ws.send(msgpack_numpy.packb({**observation, "num_inference_steps": 300}))
+    policy._ws.send(msgpack_numpy.packb(observation))  # before the first is answered: refused, not queued
+    busy = policy._ws.recv(timeout=60)
+    assert isinstance(busy, str) and busy.startswith("busy: "), busy
+    reply = msgpack_numpy.unpackb(policy._ws.recv(timeout=120))  # the first frame is still answered
+    assert reply["actions"].shape == (16, 2) and reply["server_timing"]["deadline_ms"] == 10.0
+    big = {**observation, "observation/image": np.zeros((1300, 1200, 3), np.uint8)}  # 4.68 MB
+    with pytest.raises(RuntimeError, match=r"larger than the limit of 4194304 bytes \(--max-ws-frame-mb=4\)"):
+        policy.infer(big)
 
 
 def test_metrics_expose_one_series_per_replica(scaled):
