@@ -4,6 +4,7 @@ answered 504 ``request_timeout`` (an SSE stream ends with an error event; a vide
 code). Each route gets a tiny model with many steps and a one-second timeout."""
 
 import json
+import threading
 import time
 from contextlib import contextmanager
 
@@ -13,6 +14,7 @@ import pytest
 from dit_core.request import EventKind
 from serve_helpers import assert_error
 
+pytestmark = pytest.mark.filterwarnings("ignore:Should have")  # torchsde, on the tiny audio model
 TIMEOUT_S = 1.0
 STEPS = 1000  # far more than a tiny model makes in TIMEOUT_S on any machine this runs on
 
@@ -121,3 +123,34 @@ def test_a_video_job_past_the_timeout_fails_with_request_timeout(timed):
     assert job["status"] == "failed" and job["error"]["code"] == "request_timeout", job
     assert_aborted_in_engine(live, aborted, job["id"], steps_before)
     httpx.delete(f"{live.url}/v1/videos/{job['id']}", timeout=30)
+
+
+def test_a_speech_byte_stream_past_the_timeout_is_cut_short_and_aborted(timed):
+    """The first audio goes out, then the engine is held until the timeout passes: the body ends without
+    its end (the client cannot take it for the whole audio) and the utterance's chunks are aborted."""
+    live, aborted = timed
+    hold, released = threading.Event(), threading.Event()
+
+    def holder(stats):  # on the engine's loop thread: no step runs while held
+        while hold.is_set() and not released.wait(0.01):
+            pass
+
+    live.engine.step_listeners.append(holder)
+    body = {"model": "tts", "input": " ".join(["7"] * 30), "voice": "adam", "response_format": "pcm",
+            "num_inference_steps": 8}
+    try:
+        with bounded(live, request_timeout_s=5.0):
+            start = time.monotonic()
+            with pytest.raises(httpx.RemoteProtocolError):
+                with httpx.stream("POST", f"{live.url}/v1/audio/speech", json=body, timeout=60) as r:
+                    assert r.status_code == 200
+                    rid = r.headers["x-request-id"]
+                    for _ in r.iter_bytes():
+                        hold.set()  # audio arrived: hold the engine, the rest cannot be made in time
+            assert time.monotonic() - start < 20
+    finally:
+        released.set()
+        live.engine.step_listeners.remove(holder)
+    wait_idle(live.engine)
+    mine = [e for e in aborted if e.request_id.startswith(f"{rid}-chunk")]
+    assert mine, [e.request_id for e in aborted]
