@@ -8,6 +8,7 @@ import itertools
 import logging
 import random
 import secrets
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -307,14 +308,20 @@ class Engine:
 
     def run_to_completion(self, requests: list[Request]) -> list[RequestOutput]:
         """Queue ``requests`` (from ``make_request``), step until all end; their outputs in order.
-        Raises RequestFailedError / RequestAbortedError for the first that did not finish."""
+        Raises RequestFailedError / RequestAbortedError for the first that did not finish. While the
+        policy holds steps back (edf, a forecast arrival), it sleeps until the hold ends: nothing can
+        arrive here meanwhile."""
         for req in requests:
             self.add_request(req)
         finals: dict[str, RequestEvent] = {}
         while len(finals) < len(requests):
+            steps = self.stats.steps
             for ev in self.step():
                 if ev.kind.final:
                     finals[ev.request_id] = ev
+            held = self.scheduler.policy.hold_until - time.perf_counter()
+            if held > 0 and self.stats.steps == steps and len(finals) < len(requests):
+                time.sleep(held)
         for req in requests:
             ev = finals[req.id]
             if ev.kind == EventKind.FAILED:

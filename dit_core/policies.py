@@ -20,7 +20,9 @@ put first, and at the latest after ``bulk_limit - 1`` deadline steps in a row, w
 So bulk work never waits more than ``bulk_limit - 1`` steps, gets one step in ``bulk_every`` over
 any window of ``bulk_limit`` steps when the deadlines allow it, and bulk steps taken while no
 deadline request was live count toward that share: a robot asking for a short chunk now and then
-is not split by a bulk step it does not need to make room for.
+is not split by a bulk step it does not need to make room for. Only steps that ran count: ``choose``
+stages its choice and the scheduler calls ``stepped()`` once the step is taken, so a step the policy
+then holds back (``batch_limit`` 0, below) leaves the counts as they were.
 
 Bulk batches are kept short while deadline work is about: a step cannot be interrupted, so a
 deadline request arriving during a bulk step waits for it. While a request with a deadline is
@@ -48,8 +50,10 @@ deviations, a cautious bound) say end ``FORECAST_MARGIN_S`` before the earliest 
 deadline request finds no bulk step in its way. When not even one request's step fits, no step is
 taken (``batch_limit`` 0: the engine loop waits, and a new request wakes it) until the candidate
 plus ``FORECAST_WAIT_S``; then the next candidate is due. Such holds take at most ``HOLD_SHARE`` of
-any ``HOLD_WINDOW_S`` (beyond it, one request's step runs instead). Bulk decodes are deferred and
-chunked as while deadline work is live.
+any ``HOLD_WINDOW_S`` (beyond it, one request's step runs instead). A step that runs ends the hold
+(``hold_until`` is cleared: the next step is decided afresh). The engine loops wait out a hold
+(``AsyncEngine`` until it ends or a request arrives; ``Engine.run_to_completion``, where nothing can
+arrive, sleeps until it ends). Bulk decodes are deferred and chunked as while deadline work is live.
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ class FifoPolicy:
     def choose(self, live: list[Request]) -> tuple:
         """The batch key the next step serves."""
         return min(live, key=self.priority).key
+
+    def stepped(self) -> None:
+        """The step ``choose`` chose ran (the scheduler calls it; a held step is not reported)."""
 
     def batch_limit(self, key: tuple, live: list[Request], limit: int) -> int:
         """How many requests of ``key`` the step may carry (``limit``: the engine's own bound)."""
@@ -127,6 +134,7 @@ class EdfPolicy:
         self.forecast = ArrivalForecast() if getattr(config, "edf_forecast", True) else None
         self.hold_until = 0.0  # see batch_limit: no step before this (perf_counter seconds)
         self._holds: collections.deque = collections.deque()  # (start, end) of recent holds
+        self._choice: tuple[bool, bool] | None = None  # choose()'s (bulk live, bulk step), counted by stepped()
 
     def arrived(self, req: Request) -> None:
         if self.forecast is not None and req.params.client_id is not None:
@@ -161,23 +169,38 @@ class EdfPolicy:
         first = min(live, key=self.priority)
         bulk = [r for r in live if r.params.deadline_ms is None]
         if not bulk:
-            self._since_bulk = 0
+            self._choice = (False, False)
             return first.key
         if first.params.deadline_ms is None:
-            return self._served(first.key, True)
+            return self._chosen(first.key, True)
         oldest = min(bulk, key=lambda r: r.seq)
         recent = list(self._window)[-(self.bulk_limit - 1):] if self.bulk_limit > 1 else []
         # due: bulk_every - 1 deadline steps since the last bulk step, and bulk short of 1 in bulk_every
         # over the window without this step (bulk steps taken while nothing had a deadline count)
         due = self._since_bulk + 1 >= self.bulk_every and sum(recent) + 1 <= (len(recent) + 1) / self.bulk_every
         if self._since_bulk + 1 >= self.bulk_limit or (due and self._slack_allows(oldest.key, live)):
-            return self._served(oldest.key, True)
-        return self._served(first.key, False)
+            return self._chosen(oldest.key, True)
+        return self._chosen(first.key, False)
 
-    def _served(self, key: tuple, bulk: bool) -> tuple:
+    def _chosen(self, key: tuple, bulk: bool) -> tuple:
+        self._choice = (True, bulk)  # counted once the step runs (stepped)
+        return key
+
+    def stepped(self) -> None:
+        choice, self._choice = self._choice, None
+        now = time.perf_counter()
+        if self.hold_until > now:  # a step ran (a request came): the hold is over, and counts as it lasted
+            if self._holds and self._holds[-1][1] == self.hold_until:
+                self._holds[-1] = (self._holds[-1][0], now)
+            self.hold_until = 0.0
+        if choice is None:
+            return
+        bulk_live, bulk = choice
+        if not bulk_live:
+            self._since_bulk = 0
+            return
         self._window.append(bulk)
         self._since_bulk = 0 if bulk else self._since_bulk + 1
-        return key
 
     def batch_limit(self, key: tuple, live: list[Request], limit: int) -> int:
         now = time.perf_counter()

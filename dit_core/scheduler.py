@@ -98,7 +98,8 @@ class StepScheduler:
         limit = self.max_batch.get(key[0], self.config.max_batch_size)
         limit = self.policy.batch_limit(key, live, limit)
         if limit == 0:  # the policy holds the step back (edf: a forecast request is due first)
-            return None, events
+            return None, events  # (not reported as stepped: a held step is not counted)
+        self.policy.stepped()
         # running requests past the policy's limit pause this step (oldest first keep running)
         batch = [r for r in self.running if r.key == key]
         if len(batch) > limit:

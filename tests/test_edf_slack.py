@@ -31,8 +31,14 @@ def policy(**kw) -> EdfPolicy:
 
 
 def bulk_steps(p: EdfPolicy, live: list, steps: int) -> list[int]:
-    """Which of ``steps`` consecutive choices went to bulk work (1-based step numbers)."""
-    return [i + 1 for i in range(steps) if p.choose(live) == BULK]
+    """Which of ``steps`` consecutive steps went to bulk work (1-based step numbers); each chosen step
+    runs (``stepped``, as the scheduler reports it: only steps that ran count)."""
+    chosen = []
+    for i in range(steps):
+        if p.choose(live) == BULK:
+            chosen.append(i + 1)
+        p.stepped()
+    return chosen
 
 
 def test_a_due_bulk_step_goes_in_when_the_deadlines_have_slack():
