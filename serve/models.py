@@ -18,27 +18,42 @@ def model_kind(engine, name: str) -> str:
     return engine.models[name].output_kind
 
 
-def resolve_model(state, requested: str | None, kind: str) -> str:
-    """The engine model name for ``requested`` (None: the only model of ``kind``); 404 for an
-    unknown id, 400 for a model of another kind or an ambiguous omission."""
+def resolve_model(state, requested: str | None, kind: str, check=None, accepts: str | None = None) -> str:
+    """The engine model name for ``requested``: every route resolves its ``model`` field here.
+
+    ``kind`` is the output kind the route makes; ``check(model)``, when given, narrows the models
+    of that kind the route takes (``accepts`` says which, for the errors: e.g. "speech models").
+    None means the only fitting model. Errors name ``model``: 404 for an id this server does not
+    serve, 400 for a model the route cannot use (``wrong_model_kind``), and 400 when several or
+    no models fit an omitted ``model`` (``model_required`` / ``model_not_found``)."""
     engine, ids = state.client, state.model_ids
-    of_kind = [public for public, name in ids.items() if model_kind(engine, name) == kind]
+    accepts = accepts or f"{kind} models"
+
+    def fits(name: str) -> bool:
+        return model_kind(engine, name) == kind and (check is None or check(engine.models[name]))
+
+    fitting = [public for public, name in ids.items() if fits(name)]
     if requested is None:
-        if len(of_kind) == 1:
-            return ids[of_kind[0]]
-        if not of_kind:
-            raise APIError(400, f"this server has no {kind} model; it serves {_listing(engine, ids)}",
+        if len(fitting) == 1:
+            return ids[fitting[0]]
+        if not fitting:
+            raise APIError(400, f"this server has no {accepts}; it serves {_listing(engine, ids)}",
                            "invalid_request_error", "model", "model_not_found")
-        raise APIError(400, f"model is required: this server has several {kind} models: {of_kind}",
+        raise APIError(400, f"model is required: this server has several {accepts}: {fitting}",
                        "invalid_request_error", "model", "model_required")
     if requested not in ids:
         raise APIError(404, f"model {requested!r} is not served here; this server serves {_listing(engine, ids)}",
                        "invalid_request_error", "model", "model_not_found")
-    actual = model_kind(engine, ids[requested])
-    if actual != kind:
-        raise APIError(400, f"model {requested!r} makes {actual}, not {kind}; {kind} models here: {of_kind}",
-                       "invalid_request_error", "model", "wrong_model_kind")
+    if not fits(ids[requested]):
+        actual = model_kind(engine, ids[requested])
+        raise APIError(400, f"model {requested!r} makes {actual} ({engine.models[ids[requested]].name}); this route "
+                            f"takes {accepts}: {fitting}", "invalid_request_error", "model", "wrong_model_kind")
     return ids[requested]
+
+
+def public_id(state, name: str) -> str:
+    """The id clients see for the engine model ``name`` (``--model-name`` renames a single model)."""
+    return next(public for public, engine_name in state.model_ids.items() if engine_name == name)
 
 
 def _listing(engine, ids: dict[str, str]) -> str:

@@ -320,7 +320,7 @@ def test_audio_and_video_errors_and_deleting_a_running_job_on_replicas(scaled):
     assert_error(httpx.post(f"{url}/v1/videos", json={"model": "clips", "prompt": "x", "size": "30x32"},
                             headers=AUTH), 400, "size")
     assert_error(httpx.post(f"{url}/v1/videos", json={"model": "digits", "prompt": "x"}, headers=AUTH), 400,
-                 "model", "model_not_video")
+                 "model", "wrong_model_kind")
     job = httpx.post(f"{url}/v1/videos", json={"model": "clips", "prompt": "slow", "size": "32x32",
                                                "num_inference_steps": 1000, "max_sequence_length": 16},
                      headers=AUTH).json()
@@ -344,6 +344,19 @@ def test_audio_and_video_errors_and_deleting_a_running_job_on_replicas(scaled):
     time.sleep(1)
     assert {e["replica"]: e["forwards"] for e in replicas(url)["engines"]} == settled  # no chunk runs any more
     assert sum(settled.values()) > sum(forwards.values())  # (it did run some)
+    # a whole utterance (flac: its talker finishes before any chunk is submitted) whose client hangs up
+    # while its chunks run: every chunk not yet computed leaves the replica's engine
+    forwards = {e["replica"]: e["forwards"] for e in replicas(url)["engines"]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/audio/speech", headers=AUTH, timeout=httpx.Timeout(2.0, connect=10),
+                   json={**SPEECH, "input": " ".join(["7"] * 30), "response_format": "flac",
+                         "num_inference_steps": 1000})
+    wait_for(lambda: all(e["live"] == 0 for e in replicas(url)["engines"]), 30, "the utterance to be aborted")
+    time.sleep(1)
+    settled = {e["replica"]: e["forwards"] for e in replicas(url)["engines"]}
+    time.sleep(1)
+    assert {e["replica"]: e["forwards"] for e in replicas(url)["engines"]} == settled  # no chunk runs any more
+    assert 0 < sum(settled.values()) - sum(forwards.values()) < 1000  # not even one chunk's 1000 steps
 
 
 def robot_actions(url: str, key: str | None) -> tuple[dict, list]:

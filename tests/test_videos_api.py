@@ -136,9 +136,12 @@ def test_unknown_video_is_404_and_a_file_part_is_refused(client, live):
 
 def test_an_image_model_is_refused_by_the_videos_api(tiny_models):
     with live_server(tiny_models["flux"], ServeSettings(model_name="tiny-flux")) as srv:
-        r = httpx.post(srv.url + "/v1/videos", json={"prompt": "a cat"})
-        assert_error(r, 400, "model")
-        assert "not videos" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/videos", json={"prompt": "a cat"})  # the one model makes images
+        assert_error(r, 400, "model", "model_not_found")
+        assert "no video models" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/videos", json={"prompt": "a cat", "model": "tiny-flux"})
+        assert_error(r, 400, "model", "wrong_model_kind")
+        assert "takes video models" in r.json()["error"]["message"]
 
 
 def test_finished_jobs_expire_and_their_files_go(wan_tiny, tmp_path):

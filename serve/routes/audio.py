@@ -20,7 +20,8 @@ from dit_core.audio import content_type, encode
 from dit_core.params import MAX_SEED, MAX_STEPS
 
 from ..errors import APIError
-from ..guards import Deadline, check_prompts, check_steps, faults_of
+from ..guards import Deadline, check_prompts, check_queue, check_steps, faults_of
+from ..models import resolve_model
 from ..schemas import json_int
 from ..route_errors import errors
 from .images import _until_final
@@ -65,50 +66,15 @@ def document(body: dict, described: list[dict]) -> None:
                 option["maximum"] = min(longest)
 
 
-def find_model(request: Request, name: str | None, kind: str, route: str, check=None) -> str:
-    """The engine's name for the model a request names (None: the only model of ``kind``); 404 for
-    an unknown model, 400 for one of another kind (or one ``check(family)`` rejects)."""
-    state = request.app.state
-    models = state.client.models  # name -> an object with output_kind, name (its family) and describe()
-    settings = state.settings
-    if name is None:
-        fitting = [n for n, f in models.items() if f.output_kind == kind and (check is None or check(f))]
-        if len(fitting) != 1:
-            raise APIError(400, f"model is required: this server holds {len(fitting)} models that {route} takes",
-                           "invalid_request_error", "model", "model_required")
-        return fitting[0]
-    if name not in models and len(models) == 1 and name == settings.model_name:
-        name = next(iter(models))  # the served name of a single-model server (--model-name)
-    if name not in models:
-        served = sorted(models) if len(models) > 1 else [settings.model_name]
-        raise APIError(404, f"model {name!r} is not served here; this server serves {served}",
-                       "invalid_request_error", "model", "model_not_found")
-    family = models[name]
-    if family.output_kind != kind or (check is not None and not check(family)):
-        raise APIError(400, f"model {name!r} makes {family.output_kind} ({family.name}); {route} takes "
-                            f"{kind} models of another kind", "invalid_request_error", "model", "wrong_model_kind")
-    return name
-
-
 def is_speech(model) -> bool:
     """Whether an engine model (a family, or a remote replica's description of one) is a TTS model."""
     return model.name == "speech"
 
 
-def check_queue(state) -> None:
-    """429 + Retry-After when too many requests wait for admission (as the image API)."""
-    settings = state.settings
-    waiting = state.client.num_waiting()
-    if waiting >= settings.max_queue:
-        raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
-                       None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
-
-
 @router.post("/v1/audio/generate", responses=errors(400, 404, 429, 503, 504))
 async def generate_audio(body: AudioGenerateRequest, request: Request):
     state = request.app.state
-    name = find_model(request, body.model, "audio", "/v1/audio/generate",
-                      check=lambda f: not is_speech(f))
+    name = resolve_model(state, body.model, "audio", check=takes, accepts="text-to-audio models")
     check_prompts(state.settings, body)
     check_steps(state.settings, body.num_inference_steps)
     check_queue(state)

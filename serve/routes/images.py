@@ -21,7 +21,7 @@ from ..auth import owner_of
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
 from ..models import resolve_model
 from ..files import png_bound
-from ..guards import Deadline, check_model_work, faults_of, until_deadline, watch
+from ..guards import Deadline, check_model_work, check_prompts, check_queue, faults_of, until_deadline, watch
 from ..schemas import ImageData, ImageGenerationRequest, ImagesResponse
 from ..route_errors import errors
 
@@ -35,19 +35,12 @@ async def create_image(body: ImageGenerationRequest, request: Request):
     state = request.app.state
     settings, client = state.settings, state.client
     model = resolve_model(state, body.model, "image")
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(body, name) or ""
-        if len(text) > settings.max_prompt_chars:
-            raise APIError(400, f"{name} is {len(text)} characters; the limit is {settings.max_prompt_chars}",
-                           "invalid_request_error", name, "prompt_too_long")
+    check_prompts(settings, body)
     params = body.sampling_params()
     check_model_work(state, model, params)
     if body.response_format == "url":
         _check_file_store_fits(client, model, params, settings)
-    waiting = client.num_waiting()
-    if waiting >= settings.max_queue:
-        raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
-                       None, "queue_full", headers={"Retry-After": str(settings.retry_after_s)})
+    check_queue(state)
     # validation tokenizes the prompt for some families: off the event loop (or in a remote replica)
     rid, events = await client.submit(body.prompt, params, model=model, progress=body.stream)
     base_url = str(request.base_url)

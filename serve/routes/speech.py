@@ -33,10 +33,11 @@ from dit_core.params import MAX_SEED, MAX_STEPS
 from dit_core.audio import StreamEncoder, Waveform, content_type, encode
 
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
-from ..guards import Deadline, check_prompts, check_steps, until_deadline, watch
+from ..guards import Deadline, check_prompts, check_queue, check_steps, until_deadline, watch
+from ..models import resolve_model
 from ..schemas import json_int
 from ..route_errors import errors
-from .audio import check_queue, find_model, is_speech
+from .audio import is_speech
 
 router = APIRouter()
 logger = logging.getLogger("omnidit.serve")
@@ -111,7 +112,7 @@ def _note_first_bytes(state, model: str, rid: str) -> None:
 @router.get("/v1/audio/voices", responses=errors(400, 404))
 async def list_voices(request: Request, model: str | None = None):
     models = request.app.state.client.models
-    names = [find_model(request, model, "audio", "/v1/audio/voices", check=is_speech)] if model else \
+    names = [resolve_model(request.app.state, model, "audio", check=takes, accepts="speech models")] if model else \
         [n for n, f in models.items() if is_speech(f)]
     data = []
     for name in names:
@@ -124,7 +125,7 @@ async def list_voices(request: Request, model: str | None = None):
 @router.post("/v1/audio/speech", responses=errors(400, 404, 429, 503, 504))
 async def create_speech(body: SpeechRequestBody, request: Request):
     state = request.app.state
-    name = find_model(request, body.model, "audio", "/v1/audio/speech", check=is_speech)
+    name = resolve_model(state, body.model, "audio", check=takes, accepts="speech models")
     if body.instructions:
         raise APIError(400, "instructions are not supported by this model (it has no style control)",
                        "invalid_request_error", "instructions", "unsupported")

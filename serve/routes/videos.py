@@ -25,8 +25,9 @@ from dit_core.video import as_uint8, encode_mp4
 
 from ..auth import owner_of
 from ..errors import APIError
+from ..models import public_id, resolve_model
 from ..file_stream import FileStreamResponse, RangeNotSatisfiable, open_stored
-from ..guards import Deadline, check_prompts, check_work, faults_of
+from ..guards import Deadline, check_prompts, check_queue, check_work, faults_of
 from ..route_errors import errors
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
@@ -113,37 +114,13 @@ async def read_body(request: Request) -> VideoCreateRequest:
         raise APIError(400, f"{param}: {err.get('msg')}", "invalid_request_error", param, err.get("type")) from None
 
 
-def pick_model(request: Request, name: str | None) -> tuple[str, str]:
-    """(the engine's model name, the name clients see) of a video model, or a 400/404 naming ``model``.
-    None means the server's model (the first video model when it holds several)."""
-    state = request.app.state
-    models = state.client.models
-    single = len(models) == 1
-    default = next(iter(models))  # the engine's default model (its first)
-    if name is None:
-        videos = [n for n, f in models.items() if f.output_kind == "video"]
-        engine_name = default if single or not videos else videos[0]
-    elif single and name == state.settings.model_name:
-        engine_name = default
-    elif name in models:
-        engine_name = name
-    else:
-        served = [state.settings.model_name] if single else sorted(models)
-        raise APIError(404, f"model {name!r} is not served here; this server serves {served}",
-                       "invalid_request_error", "model", "model_not_found")
-    public = state.settings.model_name if single else engine_name
-    kind = models[engine_name].output_kind
-    if kind != "video":
-        raise APIError(400, f"model {public!r} makes {kind}s, not videos; use a video model here",
-                       "invalid_request_error", "model", "model_not_video")
-    return engine_name, public
-
-
 def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, SamplingParams, int]:
     """Check a create body against the model: (engine model, public model, params, fps)."""
-    settings, client = request.app.state.settings, request.app.state.client
+    state = request.app.state
+    settings, client = state.settings, state.client
     check_prompts(settings, body)
-    name, public = pick_model(request, body.model)
+    name = resolve_model(state, body.model, "video")
+    public = public_id(state, name)
     details = client.models[name].describe()
     fps = body.fps or details.get("fps", 16)
     frames = body.num_frames
@@ -160,10 +137,7 @@ async def resolve(request: Request, body: VideoCreateRequest, name: str, params:
     """Check the request against the engine's queue (429 when full) and the model (size errors name
     ``size``); its resolved parameters (the size, frames and seed the video will have)."""
     state = request.app.state
-    waiting = state.client.num_waiting()
-    if waiting >= state.settings.max_queue:
-        raise APIError(429, f"the queue is full ({waiting} requests waiting); retry later", "rate_limit_error",
-                       None, "queue_full", headers={"Retry-After": str(state.settings.retry_after_s)})
+    check_queue(state)
     try:
         resolved = await state.client.resolve(body.prompt, params, model=name)
     except InvalidParamError as e:
