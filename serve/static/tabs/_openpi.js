@@ -1,7 +1,9 @@
 // The robot WebSocket (/v1/realtime/robot/openpi) from the page: the protocol the stock
 // openpi-client speaks. The server sends the policy's metadata first; each binary msgpack frame
 // the page sends (an observation, or {"reset": true}) gets one binary reply; an error arrives as
-// a text frame, then the server closes the connection (1011).
+// a text frame. The server closes the connection after most errors (1011), but keeps it open after
+// "busy: ..." and "queue_full: ..." (a refused frame the robot may resend): the page ends the
+// episode on any text frame and closes the connection itself, so it never holds a session slot.
 //
 // A browser cannot set the Authorization header on a WebSocket, so with an API key the page
 // offers two subprotocols: "omnidit.openpi" and "omnidit.key.<the key, base64url>"; the server
@@ -69,9 +71,10 @@ export class PolicySocket {
   }
 
   onMessage(e) {
-    if (typeof e.data === "string") { // the server's error; it closes the connection next
+    if (typeof e.data === "string") { // the server's error: the episode ends here
       this.serverText = e.data;
-      return this.fail(new RobotError(`The server stopped the episode: ${e.data}`));
+      this.fail(new RobotError(`The server stopped the episode: ${e.data}`));
+      return this.close(); // busy / queue_full leave the session open: release it
     }
     let reply;
     try {
