@@ -1,0 +1,202 @@
+"""benchmarks/gpu_check.py without a GPU: it skips cleanly (exit 0, saying why, writing nothing), its
+section runner isolates failures and time-outs, its shapes are FLUX.1's, and the sections that can
+run on CPU (attention status, fp8 upcast, block streaming, the full engine-vs-diffusers FLUX path on a
+tiny config) run here through the same code the GPU run uses. No GPU result is produced or faked."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu_check as check
+from benchmarks import offload
+from benchmarks.common import RESULTS
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_FLUX = check.FluxSetup(dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                              num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                              guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
+                         vae=(8, 16), size=32, text_tokens=16, batches=(1, 3))
+
+
+def cpu_context(**kw) -> check.Context:
+    return check.Context(device=torch.device("cpu"), dtype=torch.float32, repeats=1, seconds=0.02, **kw)
+
+
+def test_without_cuda_it_exits_0_says_why_and_writes_nothing():
+    result_file = RESULTS / "gpu_check.json"
+    before = result_file.stat().st_mtime_ns if result_file.exists() else None
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no device, even on a machine that has one
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "gpu_check: skipped, nothing written: no CUDA device here (torch.cuda.is_available() is False" in proc.stdout
+    after = result_file.stat().st_mtime_ns if result_file.exists() else None
+    assert after == before  # a real GPU result is never replaced by a skip
+
+
+def test_a_failing_section_records_its_error_and_the_others_still_run():
+    ran = []
+
+    def ok(ctx):
+        ran.append("ok")
+        return {"value": 1}
+
+    def broken(ctx):
+        ran.append("broken")
+        raise ValueError("kernel refused the shape")
+
+    def skipped(ctx):
+        ran.append("skipped")
+        return {"status": "skipped", "reason": "needs 2 GPUs"}
+
+    results = check.run_sections({"first": ok, "broken": broken, "skipped": skipped, "last": ok}, cpu_context())
+    assert ran == ["ok", "broken", "skipped", "ok"]
+    assert {n: r["status"] for n, r in results.items()} == {"first": "ok", "broken": "error", "skipped": "skipped",
+                                                           "last": "ok"}
+    assert results["broken"]["error"] == "ValueError: kernel refused the shape"
+    assert "raise ValueError" in results["broken"]["traceback"]
+    assert results["last"]["value"] == 1 and results["skipped"]["reason"] == "needs 2 GPUs"
+
+
+def test_a_section_past_its_limit_is_stopped_and_the_next_runs():
+    def slow(ctx):
+        time.sleep(5)
+        return {}
+
+    start = time.perf_counter()
+    results = check.run_sections({"slow": slow, "after": lambda ctx: {"x": 2}}, cpu_context(), timeout_s=0.3)
+    assert time.perf_counter() - start < 3
+    assert results["slow"]["status"] == "error"
+    assert results["slow"]["error"] == "SectionTimeout: section 'slow' ran past its limit of 0.3 s"
+    assert results["after"] == {"status": "ok", "seconds": results["after"]["seconds"], "x": 2}
+
+
+def test_a_spent_budget_stops_the_running_section_and_skips_the_rest():
+    def slow(ctx):
+        try:
+            time.sleep(5)
+        except Exception:  # a section's own error handling does not swallow the time limit
+            pass
+        return {}
+
+    start = time.perf_counter()
+    results = check.run_sections({"slow": slow, "never": lambda ctx: {"x": 1}}, cpu_context(), timeout_s=60,
+                                 budget_s=0.3)
+    assert time.perf_counter() - start < 3
+    assert results["slow"]["error"] == "SectionTimeout: section 'slow' ran past its limit of 0.3 s"
+    assert results["never"] == {"status": "skipped", "seconds": 0.0,
+                                "reason": "the run's time budget of 0.3 s was spent before it started"}
+
+
+def test_shapes_are_flux1_dev_at_1024():
+    cfg = check.FLUX_DEV
+    assert (cfg["num_layers"], cfg["num_single_layers"], cfg["num_attention_heads"], cfg["attention_head_dim"]) == (
+        19, 38, 24, 128)
+    width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    assert width == 3072
+    assert check.FULL_FLUX.tokens() == (4096, 512) and check.FULL_FLUX.batches == (1, 4)
+    b, h, s, d = check.ATTENTION_SHAPES[check.MAIN_ATTENTION_SHAPE]
+    assert (b, h, s, d) == (1, 24, sum(check.FULL_FLUX.tokens()), 128)
+    assert check.ATTENTION_SHAPES["flux-1024-b4"][0] == 4
+    assert check.ATTENTION_BACKENDS[0] == "sdpa"
+    assert set(check.ATTENTION_BACKENDS) == {"sdpa", "flash", "xformers", "sage"}
+    for m, k, n in check.FP8_SHAPES.values():  # FLUX's linears, all takeable by the scaled-mm kernel
+        assert k in (width, 4 * width, 5 * width) and n in (width, 4 * width)
+        assert m in (4096, 4608, 4 * 4608) and k % 16 == 0 and n % 16 == 0
+
+
+def test_sequence_plans_need_two_gpus_and_divide_the_heads():
+    assert check.sequence_plans(0, 8) == {} and check.sequence_plans(1, 8) == {}
+    assert check.sequence_plans(2, 8) == {"ring2": {"ring": 2}, "ulysses2": {"ulysses": 2}}
+    assert check.sequence_plans(3, 8) == check.sequence_plans(2, 8)
+    eight = check.sequence_plans(8, 24)
+    assert eight["ulysses8"] == {"ulysses": 8} and eight["ring8"] == {"ring": 8}
+    assert eight["usp4x2"] == {"ulysses": 4, "ring": 2}
+    four = check.sequence_plans(4, 6)  # 6 heads: no Ulysses over 4
+    assert "ulysses4" not in four and four["usp2x2"] == {"ulysses": 2, "ring": 2}
+
+
+def test_parallel_section_skips_with_its_reason_and_the_summary_says_so():
+    results = check.run_sections({"parallel": check.parallel_section,
+                               "fp8": lambda ctx: (_ for _ in ()).throw(RuntimeError("no fp8 here"))}, cpu_context())
+    assert results["parallel"]["status"] == "skipped"
+    assert results["parallel"]["reason"] == "0 CUDA GPUs: sequence parallelism needs 2 or more"
+    summary = check.summarize(results, None)
+    assert summary["sections"] == {"parallel": "skipped", "fp8": "error"}
+    assert summary["parallel_skipped"] == results["parallel"]["reason"]
+    assert summary["fp8_error"] == "RuntimeError: no fp8 here"
+
+
+def test_attention_section_reports_missing_packages_as_not_installed():
+    result = check.attention_section(cpu_context(attention_shapes={"t": (1, 2, 24, 16)}))
+    assert result["backends"]["sdpa"] == "ok"
+    for name in ("flash", "xformers", "sage"):  # CUDA-only: never "ok" on CPU
+        package = {"flash": "flash_attn", "xformers": "xformers", "sage": "sageattention"}[name]
+        expected = "not installed" if importlib.util.find_spec(package) is None else "unavailable"
+        assert result["backends"][name] == expected, result["why"][name]
+    cell = result["shapes"]["t"]["backends"]["sdpa"]
+    assert cell["max_abs_err_vs_fp32"] == 0.0 and cell["ratio_vs_sdpa"] == 1.0 and cell["ms"] > 0
+    summary = check.attention_summary({**result, "main_shape": "t"})
+    assert summary["attention"]["sdpa"]["time_over_sdpa"] == 1.0
+    assert {summary["attention"][n] for n in ("flash", "xformers", "sage")} <= {"not installed", "unavailable"}
+
+
+def test_fp8_section_runs_the_quant_layer_against_its_linear():
+    result = check.fp8_section(cpu_context(fp8_shapes={"t": (8, 64, 48)}))
+    assert result["kernel"] == "upcast"  # CPU: scaled-mm needs capability >= 8.9
+    row = result["shapes"]["t"]
+    assert row["kernel"] == "upcast" and row["bf16_rel_err"] < 1e-6  # float32 here: the same GEMM
+    assert 1e-4 < row["fp8_rel_err"] < 0.1  # e4m3 weights: lossy, bounded
+    summary = check.fp8_summary(result)
+    assert summary["fp8_rel_err_max"] == row["fp8_rel_err"] and summary["fp8_speedup_vs_bf16"] == row["fp8_speedup"]
+
+
+def test_offload_section_streams_blocks_with_the_resident_result():
+    ctx = cpu_context(checkpoint_size="tiny", image_size=32, steps=2, batches=(1, 2))
+    result = check.offload_section(ctx)
+    rows = result["rows"]
+    assert set(rows) == {"none", "blocks:1", "disk:1"}
+    for config in ("blocks:1", "disk:1"):  # within the offload benchmark's "identical" (GEMM alignment)
+        assert rows[config]["max_abs_diff_vs_none"] <= offload.TOLERANCE
+        assert rows[config]["offload"]["policy"] == config and rows[config]["offload"]["loads"] > 0
+    json.dumps(result)  # plain numbers and strings: the JSON holds what was measured
+    summary = check.offload_summary(result)
+    assert summary["offload_blocks1_max_abs_diff"] == rows["blocks:1"]["max_abs_diff_vs_none"]
+    assert "offload_disk1_time_over_resident_b2" in summary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flux_section_compares_the_engine_forward_with_diffusers_on_a_tiny_config(dtype):
+    ctx = cpu_context(flux=TINY_FLUX)
+    ctx.dtype = dtype  # bfloat16: the GPU run's path (parameters made in bf16 directly)
+    result = check.flux_section(ctx)
+    assert torch.get_default_dtype() == torch.float32  # restored after building in bf16
+    assert result["dtype"] == str(dtype).replace("torch.", "")
+    assert result["attention_backend"]["joint"] == "sdpa"
+    assert result["image_tokens"] == 64 and result["text_tokens"] == 16
+    for batch in (1, 3):
+        row = result["batches"][f"b{batch}"]
+        assert row["rows_per_forward"] == batch and row["forwards"] == 1  # every prompt in one forward
+        assert row["finite"] and row["diffusers_max_abs"] > 0
+        # the same weights and kernels: omnidit's forward is diffusers' (to float32 rounding; bf16's resolution)
+        assert row["max_rel_diff"] < (1e-5 if dtype == torch.float32 else 2**-7)
+        assert row["omnidit_s"] > 0 and row["diffusers_s"] > 0
+    json.dumps(result)
+    summary = check.flux_summary(result)
+    assert summary["flux_max_abs_diff"] == max(r["max_abs_diff"] for r in result["batches"].values())
+    assert {"flux_b1_omnidit_over_diffusers", "flux_b3_omnidit_over_diffusers"} <= set(summary)
+
+
+@pytest.mark.parametrize("bad", [["nope"]])
+def test_unknown_section_is_refused_naming_the_choices(bad, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        check.main(["--sections", *bad])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'nope' (choose from" in capsys.readouterr().err
