@@ -37,6 +37,7 @@ import contextlib
 import copy
 import logging
 import math
+import os
 from typing import Optional
 
 import torch
@@ -240,14 +241,80 @@ def resolve(config) -> tuple[str, str]:
 
 def pack(module: nn.Module) -> int:
     """Replace every ``nn.Linear`` (exact type) under ``module`` with a :class:`PackedLinear`, in
-    place; returns how many."""
-    count = 0
+    place, giving back each dense weight's pages mapped from its file as soon as it is packed
+    (:func:`release_file_pages`); returns how many layers."""
+    count, released, mapped = 0, 0, _file_mappings()
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and not child.weight.is_meta:
                 setattr(parent, name, PackedLinear(child))
+                released += release_file_pages([child.weight], mapped)
                 count += 1
+    if released:
+        logger.info("cpu_linear: %.1f MB of mapped dense weights given back after packing", released / 1e6)
     return count
+
+
+# /proc/self/pagemap, 8 bytes a page: bit 63 the page is present, bit 61 it is the file's page (or
+# shared anonymous memory), not a private copy made by a write
+_PRESENT, _FILE_PAGE = 1 << 63, 1 << 61
+_MADV_DONTNEED = 4
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's private file mappings (/proc/self/maps; none where it is missing)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return [tuple(int(x, 16) for x in parts[0].split("-")) for parts in (line.split(maxsplit=5) for line in f)
+                    if len(parts) == 6 and parts[1].endswith("p") and parts[5].startswith("/")]
+    except OSError:
+        return []
+
+
+def release_file_pages(tensors, mapped: list[tuple[int, int]] | None = None) -> int:
+    """Drop from this process the pages of ``tensors`` (dense weights just packed) that are still
+    their file's; returns the bytes dropped.
+
+    The engine's loader maps safetensors files (private mappings) and the parameters it does not
+    pack (biases, norms) keep each mapping alive; packing reads every weight, so without this the
+    process would hold each weight twice: its packed copy, and the mapped pages the read made
+    resident (on the ``medium`` FLUX, 3.8 GiB peak against 2.3 with aten's linears). Only whole
+    pages inside a tensor, present and still the file's own (never written since mapped) are
+    dropped (``MADV_DONTNEED``): read again (by a reference kept elsewhere), they come back from the
+    file with the same bytes. Pages written in place are private copies and stay. Linux only.
+    ``mapped``: :func:`_file_mappings`, when the caller has read it already."""
+    try:
+        import ctypes
+
+        import numpy as np
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        page = os.sysconf("SC_PAGE_SIZE")
+        mapped = _file_mappings() if mapped is None else mapped
+        if not mapped:
+            return 0
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except (OSError, AttributeError):
+        return 0
+    released = 0
+    try:
+        for t in tensors:
+            if t.layout != torch.strided or t.device.type != "cpu" or t.numel() == 0:
+                continue
+            start = t.data_ptr()
+            lo, hi = -(-start // page) * page, (start + t.numel() * t.element_size()) // page * page
+            if hi <= lo or not any(a <= lo and hi <= b for a, b in mapped):
+                continue
+            flags = np.frombuffer(os.pread(fd, 8 * ((hi - lo) // page), lo // page * 8), dtype=np.uint64)
+            clean = ((flags & np.uint64(_PRESENT)) != 0) & ((flags & np.uint64(_FILE_PAGE)) != 0)
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], clean.view(np.int8), [0]))))
+            for first, stop in zip(edges[::2], edges[1::2]):  # runs of clean pages
+                if libc.madvise(lo + int(first) * page, int(stop - first) * page, _MADV_DONTNEED) == 0:
+                    released += int(stop - first) * page
+    finally:
+        os.close(fd)
+    return released
 
 
 def apply(family, config, name: str = "") -> str:

@@ -230,3 +230,44 @@ def test_benchmarks_count_packed_layers_weights_calls_and_flops(engines, aten_fl
     calls = linear_calls(packed, 32, 16)
     assert calls and calls == linear_calls(aten_flux, 32, 16)
     assert transformer_flops_per_row(packed, 32, 16) == transformer_flops_per_row(aten_flux, 32, 16) > 0
+
+
+def _present_pages(t: torch.Tensor) -> int:
+    """How many whole pages inside ``t`` are resident in this process (/proc/self/pagemap bit 63)."""
+    import os
+
+    import numpy as np
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr()
+    lo, hi = -(-start // page) * page, (start + t.numel() * t.element_size()) // page * page
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        flags = np.frombuffer(os.pread(fd, 8 * ((hi - lo) // page), lo // page * 8), dtype=np.uint64)
+    finally:
+        os.close(fd)
+    return int(((flags >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/pagemap"), reason="Linux only")
+def test_packing_weights_mapped_from_a_file_gives_their_pages_back_but_keeps_written_ones(tmp_path):
+    """The engine's loader maps safetensors files: packed, a weight must not stay resident twice."""
+    from safetensors.torch import load_file, save_file
+
+    model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 256))
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_file(tensors, tmp_path / "m.safetensors")
+    mapped = load_file(tmp_path / "m.safetensors")
+    model.load_state_dict(mapped, assign=True)  # the parameters are the file's pages, as the loader leaves them
+    with torch.no_grad():
+        mapped["1.weight"].mul_(2)  # written in place: a private copy of its pages, not the file's any more
+        x = torch.randn(3, 1024)
+        want = model(x)
+    assert _present_pages(mapped["0.weight"]) >= 500 and _present_pages(mapped["1.weight"]) >= 120
+    assert pack(model) == 2
+    assert _present_pages(mapped["0.weight"]) == 0  # given back: the packed copy is the one held
+    assert _present_pages(mapped["1.weight"]) >= 120  # a written page would lose its bytes: kept
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mapped["0.weight"], tensors["0.weight"])  # read again: the file's bytes
+    assert torch.equal(mapped["1.weight"], 2 * tensors["1.weight"])
