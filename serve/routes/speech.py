@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import time
 from typing import Literal
 
@@ -91,7 +92,7 @@ def document(body: dict, described: list[dict]) -> None:
     voices = sorted(set.intersection(*(set(d["voices"]) for d in described)))
     words = sorted(set.intersection(*(set(d["words"]) for d in described)), key=lambda w: (-len(w), w))
     max_words = min(d["max_words"] for d in described)
-    word = "(?:" + "|".join(words + ["[0-9]"]) + ")"
+    word = "(?:" + "|".join([re.escape(w) for w in words] + ["[0-9]"]) + ")"
     props["input"].update(pattern=f"^{SEPARATORS}*(?:{word}{SEPARATORS}+){{0,{max_words - 1}}}{word}{SEPARATORS}*$",
                           maxLength=min([props["input"].get("maxLength", 1 << 30)] + [d["max_chars"] for d in described]),
                           description=f"at most {max_words} words, each one of the model's words or a digit "
