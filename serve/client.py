@@ -131,6 +131,8 @@ class LocalEngineClient(EngineClient):
 
     def abort(self, rid, reason="aborted by client"):
         self.engine.abort(rid, reason)
+        for service in list(self.speech.values()):  # an utterance's id: its talker and every chunk left
+            service.abort(rid)
 
     async def speak(self, model, text, voice, speed=1.0, seed=None, steps=None, stream=True):
         service = self.speech_service(model)

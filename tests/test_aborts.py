@@ -20,6 +20,7 @@ from dit_core.audio.service import SpeechService, make_speech_request
 from dit_core.request import EventKind
 from dit_core.zoo import tts_model
 from serve.app import ServeSettings
+from serve.client import LocalEngineClient
 from serve_helpers import live_server
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Should have"),
@@ -97,7 +98,7 @@ def _chunks(finals: dict, rid: str) -> dict:
     return {k: v for k, v in finals.items() if k.startswith(f"{rid}-chunk")}
 
 
-@pytest.mark.parametrize("how", ["disconnect", "abort"])
+@pytest.mark.parametrize("how", ["disconnect", "abort", "client_abort"])
 def test_speech_cancelled_after_its_talker_finished_computes_no_further_chunk(speech, how):
     """A streamed utterance: the first audio arrives, the talker finishes, then (with chunks still queued)
     the client goes away or the utterance is aborted: no chunk is computed after that."""
@@ -115,6 +116,10 @@ def test_speech_cancelled_after_its_talker_finished_computes_no_further_chunk(sp
             "every chunk was computed before the talker finished: the test needs longer chunks"
         if how == "disconnect":
             await stream.aclose()  # the client went away
+        elif how == "client_abort":  # what the server's routes call: EngineClient.abort(the utterance's id)
+            client = LocalEngineClient(aengine)
+            client.speech[aengine.engine.default_model] = service
+            client.abort(req.id)
         else:
             service.abort(req.id)
         await asyncio.to_thread(wait_until, lambda: service.open() == 0, 10, "the aborts to be sent")
