@@ -123,14 +123,8 @@ class AsyncEngine:
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, model: str | None = None) -> RequestOutput:
         """Run one request to completion; raises RequestFailedError / RequestAbortedError."""
-        async for event in self.stream(prompt, params, request_id, model=model):
-            if event.kind == EventKind.FINISHED:
-                return event.output
-            if event.kind == EventKind.FAILED:
-                raise failed_error(event.request_id, event.error, event.retry_after_s)
-            if event.kind == EventKind.ABORTED:
-                raise RequestAbortedError(event.request_id, event.error)
-        raise EngineDeadError("the request's event stream ended without a final event")
+        rid, events = await self.submit_async(prompt, params, request_id, model=model)
+        return (await until_final(rid, self.events(rid, events))).output
 
     async def infer(self, observation: dict, params: SamplingParams | None = None, request_id: str | None = None,
                     model: str | None = None) -> dict:
@@ -244,3 +238,18 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(events_queue.put_nowait, event)
                 except RuntimeError:  # the caller's event loop is closed; nobody is listening
                     pass
+
+
+async def until_final(rid: str, events: AsyncIterator[RequestEvent]) -> RequestEvent:
+    """Consume a request's events until its final one: the FINISHED event, or the error it ended with
+    (``RequestFailedError`` / ``StageUnavailableError``, ``RequestAbortedError``; ``EngineDeadError`` when
+    the stream ends without a final event). Leaving early (cancelled) closes ``events``, which aborts
+    the request when it is an ``events()`` stream. Every caller that waits for a result uses this."""
+    async for event in events:
+        if event.kind == EventKind.FINISHED:
+            return event
+        if event.kind == EventKind.FAILED:
+            raise failed_error(rid, event.error, event.retry_after_s)
+        if event.kind == EventKind.ABORTED:
+            raise RequestAbortedError(rid, event.error)
+    raise EngineDeadError("the request's event stream ended without a final event")

@@ -26,7 +26,8 @@ import numpy as np
 
 from ar_adapters.contract import run_to_end
 
-from ..errors import RequestFailedError, failed_error
+from ..async_engine import until_final
+from ..errors import EngineDeadError, RequestAbortedError, RequestFailedError, failed_error
 from ..params import SamplingParams
 from ..request import EventKind
 from .speech import Assembler, SpeechText
@@ -332,12 +333,11 @@ class SpeechService:
 
 
 async def _final(engine, rid, events):
-    async for event in engine.events(rid, events):
-        if event.kind == EventKind.FINISHED:
-            return event
-        if event.kind.final:
-            raise failed_error(rid, event.error or event.kind.value, event.retry_after_s)
-    raise RequestFailedError(rid, "the chunk's event stream ended")
+    """A chunk's FINISHED event; a chunk that ended otherwise fails its utterance."""
+    try:
+        return await until_final(rid, engine.events(rid, events))
+    except (RequestAbortedError, EngineDeadError) as e:
+        raise RequestFailedError(rid, str(e)) from None
 
 
 __all__ = ["SpeechRequest", "SpeechService", "make_speech_request", "synthesize"]

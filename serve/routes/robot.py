@@ -56,9 +56,8 @@ import numpy as np
 from fastapi import APIRouter, Request, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from dit_core import EngineDeadError, InvalidParamError, OmniditError, RequestAbortedError
-from dit_core.errors import failed_error
-from dit_core.request import EventKind
+from dit_core import InvalidParamError, OmniditError
+from dit_core.async_engine import until_final
 
 from ..errors import APIError, count_error, error_response
 from ..guards import check_queue
@@ -261,14 +260,7 @@ async def _generate(client, observation, params, model: str):
     """One observation's request to completion through the ``EngineClient`` (as ``AsyncEngine.generate``);
     cancelling it (the robot went away) leaves the event stream, which aborts the request."""
     rid, events = await client.submit(observation, params, model=model, progress=False)
-    async for event in client.events(rid, events):
-        if event.kind == EventKind.FINISHED:
-            return event.output
-        if event.kind == EventKind.FAILED:
-            raise failed_error(rid, event.error, event.retry_after_s)
-        if event.kind == EventKind.ABORTED:
-            raise RequestAbortedError(rid, event.error)
-    raise EngineDeadError("the request's event stream ended without a final event")
+    return (await until_final(rid, client.events(rid, events))).output
 
 
 async def _answer(state, session: RobotSession, message: dict) -> dict:
