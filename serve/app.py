@@ -129,9 +129,9 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
 class BodyLimitMiddleware:
     """413 for request bodies over ``max_bytes``, declared (Content-Length) or streamed (chunked).
 
-    A streamed body is found too large while the route reads it, inside whatever parses it: FastAPI
-    turns any exception raised there into its own 400 ("error parsing the body"). So once the limit
-    is passed, the answer the app then sends is dropped and the 413 sent instead."""
+    A chunked body's size is known only once it is read, so it is read here, up to the limit, before
+    the app sees it (then replayed to it): one past the limit is answered 413 at once, never handed to a
+    route (FastAPI would turn an error raised while it parses a body into its own 400)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -139,41 +139,31 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(scope, receive, send)
-        seen, over, started = 0, False, False
-
-        async def limited_receive():
-            nonlocal seen, over
+        if declared is not None or b"transfer-encoding" not in headers:  # the server reads no more than declared
+            return await self.app(scope, receive, send)
+        read, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    over = True
-                    raise _BodyTooLarge()
-            return message
+            read.append(message)
+            if message["type"] != "http.request":  # the client went away: the app sees that too
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
 
-        async def guarded_send(message):
-            nonlocal started
-            if over and not started:  # the app's answer to a body it could not read: the 413 replaces it
-                return
-            started = True
-            await send(message)
+        async def replay():
+            return read.pop(0) if read else await receive()
 
-        try:
-            await self.app(scope, limited_receive, guarded_send)
-        except _BodyTooLarge:
-            pass
-        if over and not started:
-            await self._too_large(scope, receive, send)
+        await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send):
         count_error(scope.get("app"), "body_too_large")
         response = error_response(413, f"request body is larger than {self.max_bytes} bytes",
                                   "invalid_request_error", None, "body_too_large")
         await response(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    """Raised from the wrapped ``receive`` once a streamed body passes the limit."""

@@ -4,6 +4,7 @@ reading, after the route has started parsing the body)."""
 
 import http.client
 import json
+import re
 from urllib.parse import urlsplit
 
 import pytest
@@ -32,12 +33,21 @@ def chunked_post(url: str, path: str, size: int) -> tuple[int, dict]:
         conn.close()
 
 
+def error_counts(live) -> dict[str, float]:
+    text = live.app.state.metrics.render().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r'^omnidit_errors_total\{kind="([^"]*)"\} (\S+)', text, re.M)}
+
+
 @pytest.mark.parametrize("path", JSON_POSTS)
 def test_a_chunked_body_over_the_limit_is_413(reliability_server, path):
     limit = reliability_server.app.state.settings.max_body_bytes
+    before = error_counts(reliability_server)
     status, answer = chunked_post(reliability_server.url, path, limit + 32768)
     assert status == 413, answer
     assert answer["error"]["code"] == "body_too_large" and str(limit) in answer["error"]["message"]
+    after = error_counts(reliability_server)
+    changed = {kind: after[kind] - before.get(kind, 0) for kind in after if after[kind] != before.get(kind, 0)}
+    assert changed == {"body_too_large": 1}  # counted once, as what it was (no 400 from a route behind it)
 
 
 def test_a_chunked_body_under_the_limit_is_read(reliability_server):
