@@ -1,7 +1,7 @@
 """The server's request timeout (``--request-timeout``) on every generation route: a request still
 unfinished when it passes is aborted in the engine (it leaves the engine at its next step) and
 answered 504 ``request_timeout`` (an SSE stream ends with an error event; a video job fails with that
-code). Each route gets a tiny model with many steps and a one-second timeout."""
+code). Each route gets a tiny model with many steps and a half-second timeout."""
 
 import json
 import threading
@@ -15,7 +15,7 @@ from dit_core.request import EventKind
 from serve_helpers import assert_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:Should have")  # torchsde, on the tiny audio model
-TIMEOUT_S = 1.0
+TIMEOUT_S = 0.5
 STEPS = 1000  # far more than a tiny model makes in TIMEOUT_S on any machine this runs on
 
 
@@ -35,7 +35,7 @@ def bounded(live, **changes):
 
 @pytest.fixture
 def timed(reliability_server):
-    """The shared server with a 1 s request timeout and room for STEPS steps; yields (live, aborted),
+    """The shared server with a TIMEOUT_S request timeout and room for STEPS steps; yields (live, aborted),
     ``aborted`` the engine's ABORTED events while the test runs."""
     live = reliability_server
     engine = live.engine
