@@ -176,7 +176,8 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
     compile_warmup_s = compiled.compile_warmup_s
     print(f"engine compile: warm-up {compile_warmup_s:.1f} s ({time.perf_counter() - start:.1f} s with loading)",
           flush=True)
-    auto_dtype, auto_reason = dtype_auto.choose(model, "cpu", lambda: dtype_auto.measure_forward(model, {}))
+    # as the engine decides it: float32 without native bf16, else measured (bf16 with packed linears)
+    auto_dtype, auto_reason = dtype_auto.resolve({"m": model}, {})
     # bf16 sides: none with --no-bf16 (a targeted run; the bf16 keys come out None); no diffusers
     # bf16 in --quick (no summary key reads it, and emulated bf16 is slow here)
     engine_bf16 = not getattr(args, "no_bf16", False)

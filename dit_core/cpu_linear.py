@@ -13,7 +13,8 @@ Settings (``EngineConfig.cpu_linear``, ``--cpu-linear``):
 - ``onednn``: always; an error naming the field where it cannot apply.
 - ``aten``: leave ``nn.Linear`` as it is.
 
-It applies when the engine computes in float32 on CPU with torch's oneDNN present, the weights
+It applies when the engine computes in float32 on CPU, or in bfloat16 on a CPU with native bf16
+(AVX-512 BF16 or AMX: :func:`native_bf16`), with torch's oneDNN present, the weights
 resident (``offload`` that streams blocks swaps weights between calls) and no parallel degree
 (worker ranks load their own transformer; every rank should run the same kernels).
 
@@ -25,6 +26,9 @@ the dense weight's, which is what weight counts, offload budgets and FLOP counts
 run before packing (the engine's order: quantized layers are not ``nn.Linear`` and stay) or after it
 (``quant.swap_linears`` replaces a packed layer from its ``dense_linear()``). The contract is in
 the class's docstring.
+In bfloat16 aten's ``nn.Linear`` on such a CPU already runs oneDNN's bf16 GEMM, but reorders the
+weight into oneDNN's layout at every call; packed, the reorder is done once. Both accumulate in
+fp32 and round the output to bf16 once, so they agree to one bf16 rounding of the output.
 Outputs differ from aten's by float32 rounding (about 3e-6 on the tests' images), as any other
 GEMM's would. Under ``torch.compile`` the layer is one opaque op (``omnidit::onednn_linear``,
 with a fake implementation for tracing): inductor calls it as an extern kernel and fuses what
@@ -47,6 +51,19 @@ logger = logging.getLogger(__name__)
 CHOICES = ("auto", "onednn", "aten")
 # the row count oneDNN plans the packed layout for; measured: the same speed for 320 to 5,120 rows
 ROWS_HINT = 2048
+
+
+def native_bf16() -> bool:
+    """True where this CPU computes bf16 natively (AVX-512 BF16 or AMX tiles) and torch's oneDNN
+    runs bf16 GEMMs on it. Elsewhere (AVX2, AVX-512 without BF16) bf16 is emulated, slower than
+    fp32 or barely faster: nothing is packed in bf16 and ``dtype="auto"`` keeps float32."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
+
+
+def packable(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` are packed on this machine: float32, and bfloat16 with native bf16."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
 
 
 @torch.library.custom_op("omnidit::onednn_linear", mutates_args=())
@@ -75,7 +92,8 @@ FLOP_FORMULAS = {torch.ops.mkldnn._linear_pointwise: _linear_flops, torch.ops.om
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose fp32 weight parameter holds oneDNN's packed layout (inference only).
+    """An ``nn.Linear`` whose weight parameter (float32, or bfloat16 where :func:`packable`) holds
+    oneDNN's packed layout (inference only).
 
     The contract, for code that walks modules or parameters (quant, offload budgets, FLOP counts,
     memory figures, LoRA):
@@ -84,15 +102,16 @@ class PackedLinear(nn.Linear):
       nn.Linear's. Code that swaps only exact ``nn.Linear`` layers sees a different type: it can
       take :meth:`dense_linear` (what ``quant.swap_linears`` does).
     * ``weight`` is a real ``nn.Parameter`` listed by ``parameters()``: the packed tensor itself
-      (``layout=torch._mkldnn``, shape ``[out, in]``, float32, ``requires_grad=False``), so
+      (``layout=torch._mkldnn``, shape ``[out, in]``, the layer's dtype, ``requires_grad=False``), so
       ``numel() * element_size()`` counts the layer's bytes as for a dense weight. It has no
       strided storage: arithmetic on it (``F.linear(x, layer.weight)``, ``.data_ptr()``) fails;
       :meth:`dense_weight` returns an exact dense copy (packing only reorders).
     * Nothing dense is kept: ``state_dict()`` builds dense copies when called (the caller owns
       them); ``load_state_dict`` (strict or not, ``assign`` or not) packs the loaded weight anew.
-    * Moved or cast off float32 on CPU (``.to(torch.bfloat16)``, as ``dtype="auto"`` does to a
-      copy it measures), the weight becomes a dense parameter and the layer computes with
-      ``F.linear`` from then on (``is_packed`` False), exactly as ``nn.Linear``.
+    * Moved off the CPU or cast to another dtype (``.to(torch.bfloat16)``, as ``dtype="auto"``
+      does to a copy it measures), the weight becomes a dense parameter and the layer computes
+      with ``F.linear`` from then on (``is_packed`` False), exactly as ``nn.Linear``; :func:`pack`
+      packs such a layer again, in its new dtype, where that dtype is packable.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -129,7 +148,7 @@ class PackedLinear(nn.Linear):
         packed = self.weight
         with self._weight_hidden():
             super()._apply(fn, recurse)  # the bias as nn.Module does; not the opaque weight
-        if target.dtype != torch.float32 or target.device.type != "cpu":
+        if target.dtype != packed.dtype or target.device.type != "cpu":
             self.weight = nn.Parameter(fn(packed.detach().to_dense()), requires_grad=False)
             self.is_packed = False
         return self
@@ -173,7 +192,7 @@ class PackedLinear(nn.Linear):
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from "
                                   f"checkpoint, the shape in current model is {self.weight.shape}.")
             else:
-                packed = _pack(value.detach().to(device="cpu", dtype=torch.float32).contiguous())
+                packed = _pack(value.detach().to(device="cpu", dtype=self.weight.dtype).contiguous())
         rest = {k: v for k, v in state_dict.items() if k != key}
         with self._weight_hidden():  # the bias, unexpected keys and hooks, as nn.Module does
             super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -213,10 +232,12 @@ def why_not(config) -> str | None:
     """Why packed oneDNN linears cannot apply under ``config`` (None: they can)."""
     if torch.device(config.device).type != "cpu":
         return f"device {config.device} is not the CPU"
-    if config.dtype != "float32":
-        return f"dtype {config.dtype} (packed only in float32)"
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
+    if config.dtype == "bfloat16" and not native_bf16():
+        return "dtype bfloat16 on a CPU without native bf16 (packed in bfloat16 only with AVX-512 BF16 or AMX)"
+    if config.dtype not in ("float32", "bfloat16"):
+        return f"dtype {config.dtype} (packed in float32, and in bfloat16 on a CPU with native bf16)"
     if config.offload.streams_blocks or config.max_resident_gb is not None:
         return f"offload {config.offload} streams the blocks' weights"
     if config.parallel.enabled:
@@ -233,23 +254,34 @@ def resolve(config) -> tuple[str, str]:
     if config.cpu_linear == "aten":
         return "aten", "asked for"
     if blocker is None:
-        return "onednn", "float32 on CPU with the weights resident"
+        return "onednn", f"{config.dtype} on CPU with the weights resident"
     if config.cpu_linear == "onednn":
         raise InvalidParamError("cpu_linear", "onednn", f"'auto' or 'aten' here ({blocker})")
     return "aten", blocker
 
 
 def pack(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` (exact type) under ``module`` with a :class:`PackedLinear`, in
-    place, giving back each dense weight's pages mapped from its file as soon as it is packed
-    (:func:`release_file_pages`); returns how many layers."""
+    """Replace every ``nn.Linear`` (exact type) under ``module`` whose weight dtype is
+    :func:`packable` with a :class:`PackedLinear`, in place, giving back each dense weight's pages
+    mapped from its file as soon as it is packed (:func:`release_file_pages`); a
+    :class:`PackedLinear` made dense by a cast is packed again in its new dtype. Returns how many
+    layers."""
     count, released, mapped = 0, 0, _file_mappings()
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and not child.weight.is_meta:
+            if not (isinstance(child, nn.Linear) and packable(child.weight.dtype) and not child.weight.is_meta
+                    and child.weight.device.type == "cpu"):
+                continue
+            dense = child.weight
+            if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child))
-                released += release_file_pages([child.weight], mapped)
-                count += 1
+            elif isinstance(child, PackedLinear) and not child.is_packed:
+                child.weight = nn.Parameter(_pack(dense.detach().contiguous()), requires_grad=False)
+                child.is_packed = True
+            else:
+                continue
+            released += release_file_pages([dense], mapped)
+            count += 1
     if released:
         logger.info("cpu_linear: %.1f MB of mapped dense weights given back after packing", released / 1e6)
     return count

@@ -5,11 +5,16 @@ than fp32, on another 0.6x, and ops outside the GEMMs can lose in bf16 where the
 the choice times what will actually run: one transformer forward of this model, in fp32 and in a
 bf16 copy, on inputs captured from a real (short) request, interleaved, median of several rounds.
 bf16 is chosen when it is at least ``MARGIN`` faster (lower precision has to pay for itself).
+Each side runs the kernels the engine would run in that dtype: linears packed for oneDNN
+(``dit_core.cpu_linear``: fp32, and bf16 where the CPU has native bf16) or aten's, the blocks
+compiled when the engine compiles. On a CPU without native bf16 (no AVX-512 BF16, no AMX:
+``cpu_linear.native_bf16``) bf16 is emulated and ``auto`` is float32 without measuring.
 
 The result is cached per machine in ``$OMNIDIT_CACHE_DIR/dtype_auto.json`` (default
 ``~/.cache/omnidit``), keyed by CPU model, torch version, thread count, device and the
 transformer's config (its shapes), so later starts decide without measuring. On CUDA ``auto``
-is bfloat16 without a measurement. The choice and its reason are logged in one line.
+is bfloat16 without a measurement. The choice and its reason are logged in one line, and kept
+(:data:`Choice`) for ``GET /v1/engine/stats`` (``config.dtype_auto``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import platform
 import statistics
 import time
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -64,6 +70,28 @@ def model_key(path: str | Path, device: str) -> str:
     return f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device}|model {digest}"
 
 
+class Choice(tuple):
+    """What ``dtype="auto"`` chose and why: the pair ``(dtype, reason)``, with what it measured
+    (``seconds`` per forward and the ``kernels`` of each side; None when it did not measure), as
+    ``config.dtype_auto`` reports it."""
+
+    def __new__(cls, dtype: str, reason: str, seconds: dict | None = None, kernels: dict | None = None):
+        self = super().__new__(cls, (dtype, reason))
+        self.dtype, self.reason, self.seconds, self.kernels = dtype, reason, seconds, kernels
+        return self
+
+    def as_dict(self) -> dict:
+        return {"dtype": self.dtype, "reason": self.reason, "seconds": self.seconds, "kernels": self.kernels}
+
+
+class Measured(dict):
+    """Seconds per forward per dtype, with ``kernels``: what each side ran (linears, compiled)."""
+
+    def __init__(self, seconds: dict, kernels: dict):
+        super().__init__(seconds)
+        self.kernels = kernels
+
+
 def decide(seconds: dict[str, float], margin: float = MARGIN) -> tuple[str, str]:
     """(dtype, reason) from measured seconds per forward of each candidate dtype."""
     fp32, bf16 = seconds["float32"], seconds["bfloat16"]
@@ -74,29 +102,35 @@ def decide(seconds: dict[str, float], margin: float = MARGIN) -> tuple[str, str]
 
 
 def choose(path: str | Path, device: str, measure: Callable[[], dict[str, float]],
-           cache_file: Path | None = None) -> tuple[str, str]:
+           cache_file: Path | None = None) -> Choice:
     """The dtype for the model at ``path``: from the per-machine cache, else ``measure()``
-    (seconds per forward per dtype), stored in the cache. Returns (dtype, reason) and logs them."""
+    (seconds per forward per dtype; a :class:`Measured` also says which kernels ran), stored in
+    the cache. Returns a :class:`Choice` (dtype and reason first) and logs it."""
     if torch.device(device).type == "cuda":
         reason = "CUDA: bfloat16 without measuring"
         logger.info("dtype auto: bfloat16 (%s)", reason)
-        return "bfloat16", reason
+        return Choice("bfloat16", reason)
     cache_file = cache_file or cache_path()
     key = model_key(path, device)
     table = _read(cache_file)
     entry = table.get(key)
     if entry and entry.get("dtype") in CANDIDATES:
         dtype, reason = entry["dtype"], f"{entry['reason']}; measured {entry['when']}, cached in {cache_file}"
+        seconds, kernels = entry.get("seconds"), entry.get("kernels")
     else:
         seconds = measure()
+        kernels = getattr(seconds, "kernels", None)
+        seconds = dict(seconds)
         dtype, reason = decide(seconds)
-        table[key] = {"dtype": dtype, "reason": reason, "seconds": seconds,
+        if kernels:
+            reason += " (" + ", ".join(f"{'fp32' if k == 'float32' else 'bf16'} {v}" for k, v in kernels.items()) + ")"
+        table[key] = {"dtype": dtype, "reason": reason, "seconds": seconds, "kernels": kernels,
                       "when": time.strftime("%Y-%m-%d %H:%M:%S")}
         _write(cache_file, table)
-        reason = f"{reason} (fp32 {seconds['float32'] * 1e3:.1f} ms, bf16 {seconds['bfloat16'] * 1e3:.1f} ms); " \
-                 f"measured now, cached in {cache_file}"
+        reason = f"{reason}; fp32 {seconds['float32'] * 1e3:.1f} ms, bf16 {seconds['bfloat16'] * 1e3:.1f} ms " \
+                 f"per forward; measured now, cached in {cache_file}"
     logger.info("dtype auto: %s for %s on %s: %s", dtype, Path(path).name, cpu_model(), reason)
-    return dtype, reason
+    return Choice(dtype, reason, seconds, kernels)
 
 
 def _read(path: Path) -> dict:
@@ -122,11 +156,14 @@ def _write(path: Path, table: dict) -> None:
 MEASURE_SIDE = 256  # pixels: the measured request's largest side
 
 
-def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: float = 0.05) -> dict[str, float]:
+def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: float = 0.05) -> Measured:
     """Seconds per transformer forward of the model at ``path`` in fp32 and in bf16, on inputs
     captured from one short request (2 steps, 4 outputs, the model's default size capped at
     ``MEASURE_SIDE``) through an fp32 engine built with ``config`` (the caller's EngineConfig
-    fields). Rounds alternate the dtypes; medians; it stops after a round that already decides
+    fields). The bf16 side is a bf16 copy of that transformer with the linears the engine would
+    run in bf16 (packed where ``cpu_linear`` resolves to ``onednn`` for bfloat16); with
+    ``compile`` in ``config`` both sides' blocks are compiled as the engine compiles them (the
+    warm-up call compiles, untimed). Rounds alternate the dtypes; medians; it stops after a round that already decides
     (``DECISIVE``: bf16 at over twice fp32's time, or under half the margin's). The cap keeps a
     first start with ``auto`` to seconds: at a 1024x1024 default one bf16 forward took over a
     minute on a CPU without native bf16, while 4 rows of 256x256 already give the GEMMs thousands
@@ -134,7 +171,11 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
     from .engine import Engine
     from .params import SamplingParams
 
-    config = {**config, "dtype": "float32", "compile": False, "prompt_cache_bytes": 0}
+    from . import cpu_linear
+    from .config import EngineConfig
+
+    compiled = bool(config.get("compile"))
+    config = {**config, "dtype": "float32", "compile": False, "warmup": None, "prompt_cache_bytes": 0}
     if isinstance(config.get("thinker"), str) or config.get("thinker") is None:
         config["thinker"] = "hf"  # the measurement needs text conditioning, not a vLLM start
     engine = Engine.from_models({"measure": path}, **config)
@@ -157,7 +198,18 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
         finally:
             handle.remove()
         args, kwargs = captured["call"]
-        half = copy.deepcopy(tr).to(torch.bfloat16)
+        half = copy.deepcopy(tr).to(torch.bfloat16)  # packed layers turn dense in the cast
+        bf16_linear, _ = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "bfloat16"}))
+        if bf16_linear == "onednn":
+            cpu_linear.pack(half)
+        kernels = {"float32": f"{getattr(family, 'cpu_linear', 'aten')} linears",
+                   "bfloat16": f"{bf16_linear} linears"}
+        if compiled:
+            from .compile import compile_family
+
+            for name, module in (("float32", tr), ("bfloat16", half)):
+                info = compile_family(types.SimpleNamespace(transformer=module, name=family.name), f"dtype auto {name}")
+                kernels[name] += ", compiled" if info.compiled else f", eager ({info.eager_reason})"
         sides = {"float32": (tr, args, kwargs),
                  "bfloat16": (half, _cast(args, torch.bfloat16), _cast(kwargs, torch.bfloat16))}
         times = {k: [] for k in sides}
@@ -176,7 +228,7 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
                     times[name].append((time.perf_counter() - start) / n)
                 if _decided(times):
                     break
-        return {k: statistics.median(v) for k, v in times.items()}
+        return Measured({k: statistics.median(v) for k, v in times.items()}, kernels)
     finally:
         engine.close()
 
@@ -198,15 +250,23 @@ def _cast(value, dtype):
     return value
 
 
-def resolve(paths: dict, config: dict) -> str:
+def resolve(paths: dict, config: dict) -> Choice:
     """The concrete dtype for an engine of ``paths`` (name -> folder) configured ``dtype="auto"``:
-    decided on the first (default) model; every model of one engine shares the dtype."""
+    decided on the first (default) model; every model of one engine shares the dtype. Returns
+    the :class:`Choice` (``.dtype`` the answer)."""
+    from . import cpu_linear
     from .families import family_class
 
     path = next(iter(paths.values()))
     device = str(config.get("device", "cpu"))
     kind = family_class(path).output_kind
-    if kind != "image" and torch.device(device).type != "cuda":
-        logger.info("dtype auto: float32 for %s (%s model: the measurement covers image models)", Path(path).name, kind)
-        return "float32"
-    return choose(path, device, lambda: measure_forward(path, config))[0]
+    reason = None
+    if torch.device(device).type != "cuda":
+        if kind != "image":
+            reason = f"{kind} model: the measurement covers image models"
+        elif not cpu_linear.native_bf16():
+            reason = "this CPU has no native bf16 (AVX-512 BF16 or AMX): bf16 would be emulated"
+    if reason:
+        logger.info("dtype auto: float32 for %s (%s)", Path(path).name, reason)
+        return Choice("float32", reason)
+    return choose(path, device, lambda: measure_forward(path, config))

@@ -9,7 +9,9 @@ be compared (``GET /v1/engine/stats`` -> ``config``).
 
 Fields decided per model are ``{model: value}``; fields resolved as a whole are taken from the engine's
 (adjusted) config; a field with no entry in ``RESOLVED`` is reported as configured (it needs no
-resolution), in plain JSON types.
+resolution), in plain JSON types. One more key follows the fields: ``dtype_auto``, what
+``dtype="auto"`` chose, why, and what it measured (seconds per forward and the kernels of each
+side, see ``dit_core.dtype_auto``); None when the dtype was given.
 """
 
 from __future__ import annotations
@@ -94,9 +96,11 @@ RESOLVED: dict[str, Callable] = {
 
 
 def effective_config(engine) -> dict:
-    """Every ``EngineConfig`` field of ``engine`` (a built ``Engine``) as it runs, JSON-ready."""
-    return {f.name: (RESOLVED[f.name](engine) if f.name in RESOLVED else plain(getattr(engine.config, f.name)))
-            for f in dataclasses.fields(EngineConfig)}
+    """Every ``EngineConfig`` field of ``engine`` (a built ``Engine``) as it runs, then
+    ``dtype_auto`` (what ``dtype="auto"`` decided, or None), JSON-ready."""
+    fields = {f.name: (RESOLVED[f.name](engine) if f.name in RESOLVED else plain(getattr(engine.config, f.name)))
+              for f in dataclasses.fields(EngineConfig)}
+    return {**fields, "dtype_auto": plain(getattr(engine, "dtype_choice", None))}
 
 
 def plain(value):

@@ -349,14 +349,17 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
     unknown = set(thinkers) - set(paths)
     if unknown:
         raise InvalidParamError("thinkers", sorted(unknown), f"names among the models {sorted(paths)}")
+    dtype_choice = None  # dtype="auto": what it chose and measured (config.dtype_auto in the stats)
     if cfg.dtype == "auto" and (cfg.offload.streams_blocks or cfg.max_resident_gb is not None):
         # measuring would load every block at once, which the memory budget exists to avoid
         logger.info("dtype auto -> float32: block offload is on, so the model is not loaded whole to measure")
         cfg.dtype = "float32"
+        dtype_choice = {"dtype": "float32", "reason": "block offload is on: the model is not loaded whole to measure"}
     elif cfg.dtype == "auto":  # measured once per machine and model (dit_core.dtype_auto)
         from .dtype_auto import resolve
 
-        cfg.dtype = resolve(paths, options)
+        choice = resolve(paths, options)
+        cfg.dtype, dtype_choice = choice.dtype, choice.as_dict()
     stage_options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization,
                          on_failure=cfg.thinker_on_failure)
     models = {}
@@ -371,7 +374,9 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
             cpu_linear.apply(models[name], cfg, name)  # EngineConfig.cpu_linear: oneDNN-packed linears
             apply_offload(models[name], cfg)  # after loading, before the engine sees the family
             after_loading()  # the reuse allocator forgets what loading freed
-        return Engine(models, cfg)
+        engine = Engine(models, cfg)
+        engine.dtype_choice = dtype_choice
+        return engine
     except BaseException:
         for family in models.values():
             release_offload(family)

@@ -8,7 +8,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from dit_core import Engine, InvalidParamError
-from dit_core.cpu_linear import PackedLinear, pack
+from dit_core import cpu_linear
+from dit_core.cpu_linear import PackedLinear, native_bf16, pack
 from helpers import params
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -71,14 +72,29 @@ def test_engine_packs_by_default_on_cpu_and_matches_aten(tiny_models):
 
 
 def test_auto_stays_aten_where_packing_cannot_apply(tiny_models):
-    engine = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2, dtype="bfloat16")
+    engine = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2, offload="disk:1")
     assert engine.family.cpu_linear == "aten"
     assert any(type(m) is nn.Linear for m in engine.family.transformer.modules())
 
 
+def test_bf16_is_packed_only_where_the_cpu_has_native_bf16(tiny_models, monkeypatch):
+    """bf16 packs where ``native_bf16()`` says the CPU computes bf16 (AVX-512 BF16 or AMX); on
+    a CPU without it (as the capability check answers there) bf16 keeps aten's nn.Linear and
+    ``onednn`` asked for is an error naming the field."""
+    engine = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2, dtype="bfloat16")
+    assert engine.family.cpu_linear == ("onednn" if native_bf16() else "aten")
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
+    assert not cpu_linear.packable(torch.bfloat16) and cpu_linear.packable(torch.float32)
+    engine = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2, dtype="bfloat16")
+    assert engine.family.cpu_linear == "aten"
+    assert any(type(m) is nn.Linear for m in engine.family.transformer.modules())
+    with pytest.raises(InvalidParamError, match="cpu_linear") as e:
+        Engine.from_pretrained(tiny_models["flux"], dtype="bfloat16", cpu_linear="onednn")
+    assert "native bf16" in str(e.value)
+
+
 @pytest.mark.parametrize("config, hint", [
     (dict(cpu_linear="fast"), "one of ['auto', 'onednn', 'aten']"),
-    (dict(cpu_linear="onednn", dtype="bfloat16"), "dtype bfloat16"),
     (dict(cpu_linear="onednn", offload="disk:1"), "offload disk:1"),
 ])
 def test_bad_cpu_linear_names_the_field(tiny_models, config, hint):
@@ -271,3 +287,86 @@ def test_packing_weights_mapped_from_a_file_gives_their_pages_back_but_keeps_wri
         torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(mapped["0.weight"], tensors["0.weight"])  # read again: the file's bytes
     assert torch.equal(mapped["1.weight"], 2 * tensors["1.weight"])
+
+
+# ---- bf16: packed where the CPU has native bf16 ----
+
+needs_bf16 = pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bf16 (AVX-512 BF16 or AMX): "
+                                                          "bf16 is never packed here (tested above)")
+
+
+def _bf16_bound(x, layer):
+    """Per output: half a bf16 ulp of the exact result (2^-8 of its size: bf16 keeps 8 significant
+    bits) plus fp32 accumulation's error (in_features x 2^-24 x sum |x| |w| + |b|). Packed and
+    aten's bf16 linears both accumulate the bf16 products in fp32 and round the result to bf16
+    once, so each lands within this bound of the exact result on the same bf16 inputs."""
+    w, b = layer.dense_weight() if isinstance(layer, PackedLinear) else layer.weight, layer.bias
+    exact = nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    magnitude = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    return exact, 2**-8 * exact.abs() + x.shape[-1] * 2**-24 * magnitude
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_bf16_linear_matches_bf16_linear_within_one_rounding(bias):
+    torch.manual_seed(0)
+    for k, n, shape in [(48, 80, (5, 48)), (384, 1536, (3, 50, 384)), (1920, 384, (2, 33, 1920))]:
+        ref = nn.Linear(k, n, bias=bias).bfloat16()
+        packed = PackedLinear(ref)
+        assert packed.weight.dtype == torch.bfloat16 and packed.weight.layout == torch._mkldnn
+        x = torch.randn(shape).bfloat16()
+        with torch.no_grad():
+            got, want = packed(x), ref(x)
+        exact, bound = _bf16_bound(x, ref)
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - exact).abs() <= bound).all() and ((want.double() - exact).abs() <= bound).all()
+        assert ((got.double() - want.double()).abs() <= 2 * bound).all()  # hence within one rounding of each other
+
+
+@needs_bf16
+def test_bf16_packed_layer_keeps_the_state_dict_contract():
+    import copy
+
+    ref = nn.Linear(48, 80).bfloat16()
+    packed = PackedLinear(ref)
+    theirs, ours = ref.state_dict(), packed.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == torch.bfloat16
+                                                for k in theirs)  # exact dense bf16 copies
+    other = nn.Linear(48, 80).bfloat16()
+    packed.load_state_dict(other.state_dict())  # packed anew, in bf16
+    assert packed.is_packed and packed.weight.dtype == torch.bfloat16 and packed.weight.layout == torch._mkldnn
+    assert torch.equal(packed.dense_weight(), other.weight)
+    x = torch.randn(4, 48).bfloat16()
+    assert torch.equal(packed(x), PackedLinear(other)(x))
+    packed.load_state_dict({k: v.float() for k, v in other.state_dict().items()})  # fp32 in: cast as nn.Linear does
+    assert packed.weight.dtype == torch.bfloat16 and torch.equal(packed.dense_weight(), other.weight)
+    twin = copy.deepcopy(packed)
+    assert twin.is_packed and torch.equal(twin(x), packed(x))
+    # an fp32 packed layer cast to bf16 turns dense; pack() packs it again, in bf16
+    fp32 = nn.Sequential(PackedLinear(nn.Linear(48, 80)))
+    half = copy.deepcopy(fp32).to(torch.bfloat16)
+    assert not half[0].is_packed and pack(half) == 1
+    assert half[0].is_packed and half[0].weight.dtype == torch.bfloat16
+    torch.testing.assert_close(half[0](x), half[0].dense_linear()(x), rtol=0, atol=0)
+
+
+@needs_bf16
+def test_engine_bf16_packed_images_are_as_close_to_fp32_as_aten_bf16_ones(tiny_models):
+    """Both bf16 engines round every linear's output to bf16 once, from the same bf16 weights;
+    per layer they agree within one bf16 rounding (above), so their images differ by at most what
+    bf16 rounding does to an image: the packed engine's distance to the fp32 image is aten bf16's
+    distance (up to a quarter more for where the roundings fall), and the two bf16 images are no
+    further apart than aten bf16 is from fp32."""
+    p = params(num_inference_steps=3, seed=5)
+    prompts = ["a cat", "a dog in a field", "a red car"]
+    fp32 = Engine.from_pretrained(tiny_models["flux"], max_batch_size=4).generate(prompts, p)
+    packed_engine = Engine.from_pretrained(tiny_models["flux"], max_batch_size=4, dtype="bfloat16")
+    aten_engine = Engine.from_pretrained(tiny_models["flux"], max_batch_size=4, dtype="bfloat16", cpu_linear="aten")
+    assert packed_engine.family.cpu_linear == "onednn" and aten_engine.family.cpu_linear == "aten"
+    packed, aten = packed_engine.generate(prompts, p), aten_engine.generate(prompts, p)
+    for f, a, b in zip(fp32, aten, packed):
+        f, a, b = f.float(), a.float(), b.float()
+        bf16_error = (a - f).abs().max().item()
+        assert 0 < bf16_error < 0.1  # bf16 does round (the images are in [0, 1])
+        assert (b - f).abs().max().item() <= 1.25 * bf16_error
+        assert (b - a).abs().max().item() <= bf16_error

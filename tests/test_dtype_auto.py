@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dit_core import Engine, EngineConfig, InvalidParamError
-from dit_core import dtype_auto
+from dit_core import cpu_linear, dtype_auto
+from dit_core.effective_config import effective_config
 from dit_core.families import load_family
 from dit_core.zoo import default_model
 
@@ -43,12 +44,19 @@ def test_choice_is_cached_per_machine_and_model(tmp_path, tiny_models):
 
 
 def test_engine_measures_once_then_reads_the_cache(tmp_path, monkeypatch, caplog):
-    """On the default model (what the CLI runs with --dtype auto): 32x32, so the measurement is short."""
+    """On the default model (what the CLI runs with --dtype auto): 32x32, so the measurement is short.
+    The choice, its reason and what was measured are in the stats' config (``dtype_auto``)."""
     monkeypatch.setenv("OMNIDIT_CACHE_DIR", str(tmp_path))
+    if not cpu_linear.native_bf16():
+        pytest.skip("this CPU has no native bf16: auto is float32 without measuring "
+                    "(test_auto_keeps_float32_without_native_bf16)")
     with caplog.at_level("INFO", logger="dit_core.dtype_auto"):
         engine = Engine.from_pretrained(default_model(), dtype="auto")
     assert engine.config.dtype in ("float32", "bfloat16")
     assert engine.family.transformer.dtype == engine.config.torch_dtype
+    shown = effective_config(engine)["dtype_auto"]
+    assert shown["dtype"] == engine.config.dtype and min(shown["seconds"].values()) > 0
+    assert shown["kernels"]["float32"] == "onednn linears" and "measured now" in shown["reason"]
     lines = [r.getMessage() for r in caplog.records if r.name == "dit_core.dtype_auto"]
     assert len(lines) == 1 and "measured now" in lines[0] and engine.config.dtype in lines[0]
     (entry,) = json.loads((tmp_path / "dtype_auto.json").read_text()).values()
@@ -115,3 +123,31 @@ def test_measurement_rounds_follow_the_decision(tiny_models, monkeypatch, decisi
     seconds = dtype_auto.measure_forward(tiny_models["flux"], {}, rounds=3, min_s=0.0)
     assert len(checked) == rounds_run and checked[-1] == {"float32": rounds_run, "bfloat16": rounds_run}
     assert min(seconds.values()) > 0
+
+
+def test_auto_keeps_float32_without_native_bf16(tiny_models, monkeypatch, caplog):
+    """Where the capability check finds no native bf16, bf16 would be emulated: float32 without
+    measuring, said in the log line and in the stats' config."""
+    def must_not_run(*_a, **_k):
+        raise AssertionError("measured on a CPU without native bf16")
+
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
+    monkeypatch.setattr(dtype_auto, "measure_forward", must_not_run)
+    with caplog.at_level("INFO", logger="dit_core.dtype_auto"):
+        engine = Engine.from_pretrained(tiny_models["flux"], dtype="auto")
+    assert engine.config.dtype == "float32" and engine.family.cpu_linear == "onednn"
+    shown = effective_config(engine)["dtype_auto"]
+    assert shown["dtype"] == "float32" and "native bf16" in shown["reason"] and shown["seconds"] is None
+    assert any("native bf16" in r.getMessage() for r in caplog.records if r.name == "dit_core.dtype_auto")
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_measurement_runs_the_kernels_the_engine_would_run(tiny_models, monkeypatch, compile):
+    """fp32 packed against bf16 packed where the CPU has native bf16 (aten's bf16 linears
+    elsewhere), compiled as the engine compiles when it does: each side says what it ran."""
+    monkeypatch.setattr(dtype_auto, "MEASURE_SIDE", 64)
+    seconds = dtype_auto.measure_forward(tiny_models["flux"], {"compile": compile}, rounds=1, min_s=0.0)
+    tail = ", compiled" if compile else ""
+    assert seconds.kernels == {"float32": "onednn linears" + tail,
+                               "bfloat16": ("onednn" if cpu_linear.native_bf16() else "aten") + " linears" + tail}
+    assert set(seconds) == {"float32", "bfloat16"} and min(seconds.values()) > 0

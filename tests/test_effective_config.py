@@ -22,7 +22,8 @@ def digits_engine():
 
 def test_every_engine_config_field_is_reported_as_the_engine_runs_it(digits_engine):
     config = effective_config(digits_engine)
-    assert list(config) == [f.name for f in dataclasses.fields(EngineConfig)]
+    assert list(config) == [f.name for f in dataclasses.fields(EngineConfig)] + ["dtype_auto"]
+    assert config["dtype_auto"] is None  # the dtype was given, not chosen
     assert json.loads(json.dumps(config)) == config  # plain JSON, as the stats route sends it
     # the "auto" settings as decided: packed oneDNN linears (float32 on CPU, weights resident), the backend
     # chosen per attention role, the thinker built
@@ -41,6 +42,7 @@ def test_a_memory_budget_resolves_dtype_offload_and_kernels():
     finally:
         engine.close()
     assert config["dtype"] == "float32"  # auto is not measured when blocks stream
+    assert config["dtype_auto"]["dtype"] == "float32" and "offload" in config["dtype_auto"]["reason"]
     assert re.fullmatch(r"disk:\d+", config["offload"]["d"]), config["offload"]  # the budget chose the blocks ahead
     assert config["cpu_linear"] == {"d": "aten"}  # streamed blocks keep nn.Linear
     assert config["max_batch_size"] == {"d": 1}  # a request-level step cache: one request per forward

@@ -477,7 +477,7 @@ def test_replicas_run_the_engine_the_same_flags_give_in_one_process(scaled, tiny
         local_error = assert_error(post(local_url, too_large, timeout=60), 400, "num_inference_steps",
                                    "request_too_large")
     stats = httpx.get(f"{url}/v1/engine/stats", headers=AUTH, timeout=30).json()
-    assert set(local) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(local) == {f.name for f in dataclasses.fields(EngineConfig)} | {"dtype_auto"}
     assert local["cpu_linear"]["digits"] == "onednn" and local["cpu_allocator"] == "reuse"  # what auto chose here
     (stage,) = replicas(url)["thinkers"]["digits"]
     assert len(stats["replicas"]) == 2
