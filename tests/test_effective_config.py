@@ -36,7 +36,8 @@ def test_every_engine_config_field_is_reported_as_the_engine_runs_it(digits_engi
 
 def test_a_memory_budget_resolves_dtype_offload_and_kernels():
     engine = load_engine({"d": default_model()}, {"thinker": "hf", "dtype": "auto", "max_resident_gb": 0.008,
-                                                  "cache": "cache-dit:0.1", "cpu_linear": "auto"})
+                                                  "cache": "cache-dit:0.1", "cpu_linear": "auto",
+                                                  "malloc_mmap_threshold": 0})  # the pytest process's heap untouched
     try:
         config = effective_config(engine)
     finally:
