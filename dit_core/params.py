@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import numpy as np
+import PIL.Image
 
 from .errors import InvalidParamError
 
@@ -12,6 +16,9 @@ MAX_STEPS = 1000
 MAX_SIDE = 8192
 MAX_OUTPUTS = 16
 MAX_SEED = 2**63 - 1
+MAX_IMAGES = 4  # input images one request may carry (``image`` as a list: reference-image editing)
+# PIL modes refused: more than 8 bits per channel (converting them to RGB clips them silently)
+HIGH_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,15 @@ class SamplingParams:
     client_id: str | None = None
     audio_start_in_s: float | None = None  # audio models: where the clip starts (seconds)
     audio_end_in_s: float | None = None  # audio models: where it ends, so its length is end - start
+    # Image inputs (image-to-image, inpainting). ``image``: a PIL image or an HxWx3 array (uint8, or float
+    # in [0, 1]); a list of up to MAX_IMAGES of them for models that take several. ``mask`` (inpainting,
+    # with ``image``): a PIL image or an HxW array, white / 1 = repaint, black / 0 = keep (diffusers'
+    # convention; binarized at 0.5). ``strength`` (with ``image``): the fraction of the schedule to run,
+    # in (0, 1], as diffusers' img2img pipelines define it; None: 0.6, their default. Not compared:
+    # two params differing only in their images are equal (arrays have no single truth value).
+    image: Any = field(default=None, compare=False)
+    mask: Any = field(default=None, compare=False)
+    strength: float | None = None
 
     def __post_init__(self):
         for name in ("height", "width"):
@@ -77,6 +93,26 @@ class SamplingParams:
                 raise InvalidParamError("deadline_ms", d, "a number of milliseconds in (0, 3600000], or None")
         if self.client_id is not None and (not isinstance(self.client_id, str) or not 0 < len(self.client_id) <= 256):
             raise InvalidParamError("client_id", self.client_id, "a string of 1 to 256 characters, or None")
+        self._check_image_inputs()
+
+    def _check_image_inputs(self):
+        if self.image is not None:
+            images = self.image if isinstance(self.image, (list, tuple)) else [self.image]
+            if not 1 <= len(images) <= MAX_IMAGES:
+                raise InvalidParamError("image", f"{len(images)} images", f"1 to {MAX_IMAGES} images")
+            for img in images:
+                check_image("image", img, mask=False)
+        if self.mask is not None:
+            if self.image is None:
+                raise InvalidParamError("mask", describe_image(self.mask),
+                                        "unset unless an image is given (inpainting)")
+            check_image("mask", self.mask, mask=True)
+        if self.strength is not None:
+            s = self.strength
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0 < s <= 1:
+                raise InvalidParamError("strength", s, "a number in (0, 1]")
+            if self.image is None:
+                raise InvalidParamError("strength", s, "unset unless an image is given (image-to-image)")
 
     def with_defaults(self, **defaults) -> "SamplingParams":
         """A copy whose ``None`` fields take the given defaults."""
@@ -85,6 +121,39 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def describe_image(value) -> str:
+    """A short description of an image input for error messages (never its pixels)."""
+    if isinstance(value, np.ndarray):
+        return f"array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, PIL.Image.Image):
+        return f"{value.width}x{value.height} {value.mode} image"
+    return type(value).__name__
+
+
+def check_image(name: str, value, mask: bool) -> None:
+    """Raise InvalidParamError naming ``name`` unless ``value`` is an image (``mask``: a one-channel one)."""
+    kind = "an HxW array" if mask else "an HxWx3 array"
+    allowed = f"a PIL image or {kind} (uint8, or float in [0, 1]) of sides 1 to {MAX_SIDE}"
+    if isinstance(value, PIL.Image.Image):
+        if value.mode in HIGH_BIT_MODES:
+            raise InvalidParamError(name, describe_image(value), "an image of 8 bits per channel (convert it first)")
+        sides = (value.height, value.width)
+    elif isinstance(value, np.ndarray):
+        channels = (1,) if mask else (3,)
+        shape_ok = (value.ndim == 3 and value.shape[2] in channels) or (mask and value.ndim == 2)
+        if not shape_ok:
+            raise InvalidParamError(name, describe_image(value), allowed)
+        if value.dtype != np.uint8:
+            if value.dtype.kind != "f" or value.size == 0 or not np.isfinite(value).all() or \
+                    value.min() < 0 or value.max() > 1:
+                raise InvalidParamError(name, describe_image(value), allowed)
+        sides = value.shape[:2]
+    else:
+        raise InvalidParamError(name, describe_image(value), allowed)
+    if not all(1 <= side <= MAX_SIDE for side in sides):
+        raise InvalidParamError(name, describe_image(value), allowed)
 
 
 def _check_int(name, value, lo, hi, optional=False):

@@ -96,6 +96,7 @@ class Request:
     inputs: Any = None
     status: RequestStatus = RequestStatus.WAITING
     step_index: int = 0
+    start_step: int = 0  # the step it starts at: 0, or later for image-to-image (``strength`` < 1)
     latents: Any = None
     sampler: Any = None
     cond: Any = None

@@ -55,9 +55,10 @@ class CacheDiT(StepCache):
         if len(requests) != 1:
             raise RuntimeError("the cache-dit backend runs one request per forward")
         (req,) = requests
-        if req.step_index == 0:
+        if req.step_index == req.start_step:
             threshold = self.threshold if req.params.use_cache else 0.0
-            cache_dit.refresh_context(family.transformer, cache_config=self._config(req.total_steps, threshold))
+            steps = req.total_steps - req.start_step  # an image-to-image request runs the last ones only
+            cache_dit.refresh_context(family.transformer, cache_config=self._config(steps, threshold))
         self._ran = 0
         out = family.transformer(**inputs, return_dict=False)[0]
         n = family.num_blocks

@@ -20,7 +20,7 @@ def row_slices(requests: list[Request]):
 
 def must_compute(req: Request) -> bool:
     """First and last steps always compute; so does a request that opted out."""
-    return req.step_index == 0 or req.step_index >= req.total_steps - 1 or not req.params.use_cache
+    return req.step_index == req.start_step or req.step_index >= req.total_steps - 1 or not req.params.use_cache
 
 
 def eligible_rows(requests: list[Request], key: str) -> torch.Tensor:

@@ -98,8 +98,9 @@ class Family(abc.ABC):
         used = COMMON_PARAMS | self.params_used
         default = SamplingParams()
         for f in fields(SamplingParams):
-            value = getattr(params, f.name)
-            if f.name not in used and value != getattr(default, f.name):
+            value, unset = getattr(params, f.name), getattr(default, f.name)
+            # (``is not`` first: an image field may hold an array, whose ``!=`` has no truth value)
+            if f.name not in used and value is not unset and (unset is None or value != unset):
                 raise InvalidParamError(f.name, value, f"unset: {self.name} models ({self.output_kind}) do not use it; "
                                                        f"they take {sorted(used)}")
 

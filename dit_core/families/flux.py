@@ -18,6 +18,8 @@ from .processors.flux import FluxProcessor
 class FluxFamily(PackedFlowFamily):
     name = "flux"
     pipeline_class = "FluxPipeline"
+    # image-to-image and inpainting as FluxImg2ImgPipeline / FluxInpaintPipeline (see image_inputs.py)
+    params_used = PackedFlowFamily.params_used | {"image", "mask", "strength"}
     attention_processor = FluxProcessor
     defaults = dict(num_inference_steps=28, guidance_scale=3.5, true_cfg_scale=1.0, max_sequence_length=512)
     max_text_tokens = 512

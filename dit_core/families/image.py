@@ -18,6 +18,8 @@ from ..loading import load_component, load_components
 from ..params import MAX_OUTPUTS, MAX_SIDE, MAX_STEPS, SamplingParams
 from ..request import Request
 from .base import Family, TextCond, split_rows
+from .image_inputs import (ImageInputs, blend_inpaint, check_strength, encode_images, preprocess,
+                           resolve_image_params)
 
 
 class DiffusersFamily(Family):
@@ -152,12 +154,16 @@ class DiffusersFamily(Family):
 
     def advance(self, req: Request, prediction: torch.Tensor) -> None:
         req.latents = req.sampler.step(prediction, req.timestep, req.latents, return_dict=False)[0]
+        if "inpaint" in req.state:  # inpainting: the unmasked region follows the input image
+            blend_inpaint(req)
         req.step_index += 1
 
     # ---- helpers ----
 
     def noise(self, req: Request, shape: tuple) -> torch.Tensor:
-        gen = torch.Generator("cpu").manual_seed(req.params.seed)
+        """The request's initial noise: its seeded generator's draw (after the VAE encode's draw for an
+        image input, as the img2img pipelines order them)."""
+        gen = req.state.pop("generator", None) or torch.Generator("cpu").manual_seed(req.params.seed)
         return randn_tensor(shape, generator=gen, device=self.device, dtype=self.dtype)
 
     def new_sampler(self):
@@ -191,10 +197,12 @@ class ImageFamily(DiffusersFamily):
         min_steps = 2 if self.scheduler.config.get("shift_terminal") else 1
         return {**super().describe(), "size_multiple": self.size_multiple, "max_side": MAX_SIDE,
                 "max_text_tokens": self.max_text_tokens, "min_steps": min_steps, "max_steps": MAX_STEPS,
-                "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param}
+                "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param, "inputs": self.input_kinds()}
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         self.check_fields(params)
+        if params.image is not None:  # image-to-image: the size defaults to the image's
+            params = resolve_image_params(params, self.size_multiple, self.name)
         side = self.default_size()
         params = params.with_defaults(**{"height": side, "width": side, **self.defaults,
                                          **self.checkpoint_defaults})
@@ -212,7 +220,30 @@ class ImageFamily(DiffusersFamily):
         if params.max_sequence_length > self.max_text_tokens:
             raise InvalidParamError("max_sequence_length", params.max_sequence_length,
                                     f"an integer in [1, {self.max_text_tokens}]")
+        check_strength(params)
         return params
+
+    def validate_input(self, value: Any, params: SamplingParams) -> tuple[str, Any]:
+        """The prompt, and an image input preprocessed at the request's size (``ImageInputs``)."""
+        text, inputs = super().validate_input(value, params)
+        if params.image is not None:
+            inputs = preprocess(params, self.processor, self.name)
+        return text, inputs
+
+    def encode(self, requests: list[Request]) -> None:
+        """The prompts, then the input images of the requests that have one, VAE-encoded together in
+        calls of at most ``decode_pixel_budget`` pixels (counted in ``image_encodes``)."""
+        super().encode(requests)
+        with_image = [r for r in requests if isinstance(r.inputs, ImageInputs)]
+        if with_image:
+            calls = encode_images(self.vae, with_image, self.device, self.dtype, self.decode_pixel_budget)
+            counts = self.__dict__.setdefault("image_encodes", {"images": 0, "calls": 0})
+            counts["images"] += len(with_image)
+            counts["calls"] += calls
+
+    def input_kinds(self) -> list[str]:
+        """What a request may carry besides its prompt (``GET /v1/models/{id}``)."""
+        return ["text"] + [k for k in ("image", "mask") if k in self.params_used]
 
     def row_tokens(self, prompt: str, params: SamplingParams, inputs: Any = None) -> int:
         """Tokens one forward row of this request costs (image + text), for the step budget."""

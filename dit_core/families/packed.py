@@ -11,6 +11,7 @@ from ..params import SamplingParams
 from ..request import Request
 from .base import BlockInputs
 from .image import ImageFamily
+from .image_inputs import start_from_image
 from .latents import flow_shift_mu, linear_sigmas, pack_2x2, unpack_2x2
 
 
@@ -46,7 +47,8 @@ class PackedFlowFamily(ImageFamily):
     def prepare(self, req: Request) -> None:
         p = req.params
         h, w = self.latent_grid(p)
-        req.latents = pack_2x2(self.noise(req, (p.num_outputs, self.latent_channels, h, w)))
+        noise = self.noise(req, (p.num_outputs, self.latent_channels, h, w))
+        req.latents = pack_2x2(noise)
         self.prepare_positions(req, h // 2, w // 2)
         sampler = self.new_sampler()
         sigmas = self.sigmas(sampler, p.num_inference_steps)
@@ -57,6 +59,8 @@ class PackedFlowFamily(ImageFamily):
             sampler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
         sampler.set_begin_index(0)
         req.sampler = sampler
+        if req.inputs is not None:  # image-to-image / inpainting: starts at its own step, from the image
+            req.latents = start_from_image(req, noise, pack_2x2)
 
     def prepare_positions(self, req: Request, h: int, w: int) -> None:
         """Keep what the transformer needs about an h x w token grid in ``req.state``."""

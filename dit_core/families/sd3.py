@@ -14,6 +14,7 @@ from ..params import SamplingParams
 from ..request import Request
 from .base import BlockInputs, TextCond, gather_rows
 from .image import ImageFamily
+from .image_inputs import start_from_image
 from .latents import flow_shift_mu
 from .processors.sd3 import SD3Processor
 
@@ -25,6 +26,9 @@ class SD3Family(ImageFamily):
     defaults = dict(num_inference_steps=28, guidance_scale=7.0, true_cfg_scale=1.0, max_sequence_length=256)
     max_text_tokens = 512
     cfg_param = "guidance_scale"
+    # image-to-image as StableDiffusion3Img2ImgPipeline (see image_inputs.py); its inpaint pipeline orders
+    # its random draws differently: not yet
+    params_used = ImageFamily.params_used | {"image", "strength"}
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
@@ -87,6 +91,8 @@ class SD3Family(ImageFamily):
         sampler.set_timesteps(p.num_inference_steps, device=self.device, **kwargs)
         sampler.set_begin_index(0)
         req.sampler = sampler
+        if req.inputs is not None:  # image-to-image: starts at its own step, from the image
+            req.latents = start_from_image(req, req.latents, lambda latents: latents)
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
         latents, timesteps, conds, _ = gather_rows(requests)

@@ -1,0 +1,232 @@
+"""Image inputs on FLUX: image-to-image and inpainting equal diffusers' FluxImg2ImgPipeline and
+FluxInpaintPipeline (fp32, <= 1e-4, same seed), requests of different strengths and masks share one
+forward with text-to-image ones and each gets what it gets alone (<= 1e-5), and bad image inputs are
+refused naming the field."""
+
+import functools
+from dataclasses import replace
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from diffusers import DiffusionPipeline, FluxImg2ImgPipeline, FluxInpaintPipeline, StableDiffusion3Img2ImgPipeline
+
+from dit_core import Engine, SamplingParams
+from dit_core.errors import InvalidParamError
+from helpers import assert_finished, params, run_staggered
+
+PROMPT = "a photo of a cat sitting on a red chair"
+
+
+def source_image(h: int = 40, w: int = 48) -> PIL.Image.Image:
+    """A smooth picture with some texture, not a multiple of the output size (so it is resized)."""
+    rng = np.random.default_rng(3)
+    y, x = np.mgrid[0:h, 0:w]
+    img = np.stack([x / w, y / h, 0.5 + 0.5 * np.sin(x / 3.0) * np.cos(y / 5.0)], axis=-1)
+    img = np.clip(img + 0.1 * rng.standard_normal((h, w, 3)), 0, 1)
+    return PIL.Image.fromarray((img * 255).astype(np.uint8))
+
+
+def right_half_mask(h: int = 40, w: int = 48) -> PIL.Image.Image:
+    m = np.zeros((h, w), np.uint8)
+    m[:, w // 2:] = 255
+    return PIL.Image.fromarray(m)
+
+
+@functools.lru_cache(maxsize=None)
+def pipelines(path):
+    base = DiffusionPipeline.from_pretrained(path)
+    made = {"img2img": FluxImg2ImgPipeline.from_pipe(base), "inpaint": FluxInpaintPipeline.from_pipe(base)}
+    for pipe in made.values():
+        pipe.set_progress_bar_config(disable=True)
+    return made
+
+
+def reference(path, kind: str, kw: dict, image, mask=None, height=32, width=32) -> torch.Tensor:
+    kw = dict(kw)
+    n, seed = kw.pop("num_outputs", 1), kw.pop("seed")
+    extra = {"mask_image": mask} if kind == "inpaint" else {}
+    return pipelines(str(path))[kind](PROMPT, image=image, height=height, width=width, num_images_per_prompt=n,
+                                      generator=torch.Generator().manual_seed(seed), output_type="pt",
+                                      **extra, **kw).images
+
+
+def engine_images(engine, kw: dict, image, mask=None, **size) -> torch.Tensor:
+    p = SamplingParams(image=image, mask=mask, output_type="pt", **{"height": 32, "width": 32, **size}, **kw)
+    return torch.stack(engine.generate(PROMPT, p))
+
+
+IMG2IMG = [
+    ("strength-0.3", dict(strength=0.3)),
+    ("strength-0.6-two-outputs", dict(strength=0.6, num_outputs=2)),
+    ("strength-0.75-cfg", dict(strength=0.75, negative_prompt="blurry", true_cfg_scale=3.0)),
+    ("strength-1.0", dict(strength=1.0)),
+]
+
+
+@pytest.mark.parametrize("case,kw", IMG2IMG, ids=[c for c, _ in IMG2IMG])
+def test_img2img_equals_diffusers(case, kw, tiny_models, engines):
+    kw = dict(num_inference_steps=5, seed=7, guidance_scale=3.5, **kw)
+    image = source_image()
+    ref = reference(tiny_models["flux"], "img2img", kw, image)
+    out = engine_images(engines("flux"), kw, image)
+    assert out.shape == ref.shape == (kw.get("num_outputs", 1), 3, 32, 32)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_img2img_float_array_and_image_size_default(tiny_models, engines):
+    """A float array goes through diffusers' array path; without height/width the output takes the
+    image's size (rounded down to the size multiple; the pipeline gets that size explicitly)."""
+    image = np.asarray(source_image(), dtype=np.float32) / 255.0
+    kw = dict(num_inference_steps=4, seed=5, guidance_scale=3.5, strength=0.8)
+    ref = reference(tiny_models["flux"], "img2img", kw, image, height=40, width=48)
+    p = SamplingParams(image=image, output_type="pt", **kw)
+    out = torch.stack(engines("flux").generate(PROMPT, p))
+    assert out.shape == ref.shape == (1, 3, 40, 48)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+INPAINT = [
+    ("strength-0.5", dict(strength=0.5), right_half_mask),
+    ("strength-1.0-two-outputs", dict(strength=1.0, num_outputs=2), right_half_mask),
+    ("cfg-mask-other-size", dict(strength=0.8, negative_prompt="blurry", true_cfg_scale=3.0),
+     lambda: right_half_mask(20, 30)),  # resized to the output size like the image, as diffusers does
+]
+
+
+@pytest.mark.parametrize("case,kw,make_mask", INPAINT, ids=[c for c, _, _ in INPAINT])
+def test_inpaint_equals_diffusers(case, kw, make_mask, tiny_models, engines):
+    kw = dict(num_inference_steps=5, seed=11, guidance_scale=3.5, **kw)
+    image, mask = source_image(), make_mask()
+    ref = reference(tiny_models["flux"], "inpaint", kw, image, mask)
+    out = engine_images(engines("flux"), kw, image, mask)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_inpaint_keeps_the_unmasked_latents(engines):
+    """Two prompts, same seed: the final latents outside the mask (the left half) are the image's, the
+    same for both; inside they follow the prompt."""
+    kw = dict(num_inference_steps=4, seed=2, guidance_scale=3.5, strength=0.9, output_type="latent")
+    outs = [engines("flux").generate(prompt, params(image=source_image(), mask=right_half_mask(), **kw))[0]
+            for prompt in ("a cat", "a red car on the street")]
+    grids = [o.view(8, 8, -1) for o in outs]  # 2x2-packed tokens of the 16 x 16 latent
+    assert torch.equal(grids[0][:, :4], grids[1][:, :4])
+    assert (grids[0][:, 4:] - grids[1][:, 4:]).abs().max() > 1e-3
+
+
+def mixed_specs():
+    image, mask = source_image(), right_half_mask()
+    common = dict(num_inference_steps=6, guidance_scale=3.5)
+    return [
+        params(seed=1, **common),  # text to image
+        params(seed=2, image=image, strength=0.3, **common),
+        params(seed=3, image=image, strength=0.8, num_outputs=2, negative_prompt="blurry", true_cfg_scale=3.0,
+               **common),
+        params(seed=4, image=image, mask=mask, strength=0.6, **common),
+    ]
+
+
+def test_mixed_batch_rows_equal_alone(engines):
+    engine = engines("flux")
+    specs = mixed_specs()
+    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+    before = dict(engine.family.image_encodes)
+    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1])
+    assert max(sizes) == len(specs)  # different strengths and a mask shared one forward
+    # the two images admitted at step 0 were VAE-encoded in one call, the inpaint one (step 1) in its own
+    assert engine.family.image_encodes["images"] - before["images"] == 3
+    assert engine.family.image_encodes["calls"] - before["calls"] == 2
+    for i, ref in enumerate(alone):
+        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_strength_sets_the_start_step_and_batch_key(engines):
+    engine = engines("flux")
+    image = source_image()
+    t2i = engine.make_request(PROMPT, params(num_inference_steps=10))
+    for strength, start in ((1.0, 0), (0.8, 2), (0.35, 6), (0.1, 9)):
+        req = engine.make_request(PROMPT, params(num_inference_steps=10, image=image, strength=strength))
+        assert req.key == t2i.key  # strength and mask never split the batch
+        engine.models[req.model].encode([req])
+        engine.models[req.model].prepare(req)
+        assert req.step_index == req.start_step == start and req.total_steps == 10
+
+
+BAD = [
+    ("strength", dict(image=source_image(), strength=0.0)),
+    ("strength", dict(image=source_image(), strength=1.5)),
+    ("strength", dict(image=source_image(), strength=True)),
+    ("strength", dict(image=source_image(), strength="0.5")),
+    ("strength", dict(strength=0.5)),  # without an image
+    ("mask", dict(mask=right_half_mask())),  # without an image
+    ("image", dict(image="cat.png")),
+    ("image", dict(image=np.zeros((8, 8), np.uint8))),  # an image needs three channels
+    ("image", dict(image=np.full((8, 8, 3), 2.0, np.float32))),  # floats outside [0, 1]
+    ("image", dict(image=[source_image()] * 5)),
+    ("image", dict(image=PIL.Image.new("I;16", (8, 8)))),
+    ("mask", dict(image=source_image(), mask=np.zeros((8, 8, 3), np.uint8))),
+]
+
+
+@pytest.mark.parametrize("field,kw", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
+def test_bad_image_inputs_name_the_field(field, kw):
+    with pytest.raises(InvalidParamError) as err:
+        SamplingParams(**kw)
+    assert err.value.field == field
+
+
+def test_bad_image_inputs_for_the_model(engines):
+    engine = engines("flux")
+    # a strength so small that no step would run (10 - 10 * 1e-17 rounds to 10: diffusers raises too);
+    # any larger one runs at least the last step, as get_timesteps truncates
+    assert engine.make_request(PROMPT, params(num_inference_steps=10, image=source_image(), strength=0.01))
+    with pytest.raises(InvalidParamError) as err:
+        engine.make_request(PROMPT, params(num_inference_steps=10, image=source_image(), strength=1e-17))
+    assert err.value.field == "strength"
+    with pytest.raises(InvalidParamError) as err:  # FLUX img2img takes one image
+        engine.make_request(PROMPT, params(image=[source_image(), source_image()]))
+    assert err.value.field == "image"
+    with pytest.raises(InvalidParamError) as err:  # too small to default the size from
+        engine.make_request(PROMPT, SamplingParams(image=source_image(2, 2)))
+    assert err.value.field == "image"
+    assert engine.family.describe()["inputs"] == ["text", "image", "mask"]
+
+
+SD3_CASES = [("strength-0.4-cfg", dict(strength=0.4, guidance_scale=5.0, negative_prompt="blurry")),
+             ("strength-0.8-two-outputs", dict(strength=0.8, guidance_scale=1.0, num_outputs=2))]
+
+
+@pytest.mark.parametrize("case,kw", SD3_CASES, ids=[c for c, _ in SD3_CASES])
+def test_sd3_img2img_equals_diffusers(case, kw, tiny_models, engines):
+    kw = dict(num_inference_steps=5, seed=9, **kw)
+    image = source_image()
+    n, seed = kw.pop("num_outputs", 1), kw.pop("seed")
+    pipe = StableDiffusion3Img2ImgPipeline.from_pipe(DiffusionPipeline.from_pretrained(str(tiny_models["sd3"])))
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(PROMPT, image=image, height=32, width=32, num_images_per_prompt=n, output_type="pt",
+               generator=torch.Generator().manual_seed(seed), **kw).images
+    out = engine_images(engines("sd3"), dict(kw, num_outputs=n, seed=seed), image)
+    assert out.shape == ref.shape == (n, 3, 32, 32)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_sd3_refuses_a_mask(engines):
+    with pytest.raises(InvalidParamError) as err:
+        engines("sd3").make_request(PROMPT, params(image=source_image(), mask=right_half_mask()))
+    assert err.value.field == "mask"
+    assert engines("sd3").family.describe()["inputs"] == ["text", "image"]
+
+
+def test_step_cache_with_image_inputs(tiny_models):
+    """TeaCache rows start their cache state at their own first step: a mixed batch of text-to-image,
+    img2img and inpaint rows skips work, and each row still gets what it gets alone."""
+    engine = Engine.from_pretrained(tiny_models["flux"], cache="teacache:0.6", max_batch_size=8)
+    specs = [replace(p, num_inference_steps=10) for p in mixed_specs()]
+    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 1, 2])
+    assert max(sizes) == len(specs)
+    assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) > 0
+    for i, ref in enumerate(alone):
+        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
