@@ -91,21 +91,31 @@ def gelu_rewrite(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3
 
 def linear_kernels(shape: tuple[int, int, int], repeats: int, seconds: float = 0.3) -> dict:
     """One linear layer at the transformer's main shape (M x K -> N, with bias), aten's ``addmm``
-    (MKL here) against oneDNN from the packed weight (``dit_core.cpu_linear``), interleaved."""
-    from dit_core.cpu_linear import PackedLinear
+    (MKL here) against oneDNN from the packed weight (``dit_core.cpu_linear``), interleaved; and,
+    where bf16 is packed (native bf16), the packed bf16 layer: ``bf16_over_fp32_packed`` is the
+    GEMM gain the engine's bf16 can keep over its fp32 (which already runs packed oneDNN)."""
+    from dit_core.cpu_linear import PackedLinear, packable
 
     m, k, n = shape
     aten = torch.nn.Linear(k, n)
     packed, x = PackedLinear(aten), torch.randn(m, k)
     flops = 2 * m * k * n / 1e9
+    sides = {"aten": (aten, x), "onednn": (packed, x)}
+    if packable(torch.bfloat16):
+        sides["onednn bf16"] = (PackedLinear(torch.nn.Linear(k, n).bfloat16()), x.bfloat16())
+
+    def side(layer, inp):
+        return lambda _round: {"gflops": flops / _per_call(lambda: layer(inp), seconds)}
+
     with torch.no_grad():
-        cmp = interleaved({"aten": lambda _round: {"gflops": flops / _per_call(lambda: aten(x), seconds)},
-                           "onednn": lambda _round: {"gflops": flops / _per_call(lambda: packed(x), seconds)}},
-                          max(repeats, 3))
+        cmp = interleaved({name: side(*v) for name, v in sides.items()}, max(repeats, 3))
         diff = (aten(x) - packed(x)).abs().max().item()
+    bf16 = "onednn bf16" in sides
     return {"shape": list(shape), "aten_gflops": cmp.median("aten", "gflops"),
             "onednn_gflops": cmp.median("onednn", "gflops"), "speedup": cmp.ratio("onednn", "aten", "gflops"),
-            "spread": cmp.ratio_spread("onednn", "aten", "gflops"), "max_abs_diff": diff}
+            "spread": cmp.ratio_spread("onednn", "aten", "gflops"), "max_abs_diff": diff,
+            "onednn_bf16_gflops": cmp.median("onednn bf16", "gflops") if bf16 else None,
+            "bf16_over_fp32_packed": cmp.ratio("onednn bf16", "onednn", "gflops") if bf16 else None}
 
 
 def profile_ops(model: str, size: int, text: int, top: int = 15) -> dict:
@@ -248,6 +258,10 @@ def dtype_compile(model: str, args, sizes: list[int], text: int) -> dict:
     summary = {
         "bf16_over_fp32_speed": _least(r["bf16_over_fp32_speed"] for r in results.values()),
         "mm_bf16_over_fp32_speed": min(m["bf16_over_fp32"] for m in mm.values()),
+        # the same gain between the kernels the engine runs: packed bf16 over packed fp32 linears at
+        # the main shape (None where bf16 is not packed: no native bf16); the engine's fp32 already
+        # runs oneDNN, which on some CPUs is far faster than torch.mm's fp32 (MKL)
+        "linear_bf16_over_fp32_packed_speed": _least(linear[s]["bf16_over_fp32_packed"] for s in sizes),
         "auto_dtype_choice": auto_dtype,
         "auto_dtype_reason": auto_reason,
         "auto_over_slower_dtype": _least(r["auto_over_slower"] for r in results.values()),

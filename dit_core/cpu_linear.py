@@ -115,6 +115,9 @@ class PackedLinear(nn.Linear):
     """
 
     def __init__(self, linear: nn.Linear):
+        if not packable(linear.weight.dtype):
+            raise ValueError(f"PackedLinear packs float32 weights, and bfloat16 ones on a CPU with native bf16; "
+                             f"this one is {linear.weight.dtype} (native bf16 here: {native_bf16()})")
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a dense weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.is_packed = True  # a plain attribute: torch.compile traces the packed path on it

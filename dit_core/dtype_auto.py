@@ -175,7 +175,9 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
     from .config import EngineConfig
 
     compiled = bool(config.get("compile"))
-    config = {**config, "dtype": "float32", "compile": False, "warmup": None, "prompt_cache_bytes": 0}
+    config = {**config, "dtype": "float32", "compile": False, "prompt_cache_bytes": 0}
+    if "warmup" in config:  # no start-up warm-up for the measuring engine (EngineConfig.warmup)
+        config["warmup"] = None
     if isinstance(config.get("thinker"), str) or config.get("thinker") is None:
         config["thinker"] = "hf"  # the measurement needs text conditioning, not a vLLM start
     engine = Engine.from_models({"measure": path}, **config)

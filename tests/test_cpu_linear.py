@@ -92,6 +92,8 @@ def test_bf16_is_packed_only_where_the_cpu_has_native_bf16(tiny_models, monkeypa
     with pytest.raises(InvalidParamError, match="cpu_linear") as e:
         Engine.from_pretrained(tiny_models["flux"], dtype="bfloat16", cpu_linear="onednn")
     assert "native bf16" in str(e.value)
+    with pytest.raises(ValueError, match="bfloat16"):
+        PackedLinear(nn.Linear(8, 8).bfloat16())
 
 
 @pytest.mark.parametrize("config, hint", [
