@@ -149,6 +149,9 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=0.5, help="seconds of forwards per side per round")
     ap.add_argument("--no-profile", action="store_true", help="leave out the per-kind profile")
     ap.add_argument("--no-linears", action="store_true", help="leave out the per-shape linear table")
+    ap.add_argument("--compile", action="store_true",
+                    help="compiled blocks (compile=True, warmed up at --sizes) for every side; writes "
+                         "results/bf16_path_compiled.json")
     args = ap.parse_args(argv)
     from dit_core import Engine
     from dit_core.random_models import build
@@ -156,10 +159,13 @@ def main(argv=None):
     sizes = [int(s) for s in args.sizes.split(",")]
     model = build("flux", "small", scratch_dir() / "flux-small")
     common = dict(max_batch_size=BATCH, prompt_cache_bytes=0)
+    if args.compile:
+        common.update(compile=True, compile_warmup=",".join(f"{s}x{s}" for s in sizes))
     engines = {"fp32 packed": Engine.from_pretrained(model, **common),
                "bf16 aten": Engine.from_pretrained(model, dtype="bfloat16", cpu_linear="aten", **common),
                "bf16 auto": Engine.from_pretrained(model, dtype="bfloat16", **common)}
-    result = {"benchmark": "bf16_path", "machine": machine(), "batch": BATCH, "text_tokens": TEXT,
+    result = {"benchmark": "bf16_path", "compiled": args.compile, "machine": machine(), "batch": BATCH,
+              "text_tokens": TEXT,
               "cpu_linear": {k: e.family.cpu_linear for k, e in engines.items()}}
     print(f"cpu_linear per side: {result['cpu_linear']}", flush=True)
     tr = engines["fp32 packed"].family.transformer
@@ -197,7 +203,7 @@ def main(argv=None):
             print(f"  profile {k}: {p['total_ms']:.1f} ms: " + ", ".join(
                 f"{kk} {v:.1f}" for kk, v in sorted(p["by_kind_ms"].items(), key=lambda kv: -kv[1])), flush=True)
     result["share_of_mm_gain_worst"] = min(r["bf16 auto share of mm gain"] for r in result["forward"].values())
-    print(f"wrote {write_json('bf16_path', result)}")
+    print(f"wrote {write_json('bf16_path_compiled' if args.compile else 'bf16_path', result)}")
 
 
 if __name__ == "__main__":
