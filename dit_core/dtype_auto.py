@@ -56,8 +56,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def model_key(path: str | Path, device: str) -> str:
-    """What the decision depends on: machine (CPU model, threads, torch) and the model's shapes."""
+def model_key(path: str | Path, device: str, kernels: str = "") -> str:
+    """What the decision depends on: machine (CPU model, threads, torch), the model's shapes and
+    the kernels the sides run (``kernels``: e.g. ``"bf16 onednn linears, compiled"``; a choice
+    measured with other kernels is measured again)."""
     path = Path(path)
     shapes = {}
     for name in ("transformer/config.json", "model_index.json", "config.json"):
@@ -67,7 +69,8 @@ def model_key(path: str | Path, device: str) -> str:
             shapes[name] = {k: v for k, v in data.items() if not k.startswith("_") or k == "_omnidit_defaults"
                             or k == "_class_name"}
     digest = hashlib.sha256(json.dumps(shapes, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device}|model {digest}"
+    key = f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device}|model {digest}"
+    return f"{key}|{kernels}" if kernels else key
 
 
 class Choice(tuple):
@@ -102,7 +105,7 @@ def decide(seconds: dict[str, float], margin: float = MARGIN) -> tuple[str, str]
 
 
 def choose(path: str | Path, device: str, measure: Callable[[], dict[str, float]],
-           cache_file: Path | None = None) -> Choice:
+           cache_file: Path | None = None, kernels: str = "") -> Choice:
     """The dtype for the model at ``path``: from the per-machine cache, else ``measure()``
     (seconds per forward per dtype; a :class:`Measured` also says which kernels ran), stored in
     the cache. Returns a :class:`Choice` (dtype and reason first) and logs it."""
@@ -111,7 +114,7 @@ def choose(path: str | Path, device: str, measure: Callable[[], dict[str, float]
         logger.info("dtype auto: bfloat16 (%s)", reason)
         return Choice("bfloat16", reason)
     cache_file = cache_file or cache_path()
-    key = model_key(path, device)
+    key = model_key(path, device, kernels)
     table = _read(cache_file)
     entry = table.get(key)
     if entry and entry.get("dtype") in CANDIDATES:
@@ -271,4 +274,17 @@ def resolve(paths: dict, config: dict) -> Choice:
     if reason:
         logger.info("dtype auto: float32 for %s (%s)", Path(path).name, reason)
         return Choice("float32", reason)
-    return choose(path, device, lambda: measure_forward(path, config))
+    return choose(path, device, lambda: measure_forward(path, config), kernels=_kernels(config) if torch.device(device).type == "cpu" else "")
+
+
+def _kernels(config: dict) -> str:
+    """What the measurement's sides run under ``config`` (part of the cache key): bf16's linears
+    (``cpu_linear`` resolved for bfloat16) and whether the blocks are compiled."""
+    from . import cpu_linear
+    from .config import EngineConfig
+
+    try:
+        linear = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "bfloat16"}))[0]
+    except ValueError:  # cpu_linear="onednn" where bf16 cannot be packed: the engine refuses it later
+        linear = "aten"
+    return f"bf16 {linear} linears" + (", compiled" if config.get("compile") else "")

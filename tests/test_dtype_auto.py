@@ -151,3 +151,22 @@ def test_measurement_runs_the_kernels_the_engine_would_run(tiny_models, monkeypa
     assert seconds.kernels == {"float32": "onednn linears" + tail,
                                "bfloat16": ("onednn" if cpu_linear.native_bf16() else "aten") + " linears" + tail}
     assert set(seconds) == {"float32", "bfloat16"} and min(seconds.values()) > 0
+
+
+def test_a_choice_measured_with_other_kernels_is_measured_again(tmp_path, tiny_models):
+    """The cache key names the kernels the sides ran (bf16 packed or aten's linears, compiled or
+    not): a choice measured before bf16 was packed, or eager, does not decide for other kernels."""
+    cache, calls = tmp_path / "dtype_auto.json", []
+
+    def measure():
+        calls.append(1)
+        return {"float32": 0.02, "bfloat16": 0.01}
+
+    for kernels in ("bf16 aten linears", "bf16 onednn linears", "bf16 onednn linears, compiled",
+                    "bf16 onednn linears"):
+        dtype_auto.choose(tiny_models["flux"], "cpu", measure, cache, kernels=kernels)
+    assert len(calls) == 3 and len(json.loads(cache.read_text())) == 3
+    eager, compiled = dtype_auto._kernels({}), dtype_auto._kernels({"compile": True})
+    assert compiled == eager + ", compiled"
+    assert eager == ("bf16 onednn linears" if cpu_linear.native_bf16() else "bf16 aten linears")
+    assert dtype_auto._kernels({"cpu_linear": "aten"}) == "bf16 aten linears"
