@@ -230,3 +230,10 @@ def test_step_cache_with_image_inputs(tiny_models):
     assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) > 0
     for i, ref in enumerate(alone):
         assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_models_without_image_inputs_refuse_them(engines):
+    with pytest.raises(InvalidParamError) as err:
+        engines("qwenimage").make_request(PROMPT, params(image=source_image(), strength=0.5))
+    assert err.value.field == "image"
+    assert engines("qwenimage").family.describe()["inputs"] == ["text"]

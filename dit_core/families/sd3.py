@@ -26,8 +26,9 @@ class SD3Family(ImageFamily):
     defaults = dict(num_inference_steps=28, guidance_scale=7.0, true_cfg_scale=1.0, max_sequence_length=256)
     max_text_tokens = 512
     cfg_param = "guidance_scale"
-    # image-to-image as StableDiffusion3Img2ImgPipeline (see image_inputs.py); its inpaint pipeline orders
-    # its random draws differently: not yet
+    # image-to-image as StableDiffusion3Img2ImgPipeline (see image_inputs.py). No inpainting yet: diffusers'
+    # StableDiffusion3InpaintPipeline decodes without the VAE's shift_factor (latents / scaling_factor only),
+    # which matching would mean decoding its rows apart from the others
     params_used = ImageFamily.params_used | {"image", "strength"}
 
     def __init__(self, components, dtype, device, checkpoint=None):
