@@ -97,6 +97,11 @@ class EngineConfig:
     quant: weight quantization of the transformer (or the components named with ``,components=``):
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.
+    max_loras: LoRA adapters resident per model (``dit_core.adapters``; requests name them in
+        ``SamplingParams.loras``); 0 (default): no adapters, the linear layers are not hooked. Loading
+        one more evicts the least recently used one no live request holds. FLUX models so far; not
+        combined yet with a step cache, parallel degrees or block offload.
+    max_lora_rank: the highest adapter rank a load accepts (default 64).
     dtype: ``float32``, ``bfloat16``, ``float16`` (not on CPU) or ``auto``: measured once per machine
         and model, see ``dit_core.dtype_auto`` (``Engine.from_models`` resolves it before loading).
     compile: ``torch.compile`` (inductor) on the transformer blocks, dynamic batch dimension; see
@@ -138,6 +143,8 @@ class EngineConfig:
     cpu_allocator_idle_s: float = IDLE_S
     cpu_linear: str = "auto"
     quant: str | None = None
+    max_loras: int = 0
+    max_lora_rank: int = 64
     compile: bool = False
     compile_warmup: str | list | None = None
     ulysses: int = 1
@@ -220,6 +227,16 @@ class EngineConfig:
             # torch.compile, so the combination is refused rather than left to guess
             raise InvalidParamError("compile", self.compile, "False with ulysses/ring/row_parallel > 1 (compiled "
                                                              "blocks are not combined with parallelism yet)")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 4096:
+                raise InvalidParamError(name, value, "an integer in [0, 4096]")
+        if self.max_loras and (self.cache.kind != "none" or self.ulysses * self.ring * self.row_parallel > 1
+                               or self.offload.streams_blocks or self.max_resident_gb is not None):
+            # the adapters' row assignment follows the whole batch: a step cache's row subsets, parallel
+            # ranks and streamed blocks are not wired to it yet
+            raise InvalidParamError("max_loras", self.max_loras, "0 with a step cache, parallel degrees or block "
+                                                                  "offload (LoRA is not combined with them yet)")
         from .quantize import validate_quant
 
         self.quant = validate_quant(self.quant, self.device)

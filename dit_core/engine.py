@@ -106,6 +106,7 @@ class Engine:
         self.faults = Faults()  # fault-injection points, armed by tests only (dit_core/faults.py)
         for family in self.models.values():
             family.faults = self.faults
+        attach_adapters(self.models, config)  # LoRA: before compiling, so compiled blocks hold the hooks
         self.runners = {name: Runner(family) for name, family in self.models.items()}
         self.parallel = None  # the parallel executor (dit_core.parallel) when a degree is > 1
         if config.parallel.enabled:
@@ -182,6 +183,8 @@ class Engine:
         elif not isinstance(params, SamplingParams):
             raise InvalidParamError("params", params, "a SamplingParams")
         params = family.resolve(params)
+        if params.loras:
+            check_loras(family, name, params.loras)
         text, inputs = family.validate_input(prompt, params)
         if self.parallel is not None:
             from .parallel import check_request
@@ -211,6 +214,9 @@ class Engine:
         req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id, model)
         if req.id in self._live:
             raise InvalidParamError("request_id", req.id, "an id not used by a live request")
+        if req.params.loras:  # held until the request's final event: never evicted while it runs
+            check_loras(self.models[req.model], req.model, req.params.loras)
+            self.models[req.model].adapters.pin(req.params.loras)
         self._live[req.id] = req
         self.scheduler.add(req)
         self._pending.append(RequestEvent(req.id, EventKind.QUEUED, 0, req.total_steps))
@@ -225,6 +231,32 @@ class Engine:
 
     def get_request(self, request_id: str) -> Request | None:
         return self._live.get(request_id)
+
+    # ---- LoRA adapters (dit_core.adapters; EngineConfig.max_loras) ----
+
+    def load_lora(self, name: str, path: str | Path, model: str | None = None) -> dict:
+        """Make the LoRA file ``path`` resident for ``model`` as ``name`` (requests then name it in
+        ``SamplingParams.loras``); returns its description. ``AdapterError`` on a bad file or name."""
+        model = self.model_name(model)
+        store = adapter_store(self.models[model], model)
+        adapter = store.load(name, path)
+        return next(d for d in store.describe() if d["name"] == adapter.name)
+
+    def unload_lora(self, name: str, model: str | None = None) -> None:
+        model = self.model_name(model)
+        adapter_store(self.models[model], model).unload(name)
+
+    def loras(self, model: str | None = None) -> list[dict]:
+        """The resident adapters of ``model``: name, path, rank, layers, bytes, in_use (live requests)."""
+        model = self.model_name(model)
+        store = getattr(self.models[model], "adapters", None)
+        return store.describe() if store is not None else []
+
+    def _release(self, req: Request | None) -> None:
+        if req is not None and req.params.loras:
+            store = getattr(self.models[req.model], "adapters", None)
+            if store is not None:
+                store.unpin(req.params.loras)
 
     # ---- the loop ----
 
@@ -242,7 +274,7 @@ class Engine:
             self.step_times.observe(batch.key, len(batch.requests), out.step_ms)
         for ev in events:
             if ev.kind.final:
-                self._live.pop(ev.request_id, None)
+                self._release(self._live.pop(ev.request_id, None))
         return events
 
     def _defer_decode(self, done: list[Request]) -> list[Request]:
@@ -262,6 +294,8 @@ class Engine:
             events.append(RequestEvent(req.id, EventKind.FAILED, req.step_index, req.total_steps, error=message))
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
+        for req in self._live.values():
+            self._release(req)
         self._live.clear()
         return events
 
@@ -382,6 +416,36 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
             release_offload(family)
             family.close()
         raise
+
+
+def attach_adapters(models: dict[str, Family], config: EngineConfig) -> None:
+    """Give each model that takes LoRA adapters its store (``family.adapters``) when ``max_loras`` > 0."""
+    from .adapters import LOADERS, AdapterStore
+
+    for family in models.values():
+        family.adapters = None
+        if config.max_loras and family.name in LOADERS:
+            family.adapters = AdapterStore(family, config.max_loras, config.max_lora_rank)
+
+
+def adapter_store(family: Family, name: str):
+    store = getattr(family, "adapters", None)
+    if store is None:
+        from .adapters import LOADERS
+
+        why = ("max_loras=0 in this engine" if family.name in LOADERS
+               else f"LoRA adapters are supported for {sorted(LOADERS)} models so far")
+        raise InvalidParamError("loras", name, f"a model that takes LoRA adapters (model {name!r}: {why})")
+    return store
+
+
+def check_loras(family: Family, name: str, loras) -> None:
+    """Every adapter a request names is resident for its model."""
+    store = adapter_store(family, name)
+    for adapter, _ in loras:
+        if adapter not in store.adapters:
+            raise InvalidParamError("loras", adapter, f"an adapter loaded for model {name!r}: "
+                                                      f"{sorted(store.adapters) or 'none loaded'}")
 
 
 def require_policy(family: Family, name: str) -> None:

@@ -56,6 +56,9 @@ class SamplingParams:
     client_id: str | None = None
     audio_start_in_s: float | None = None  # audio models: where the clip starts (seconds)
     audio_end_in_s: float | None = None  # audio models: where it ends, so its length is end - start
+    # LoRA adapters (``dit_core.adapters``): ((name, scale), ...) of adapters loaded in the engine; several
+    # compose as diffusers' ``set_adapters`` composes them (the sum of their scaled deltas); scale 0: none
+    loras: tuple = ()
     # Image inputs (image-to-image, inpainting). ``image``: a PIL image or an HxWx3 array (uint8, or float
     # in [0, 1]); a list of up to MAX_IMAGES of them for models that take several. ``mask`` (inpainting,
     # with ``image``): a PIL image or an HxW array, white / 1 = repaint, black / 0 = keep (diffusers'
@@ -93,6 +96,7 @@ class SamplingParams:
                 raise InvalidParamError("deadline_ms", d, "a number of milliseconds in (0, 3600000], or None")
         if self.client_id is not None and (not isinstance(self.client_id, str) or not 0 < len(self.client_id) <= 256):
             raise InvalidParamError("client_id", self.client_id, "a string of 1 to 256 characters, or None")
+        object.__setattr__(self, "loras", _check_loras(self.loras))
         self._check_image_inputs()
 
     def _check_image_inputs(self):
@@ -154,6 +158,29 @@ def check_image(name: str, value, mask: bool) -> None:
         raise InvalidParamError(name, describe_image(value), allowed)
     if not all(1 <= side <= MAX_SIDE for side in sides):
         raise InvalidParamError(name, describe_image(value), allowed)
+
+
+MAX_LORAS_PER_REQUEST = 16
+
+
+def _check_loras(value) -> tuple:
+    """``loras`` as a tuple of (name, float scale) pairs: names non-empty and distinct, scales finite."""
+    allowed = (f"a list of up to {MAX_LORAS_PER_REQUEST} (name, scale) pairs: distinct non-empty adapter names, "
+               "finite scales")
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_LORAS_PER_REQUEST:
+        raise InvalidParamError("loras", value, allowed)
+    pairs = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise InvalidParamError("loras", value, allowed)
+        name, scale = item
+        if not isinstance(name, str) or not name.strip() or isinstance(scale, bool) \
+                or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise InvalidParamError("loras", value, allowed)
+        pairs.append((name, float(scale)))
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise InvalidParamError("loras", value, allowed)
+    return tuple(pairs)
 
 
 def _check_int(name, value, lo, hi, optional=False):

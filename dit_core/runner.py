@@ -10,6 +10,7 @@ and carries on with the rest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -83,7 +84,9 @@ class Runner:
 
     def _forward(self, requests: list[Request]):
         self.family.faults.hit("forward", requests)
-        return self.family.predict(requests)
+        adapters = getattr(self.family, "adapters", None)  # LoRA (dit_core.adapters): each row its own
+        with adapters.forward(requests) if adapters is not None else contextlib.nullcontext():
+            return self.family.predict(requests)
 
     def _decode(self, requests: list[Request]):
         self.family.faults.hit("decode", requests)

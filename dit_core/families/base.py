@@ -27,7 +27,7 @@ from ..faults import NO_FAULTS, Faults
 
 # SamplingParams fields every family accepts.
 COMMON_PARAMS = frozenset({"num_inference_steps", "seed", "num_outputs", "output_type", "use_cache",
-                           "deadline_ms", "client_id"})
+                           "deadline_ms", "client_id", "loras"})  # loras: the engine checks them (adapters)
 
 
 @dataclass

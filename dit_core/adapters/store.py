@@ -1,0 +1,114 @@
+"""The resident LoRA adapters of one model: bounded, least recently used first out, never one in use.
+
+``max_loras`` adapters at most are resident (``EngineConfig.max_loras``), each of rank at most
+``max_lora_rank``. Loading one more evicts the least recently used adapter that no live request
+holds (requests pin theirs from ``Engine.add_request`` to their final event); when every resident
+adapter is held, the load fails. A load that fails for any reason leaves the set as it was.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+
+import torch
+
+from . import apply
+from .files import LOADERS, Adapter, AdapterError, read_adapter
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterStore:
+    def __init__(self, family, max_loras: int, max_rank: int):
+        if family.name not in LOADERS:
+            raise AdapterError(f"LoRA adapters are supported for {sorted(LOADERS)} models so far, not {family.name}")
+        self.family = family
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.adapters: collections.OrderedDict[str, Adapter] = collections.OrderedDict()  # LRU order, oldest first
+        self.pins: collections.Counter[str] = collections.Counter()
+        self.layers = apply.linear_layers(family.transformer)
+        self._hooks = apply.install(self, self.layers)
+
+    # ---- the set ----
+
+    def load(self, name: str, path) -> Adapter:
+        """Read ``path`` and make it resident as ``name``; evicts the least recently used unheld
+        adapter when ``max_loras`` are resident. Raises ``AdapterError`` (the set unchanged)."""
+        if not isinstance(name, str) or not name.strip():
+            raise AdapterError(f"adapter name {name!r}: expected a non-empty string")
+        if name in self.adapters:
+            raise AdapterError(f"adapter {name!r} is already loaded (from {self.adapters[name].path}); "
+                               f"unload it first or choose another name")
+        adapter = read_adapter(name, path, self.family.name, self.layers, self.max_rank, self.family.dtype,
+                               self.family.device)
+        if len(self.adapters) >= self.max_loras:
+            victim = next((n for n in self.adapters if not self.pins[n]), None)
+            if victim is None:
+                raise AdapterError(f"{path}: cannot load adapter {name!r}: max_loras={self.max_loras} adapters are "
+                                   f"resident and every one is in use by a live request")
+            logger.info("LoRA: evicting %r (least recently used) to load %r", victim, name)
+            del self.adapters[victim]
+        self.adapters[name] = adapter
+        logger.info("LoRA: loaded %r from %s (%d layers, rank %d, %.1f MB)", name, path, len(adapter.layers),
+                    adapter.rank, adapter.nbytes / 1e6)
+        return adapter
+
+    def unload(self, name: str) -> None:
+        if name not in self.adapters:
+            raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        if self.pins[name]:
+            raise AdapterError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
+        del self.adapters[name]
+
+    def describe(self) -> list[dict]:
+        return [{"name": a.name, "path": a.path, "rank": a.rank, "layers": len(a.layers), "bytes": a.nbytes,
+                 "in_use": self.pins[a.name]} for a in self.adapters.values()]
+
+    # ---- requests ----
+
+    def check(self, loras) -> None:
+        """Every adapter named by a request's ``loras`` is resident (raises ``AdapterError`` naming it)."""
+        for name, _ in loras:
+            if name not in self.adapters:
+                raise AdapterError(f"loras: adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+
+    def pin(self, loras) -> None:
+        """Hold the request's adapters (not evicted or unloaded while held); marks them recently used."""
+        self.check(loras)
+        for name, _ in loras:
+            self.pins[name] += 1
+            self.adapters.move_to_end(name)
+
+    def unpin(self, loras) -> None:
+        for name, _ in loras:
+            self.pins[name] -= 1
+            if self.pins[name] <= 0:
+                del self.pins[name]
+
+    def rows(self, requests) -> apply.RowAdapters | None:
+        """The row assignment of one forward over ``requests`` (rows in ``gather_rows`` order: each
+        request's ``rows`` consecutive, CFG rows sharing its adapters); None when no row uses one.
+        A scale of 0 drops the adapter from that request (exactly the model without it)."""
+        groups: dict[str, tuple[list[int], list[float]]] = {}
+        start = 0
+        for req in requests:
+            for name, scale in req.params.loras:
+                if scale != 0:
+                    idx, scales = groups.setdefault(name, ([], []))
+                    idx.extend(range(start, start + req.rows))
+                    scales.extend([float(scale)] * req.rows)
+            start += req.rows
+        if not groups:
+            return None
+        device = self.family.device
+        return apply.RowAdapters(start, [
+            (self.adapters[name], torch.tensor(idx, dtype=torch.long, device=device),
+             torch.tensor(scales, dtype=torch.float32, device=device)) for name, (idx, scales) in groups.items()])
+
+    def forward(self, requests):
+        """Context for the transformer forward over ``requests``: their rows get their adapters."""
+        ctx = self.rows(requests)
+        return apply.active(self, ctx) if ctx is not None else contextlib.nullcontext()
