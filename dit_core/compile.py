@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import torch
 
@@ -46,6 +45,7 @@ class CompileInfo:
     warmup_s: float = 0.0
     warmup_shapes: list = dataclasses.field(default_factory=list)
     eager_reason: str | None = None
+    cache: object = None  # its dit_core.compile_cache.CompileCache (state: miss, hit or rebuilt), when compiled
 
     @property
     def compiled(self) -> bool:
@@ -137,47 +137,35 @@ def _plain_inputs(_block, args, kwargs):
 
 
 def warm_up(engine, model: str, shapes: list[tuple[int, int]] | None) -> float:
-    """Run short requests through ``engine`` so every compiled graph the configured shapes need is
-    built now: per (height, width) one forward of one row and one of several rows (two prompts,
-    with and without the family's CFG). Returns the seconds spent. Engine stats are left as found."""
-    from .params import SamplingParams
+    """Run the warm-up of ``model`` at ``shapes`` (None: its default size) on ``engine`` now (see
+    ``dit_core.warmup``); returns the seconds spent. Engine stats and step times start afresh."""
+    from . import warmup
 
-    family = engine.models[model]
-    if shapes is None:
-        shapes = [(None, None)]
-    stats, step_times = engine.stats, engine.step_times
-    start = time.perf_counter()
-    for h, w in shapes:
-        base = SamplingParams(height=h, width=w, num_inference_steps=2, output_type="latent", seed=0)
-        resolved = family.resolve(base)
-        variants = [base]
-        cfg_field = getattr(family, "cfg_param", None)
-        if family.uses_cfg(resolved) and cfg_field:  # one row only without CFG
-            variants.insert(0, dataclasses.replace(base, **{cfg_field: 1.0}))
-        for params in variants:
-            engine.generate(["warm-up"], params, model=model)  # one request alone
-            engine.generate(["warm-up a", "warm-up b"], params, model=model)  # several rows
-    seconds = time.perf_counter() - start
-    engine.stats, engine.step_times = stats, step_times
-    return seconds
+    warmup.run(engine, {model: shapes})
+    return engine.compile_info[model].warmup_s
 
 
-def setup(engine) -> dict[str, CompileInfo]:
-    """Compile every model of ``engine`` and warm it up for ``engine.config.compile_warmup``;
-    logs the compile time in one line per model. Returns model -> CompileInfo."""
-    from .engine import EngineStats
-    from .step_times import StepTimes
+def setup(engine, defer: bool = False) -> dict[str, CompileInfo]:
+    """Compile every model of ``engine`` (``config.compile``), load its saved artefacts
+    (``dit_core.compile_cache``), and run the warm-up ``config.warmup`` asks (``dit_core.warmup``),
+    logging one line per model. With ``defer`` the warm-up is left in ``engine.pending_warmup`` for
+    the caller to run (the HTTP server runs it while it listens). Returns model -> CompileInfo."""
+    from . import compile_cache, warmup
 
-    shapes = parse_shapes(engine.config.compile_warmup)
-    infos = {}
+    infos = engine.compile_info = {}
     for name, family in engine.models.items():
-        info = compile_family(family, name)
-        if info.compiled and family.output_kind == "image":
-            engine.stats, engine.step_times = EngineStats(), StepTimes()
-            info.warmup_s = warm_up(engine, name, shapes)
-            info.warmup_shapes = shapes or ["default"]
-            logger.info("compile: model %s, %d blocks compiled (inductor, dynamic batch), warm-up %.1f s for %s",
-                        name, info.compiled_blocks, info.warmup_s, info.warmup_shapes)
-        infos[name] = info
-    engine.stats, engine.step_times = EngineStats(), StepTimes()
+        infos[name] = compile_family(family, name) if engine.config.compile else \
+            CompileInfo(eager_reason="compile is off")
+    plan = warmup.targets(engine)
+    for name, shapes in plan.items():
+        if infos[name].compiled:
+            infos[name].cache = compile_cache.open_cache(engine, name, warmup.shape_names(engine.models[name], shapes))
+    for name, info in infos.items():
+        if info.compiled:
+            logger.info("compile: model %s, %d blocks compiled (inductor, dynamic batch)%s", name,
+                        info.compiled_blocks, f", compile cache {info.cache.state}" if info.cache else "")
+    if defer:
+        engine.pending_warmup = plan
+    else:
+        warmup.run(engine, plan)
     return infos

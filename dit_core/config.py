@@ -99,8 +99,8 @@ class EngineConfig:
         ``dit_core.quantize``.
     max_loras: LoRA adapters resident per model (``dit_core.adapters``; requests name them in
         ``SamplingParams.loras``); 0 (default): no adapters, the linear layers are not hooked. Loading
-        one more evicts the least recently used one no live request holds. FLUX models so far; not
-        combined yet with a step cache, parallel degrees or block offload.
+        one more evicts the least recently used one no live request holds. FLUX, SD3, Qwen-Image and
+        Wan models; not combined yet with a step cache, parallel degrees or block offload.
     max_lora_rank: the highest adapter rank a load accepts (default 64).
     dtype: ``float32``, ``bfloat16``, ``float16`` (not on CPU) or ``auto``: measured once per machine
         and model, see ``dit_core.dtype_auto`` (``Engine.from_models`` resolves it before loading).
@@ -108,6 +108,10 @@ class EngineConfig:
         ``dit_core.compile`` (which combinations stay eager). Compile time is spent at engine start.
     compile_warmup: image sizes the start-up warm-up compiles for, ``"32x32,64x64"`` or a list
         (``None``: each model's default size); ``Engine.compile_warmup_s`` reports the seconds.
+    warmup: what the engine runs before it is ready (``dit_core.warmup``): ``"off"``, ``"auto"`` (each
+        image model's default size) or sizes ``"64x64,256x256"`` / a list; ``None``: ``auto`` over the
+        compiled models when ``compile`` is on (``compile_warmup`` names the sizes then), else off.
+        Compiled artefacts persist under ``$OMNIDIT_CACHE_DIR`` (``dit_core.compile_cache``).
     ulysses, ring, row_parallel: parallel degrees (``dit_core.parallel``): each row's image sequence
         is split over ulysses x ring ranks (Ulysses all-to-all, ring attention, both: USP), a step's
         rows over row_parallel groups (CFG-parallel). The engine starts ulysses x ring x row_parallel
@@ -147,6 +151,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     compile: bool = False
     compile_warmup: str | list | None = None
+    warmup: str | list | None = None
     ulysses: int = 1
     ring: int = 1
     row_parallel: int = 1
@@ -222,6 +227,9 @@ class EngineConfig:
         from .compile import parse_shapes
 
         parse_shapes(self.compile_warmup)
+        from .warmup import parse_warmup
+
+        parse_warmup(self.warmup)
         if self.compile and self.ulysses * self.ring * self.row_parallel > 1:
             # the parallel layer swaps attention and hooks the blocks' inputs per forward: untested under
             # torch.compile, so the combination is refused rather than left to guess

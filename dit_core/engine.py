@@ -73,7 +73,7 @@ class Engine:
     drive it from one thread (``AsyncEngine`` does so from its loop thread).
     """
 
-    def __init__(self, models: Family | dict[str, Family], config: EngineConfig):
+    def __init__(self, models: Family | dict[str, Family], config: EngineConfig, defer_warmup: bool = False):
         if isinstance(models, Family):
             models = {DEFAULT_MODEL: models}
         if not models:
@@ -122,15 +122,17 @@ class Engine:
         self.poll: Callable[[], None] | None = None
         self._pending: list[RequestEvent] = []
         self._live: dict[str, Request] = {}
-        self.compile_info: dict = {}  # model -> dit_core.compile.CompileInfo when config.compile
-        if config.compile:
+        self.compile_info: dict = {}  # model -> dit_core.compile.CompileInfo (compiled or why not, warm-up)
+        # model -> sizes still to warm up (dit_core.warmup), left by defer_warmup for the caller to run
+        self.pending_warmup: dict = {}
+        if config.compile or config.warmup is not None:
             from .compile import setup
 
-            self.compile_info = setup(self)
+            setup(self, defer=defer_warmup)
 
     @property
     def compile_warmup_s(self) -> float:
-        """Seconds the start-up compile warm-up took (0 without ``compile``)."""
+        """Seconds the start-up warm-up took (0 without one: ``warmup`` off, or ``compile`` off and no ``warmup``)."""
         return sum(info.warmup_s for info in self.compile_info.values())
 
     @classmethod
@@ -365,7 +367,8 @@ class Engine:
         return [finals[r.id].output for r in requests]
 
 
-def load_engine(paths: dict[str, str | Path], options: dict | None = None, thinkers: dict | None = None) -> Engine:
+def load_engine(paths: dict[str, str | Path], options: dict | None = None, thinkers: dict | None = None,
+                defer_warmup: bool = False) -> Engine:
     """Model folders (name -> folder) and ``EngineConfig`` fields (``options``) -> a ready engine.
 
     The one loading path: ``Engine.from_pretrained`` / ``from_models``, the ``omnidit`` commands, the
@@ -374,7 +377,8 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
     CPU allocator (``cpu_allocator``) set up and the offload loader chosen (``offload_loader``); each
     model loaded, quantized (``quant``), its linears packed (``cpu_linear``) and its offload attached;
     then the engine. ``thinkers``: model name -> a ready ``ar_adapters.Thinker`` that model uses instead
-    of the one ``thinker`` would build (a Ray replica's shared thinker stage)."""
+    of the one ``thinker`` would build (a Ray replica's shared thinker stage). ``defer_warmup``: leave the
+    start-up warm-up in ``Engine.pending_warmup`` (the HTTP server runs it while it listens)."""
     if not isinstance(paths, dict) or not paths:
         raise InvalidParamError("models", paths, "a non-empty {name: model folder} mapping")
     options = dict(options or {})
@@ -408,7 +412,7 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
             cpu_linear.apply(models[name], cfg, name)  # EngineConfig.cpu_linear: oneDNN-packed linears
             apply_offload(models[name], cfg)  # after loading, before the engine sees the family
             after_loading()  # the reuse allocator forgets what loading freed
-        engine = Engine(models, cfg)
+        engine = Engine(models, cfg, defer_warmup)
         engine.dtype_choice = dtype_choice
         return engine
     except BaseException:

@@ -20,6 +20,7 @@ from .guards import ClientLimitMiddleware, faults_of
 from .live_stats import LiveStats
 from .memory import MemoryKeeper
 from .models import served_models
+from .readiness import Readiness
 from .robot_limits import SessionSlots, default_max_sessions
 from .routes import audio, images, robot, speech, stats, system, videos
 from .traffic import CountMiddleware
@@ -80,6 +81,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.memory.start()
+        app.state.readiness.start()  # the deferred warm-up (--warmup), while the server already listens
         yield
         for service in app.state.speech.values():
             service.close()
@@ -103,6 +105,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.state.videos.faults = faults_of(app.state)
     app.state.started = int(time.time())
     app.state.memory = MemoryKeeper(settings.gc_freeze, settings.malloc_trim_s)
+    app.state.readiness = Readiness(engine if isinstance(engine, AsyncEngine) else None)  # GET /health/ready
     app.state.model_ids = served_models(client, settings)
     # model name -> SpeechService of the in-process engine, made on first use (remote replicas run their own)
     app.state.speech = client.speech if isinstance(client, LocalEngineClient) else {}

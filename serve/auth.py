@@ -124,7 +124,7 @@ class ApiKeyMiddleware:
     owner in the scope (``owner_of``). WebSockets check the key themselves at the handshake
     (serve.routes.robot)."""
 
-    open_paths = ("/health", "/healthz", *playground.OPEN_PATHS)
+    open_paths = ("/health", "/health/ready", "/healthz", *playground.OPEN_PATHS)
     open_prefixes = playground.OPEN_PREFIXES
 
     def __init__(self, app, keys: KeyRing):

@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between giving the allocator's free pages back to the system (glibc "
                           "malloc_trim; 0: never; default 10)")
     add_engine_args(srv)
+    srv.add_argument("--warmup", default=None, metavar="off|auto|SIZES",
+                     help="before the server reports ready (GET /health/ready 200; /health answers at once), run "
+                          "short requests at these image sizes, e.g. 64x64,256x256, so the first real request of "
+                          "a warmed size pays no compile; auto: each image model's default size; off: none. "
+                          "Compiled artefacts persist under $OMNIDIT_CACHE_DIR (default ~/.cache/omnidit): the next "
+                          "start loads them (default: auto over the compiled models with --compile, else off)")
     add_ray_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -130,7 +130,9 @@ def engine_kwargs(args) -> dict:
                 max_resident_gb=args.max_resident_gb, malloc_mmap_threshold=args.malloc_mmap_threshold,
                 cpu_allocator=args.cpu_allocator, cpu_allocator_idle_s=args.cpu_allocator_idle_s,
                 cpu_linear=args.cpu_linear,
-                compile=args.compile, compile_warmup=args.compile_warmup, ulysses=args.ulysses, ring=args.ring,
+                compile=args.compile, compile_warmup=args.compile_warmup,
+                warmup=getattr(args, "warmup", None),  # (omnidit serve only)
+                ulysses=args.ulysses, ring=args.ring,
                 row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
                 parallel_timeout_s=args.parallel_timeout, edf_forecast=args.edf_forecast == "on",
                 **({"policy": args.policy} if args.policy else {}))

@@ -77,7 +77,7 @@ REACH: dict[str, Reach] = {
     "shutdown_timeout": _scale_out("shutdown_timeout_s"),
     # the engine (dit_core.EngineConfig), serve.cli_engine_args
     **{name: _engine(name) for name in (
-        "dtype", "compile", "compile_warmup", "device", "max_batch_size", "max_tokens_per_step", "attention",
+        "dtype", "compile", "compile_warmup", "warmup", "device", "max_batch_size", "max_tokens_per_step", "attention",
         "cache", "thinker", "thinker_kv_cache_gb", "thinker_memory_utilization", "thinker_on_failure",
         "prompt_cache_bytes", "offload", "max_resident_gb", "malloc_mmap_threshold", "cpu_allocator",
         "cpu_allocator_idle_s", "cpu_linear", "policy", "edf_forecast", "quant", "attention_per_role", "ulysses",

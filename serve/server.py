@@ -6,10 +6,12 @@ import asyncio
 import logging
 import signal
 import socket
+from pathlib import Path
 
 import uvicorn
 
-from dit_core import AsyncEngine, Engine
+from dit_core import AsyncEngine
+from dit_core.engine import load_engine
 
 from .app import ServeSettings, create_app
 from .robot_limits import frame_limit_bytes
@@ -32,10 +34,10 @@ def serve(models, host: str = "127.0.0.1", port: int = 8000, settings: ServeSett
     stops the engine and exits 0.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if isinstance(models, dict):
-        engine = AsyncEngine(Engine.from_models(models, **engine_options))
-    else:
-        engine = AsyncEngine(Engine.from_pretrained(models, **engine_options))
+    if not isinstance(models, dict):
+        models = {Path(models).resolve().name: models}
+    # the warm-up (--warmup) runs once the server listens: /health is live at once, /health/ready after it
+    engine = AsyncEngine(load_engine(models, engine_options, defer_warmup=True))
     app = create_app(engine, settings or ServeSettings())
     # uvicorn cancels whatever still runs when its own grace ends, which drops the connection without an
     # answer; so the engine aborts left-over requests at shutdown_timeout_s, and uvicorn gets a few seconds

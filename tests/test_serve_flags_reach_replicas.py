@@ -29,7 +29,7 @@ from serve.cli import build_parser
 EXAMPLES = {
     "model": str(default_policy()), "models": "tts", "replicas": "2", "host": "0.0.0.0", "ray_address": "auto",
     "api_key": "k3y", "model_name": "named", "video_dir": "{tmp}/videos", "api_keys_file": "{tmp}/keys.txt",
-    "dtype": "bfloat16", "compile_warmup": "32x32", "device": "cpu:0", "attention": "math",
+    "dtype": "bfloat16", "compile_warmup": "32x32", "warmup": "32x32", "device": "cpu:0", "attention": "math",
     "cache": "teacache:0.2", "thinker": "hf", "offload": "components", "quant": "int8-dynamic",
     "attention_per_role": "joint=math", "malloc_mmap_threshold": "2097152", "policy": "edf",
     "autoscaling": json.dumps({"upscale_delay_s": 5}), "cpu_linear": "aten",

@@ -1,4 +1,4 @@
-"""GET /v1/models, /v1/models/{id}, /health and /metrics."""
+"""GET /v1/models, /v1/models/{id}, /health, /health/ready and /metrics."""
 
 from __future__ import annotations
 
@@ -46,6 +46,20 @@ async def health(request: Request):
     if problem is not None:
         return error_response(503, problem, "server_error", None, "engine_degraded")
     return {"status": "ok"}
+
+
+@router.get("/health/ready", responses=errors(503))
+async def ready(request: Request):
+    """Readiness: 200 once the start-up warm-up (``--warmup``) has run and the engine is live, with what
+    the warm-up did; before, 503 ``warming_up`` (``warmup_failed`` if it failed). See serve.readiness."""
+    live = await health(request)
+    if not isinstance(live, dict):  # the engine is down or degraded: that answer
+        return live
+    readiness = request.app.state.readiness
+    problem = readiness.problem()
+    if problem is not None:
+        return error_response(503, problem[0], "server_error", None, problem[1])
+    return readiness.describe()
 
 
 @router.get("/metrics")
