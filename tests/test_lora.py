@@ -164,8 +164,8 @@ def test_requests_name_loaded_adapters(engine):
             SamplingParams(loras=bad)
 
 
-def test_sd3_refuses_loras(engines):
-    with pytest.raises(InvalidParamError, match="loras"):
+def test_models_without_adapters_refuse_loras(engines, tiny_models):
+    with pytest.raises(InvalidParamError, match="max_loras=0"):  # an engine without adapters
         engines("sd3").make_request(PROMPT, params(loras=[("a", 1.0)]))
 
 
@@ -356,3 +356,92 @@ def test_deltas_wrap_the_existing_layer_kernel(base):
     for row, s in ((1, 0.5), (3, -1.0)):
         expected = plain[row] + (x[row] @ A.t() @ B.t()) * 2.0 * s
         assert (got[row] - expected).abs().max().item() <= 1e-4
+
+
+OTHER_TARGETS = {"sd3": (["to_q", "to_v", "to_out.0", "add_k_proj", "ff.net.2", "norm1.linear", "proj_out"],
+                         ["to_k", "ff_context.net.0.proj", "norm1_context.linear", "context_embedder"]),
+                 "qwenimage": (["to_q", "to_v", "to_out.0", "add_k_proj", "img_mlp.net.2", "img_mod.1", "proj_out"],
+                               ["to_k", "txt_mlp.net.0.proj", "txt_mod.1", "txt_in"])}
+
+
+def make_family_lora(model_dir, out_dir, targets, r, alpha, seed):
+    """``make_lora`` for any family: its transformer class and its pipeline's ``save_lora_weights``."""
+    from diffusers import DiffusionPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe_cls = type(pipeline_any(str(model_dir)))
+    tr = type(pipeline_any(str(model_dir)).transformer).from_pretrained(model_dir, subfolder="transformer")
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    tr.add_adapter(config)
+    with torch.no_grad():
+        for name, p in tr.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    assert issubclass(pipe_cls, DiffusionPipeline)
+    pipe_cls.save_lora_weights(out_dir, transformer_lora_layers=get_peft_model_state_dict(tr),
+                               transformer_lora_adapter_metadata=config.to_dict())
+    return out_dir / "pytorch_lora_weights.safetensors"
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_any(path):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_TARGETS))
+def test_other_families_equal_diffusers(family, tiny_models, tmp_path):
+    from helpers import CFG, NO_CFG
+
+    model = tiny_models[family]
+    ta, tb = OTHER_TARGETS[family]
+    files = {"a": make_family_lora(model, tmp_path / "a", ta, r=4, alpha=8, seed=1),
+             "b": make_family_lora(model, tmp_path / "b", tb, r=2, alpha=3, seed=2)}
+    eng = Engine.from_pretrained(model, max_loras=2, max_lora_rank=8)
+    for name, path in files.items():
+        eng.load_lora(name, path)
+    pipe = pipeline_any(str(model))
+    for name, path in files.items():
+        pipe.load_lora_weights(str(path), adapter_name=name)
+    try:
+        for weights, kw in (({"a": 0.7}, CFG[family]), ({"a": 0.6, "b": 1.3}, NO_CFG[family])):
+            pipe.set_adapters(list(weights), list(weights.values()))
+            ref = pipe(PROMPT, num_inference_steps=3, height=32, width=32, generator=torch.Generator().manual_seed(7),
+                       output_type="pt", **kw).images
+            got = images(eng.generate(PROMPT, params(num_inference_steps=3, seed=7, loras=list(weights.items()), **kw)))
+            plain = images(eng.generate(PROMPT, params(num_inference_steps=3, seed=7, **kw)))
+            assert (got - plain).abs().max().item() > 1e-2, weights
+            assert (got - ref).abs().max().item() <= 1e-4, weights
+    finally:
+        pipe.delete_adapters(list(files))
+
+
+def test_wan_equals_diffusers(wan_tiny, tmp_path):
+    model = wan_tiny
+    files = {"a": make_family_lora(model, tmp_path / "a", ["to_q", "to_v", "to_out.0", "ffn.net.2", "proj_out"],
+                                   r=4, alpha=8, seed=1),
+             "b": make_family_lora(model, tmp_path / "b", ["to_k", "ffn.net.0.proj", "time_proj"], r=2, alpha=3,
+                                   seed=2)}
+    eng = Engine.from_pretrained(model, max_loras=2, max_lora_rank=8)
+    pipe = pipeline_any(str(model))
+    for name, path in files.items():
+        eng.load_lora(name, path)
+        pipe.load_lora_weights(str(path), adapter_name=name)
+    video = dict(num_frames=9, max_sequence_length=16, height=32, width=32)
+    try:
+        for weights, guidance in (({"a": 0.7}, 4.0), ({"a": 0.6, "b": 1.3}, 1.0)):
+            pipe.set_adapters(list(weights), list(weights.values()))
+            ref = pipe(PROMPT, num_inference_steps=3, guidance_scale=guidance, generator=torch.Generator().manual_seed(7),
+                       output_type="pt", **video).frames
+            p = dict(num_inference_steps=3, seed=7, guidance_scale=guidance, **video)
+            got = images(eng.generate(PROMPT, params(loras=list(weights.items()), **p)))
+            plain = images(eng.generate(PROMPT, params(**p)))
+            assert (got - plain).abs().max().item() > 1e-2, weights
+            assert (got - ref).abs().max().item() <= 1e-4, weights
+    finally:
+        pipe.delete_adapters(list(files))

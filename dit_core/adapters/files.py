@@ -1,9 +1,9 @@
 """Reading a LoRA file into per-layer low-rank factors, as diffusers would load it.
 
 The file is read with ``safetensors`` here (never through a pickle fallback), then handed to the
-family's diffusers LoRA loader mixin (``FluxLoraLoaderMixin.lora_state_dict`` for FLUX), which
-converts the kohya / ComfyUI / XLabs / BFL layouts to diffusers' PEFT keys with
-``diffusers.loaders.lora_conversion_utils`` and splits out network alphas. The per-layer scale is
+family's diffusers LoRA loader mixin (``FluxLoraLoaderMixin.lora_state_dict`` for FLUX, SD3's and
+Qwen-Image's for theirs), which converts the kohya / ComfyUI / XLabs / BFL layouts to diffusers' PEFT
+keys with ``diffusers.loaders.lora_conversion_utils`` and splits out network alphas. The per-layer scale is
 PEFT's: ``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``), with ``lora_alpha`` and ``r`` from
 the file's ``lora_adapter_metadata`` where present, else from ``diffusers.utils.peft_utils.
 get_peft_kwargs`` on the file's ranks and alphas, each module's entry picked by PEFT's own
@@ -28,13 +28,22 @@ class AdapterError(OmniditError, ValueError):
 
 
 # family name -> the diffusers LoRA loader mixin whose ``lora_state_dict`` converts its file layouts
-def _flux_loader():
-    from diffusers.loaders.lora_pipeline import FluxLoraLoaderMixin
+# (a name in diffusers.loaders.lora_pipeline, imported when first used)
+LOADERS = {"flux": "FluxLoraLoaderMixin", "sd3": "SD3LoraLoaderMixin", "qwenimage": "QwenImageLoraLoaderMixin",
+           "wan": "WanLoraLoaderMixin"}
 
-    return FluxLoraLoaderMixin
 
+def _state_dict(family_name: str, tensors: dict) -> tuple[dict, dict | None]:
+    """diffusers' own conversion of a LoRA state dict for the family -> (PEFT-keyed state dict,
+    network alphas or None), exactly what its ``load_lora_weights`` starts from."""
+    import inspect
 
-LOADERS = {"flux": _flux_loader}
+    from diffusers.loaders import lora_pipeline
+
+    loader = getattr(lora_pipeline, LOADERS[family_name])
+    takes_alphas = "return_alphas" in inspect.signature(loader.lora_state_dict).parameters
+    out = loader.lora_state_dict(dict(tensors), **({"return_alphas": True} if takes_alphas else {}))
+    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 PREFIX = "transformer"
 
@@ -104,9 +113,8 @@ def read_adapter(name: str, path: str | Path, family_name: str, layers: dict, ma
     tensors, metadata = _read_safetensors(path)
     if not tensors:
         raise AdapterError(f"{path}: holds no tensors")
-    loader = LOADERS[family_name]()
     try:
-        state_dict, alphas = loader.lora_state_dict(dict(tensors), return_alphas=True)
+        state_dict, alphas = _state_dict(family_name, tensors)
     except AdapterError:
         raise
     except Exception as e:  # noqa: BLE001 - diffusers' converters raise ValueError / KeyError / others
