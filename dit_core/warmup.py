@@ -131,7 +131,7 @@ def finish(engine, name: str, shapes, seconds: float) -> None:
 
     info = engine.compile_info.setdefault(name, CompileInfo(eager_reason="compile is off"))
     info.warmup_s = seconds
-    info.warmup_shapes = shapes or ["default"]
+    info.warmup_shapes = shapes or shape_names(engine.models[name], None)  # auto: the default size, "HxW"
     cache = getattr(info, "cache", None)
     if cache is not None:
         cache.save()

@@ -154,6 +154,15 @@ def test_eager_warm_up_then_ready_with_fresh_stats(tiny_models):
         assert engine.scheduler.policy.step_times is engine.step_times  # the policy reads the fresh estimates
 
 
+def test_auto_warms_the_default_size(tiny_models, engines):
+    from dit_core import SamplingParams
+
+    default = engines("flux").family.resolve(SamplingParams())
+    with LiveServer(tiny_models["flux"], warmup="auto", dtype="float32") as live:
+        assert live.engine.engine.pending_warmup == {"m": None}
+        assert wait_ready(live.get)["warmup"]["m"]["sizes"] == [f"{default.height}x{default.width}"]
+
+
 def test_no_warm_up_is_ready_at_once(tiny_models):
     with LiveServer(tiny_models["flux"], dtype="float32") as live:
         assert live.get("/health/ready").json() == {"status": "ready", "warmup": {}}
