@@ -4,13 +4,16 @@ forward with text-to-image ones and each gets what it gets alone (<= 1e-5), and 
 refused naming the field."""
 
 import functools
+import json
+import shutil
 from dataclasses import replace
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FluxImg2ImgPipeline, FluxInpaintPipeline, StableDiffusion3Img2ImgPipeline
+from diffusers import (DiffusionPipeline, FluxImg2ImgPipeline, FluxInpaintPipeline, QwenImageImg2ImgPipeline,
+                       StableDiffusion3Img2ImgPipeline)
 
 from dit_core import Engine, SamplingParams
 from dit_core.errors import InvalidParamError
@@ -232,8 +235,40 @@ def test_step_cache_with_image_inputs(tiny_models):
         assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
 
 
-def test_models_without_image_inputs_refuse_them(engines):
+QWEN_CASES = [("strength-0.5-cfg", dict(strength=0.5, negative_prompt="blurry", true_cfg_scale=3.0)),
+              ("strength-0.9-two-outputs", dict(strength=0.9, num_outputs=2))]
+
+
+@pytest.fixture(scope="module")
+def qwen_normalized(tiny_models, tmp_path_factory):
+    """The tiny Qwen-Image with a VAE whose per-channel latents_mean / latents_std are not 0 / 1 (the
+    tiny one's are), so the latent normalization is exercised: (engine, stock img2img pipeline)."""
+    path = tmp_path_factory.mktemp("qwen-normalized") / "qwenimage"
+    shutil.copytree(tiny_models["qwenimage"], path)
+    config = json.loads((path / "vae" / "config.json").read_text())
+    z = config["z_dim"]
+    config.update(latents_mean=[0.1 * i - 0.15 for i in range(z)], latents_std=[0.6 + 0.3 * i for i in range(z)])
+    (path / "vae" / "config.json").write_text(json.dumps(config))
+    pipe = QwenImageImg2ImgPipeline.from_pipe(DiffusionPipeline.from_pretrained(str(path)))
+    pipe.set_progress_bar_config(disable=True)
+    return Engine.from_pretrained(path, max_batch_size=8), pipe
+
+
+@pytest.mark.parametrize("case,kw", QWEN_CASES, ids=[c for c, _ in QWEN_CASES])
+def test_qwenimage_img2img_equals_diffusers(case, kw, qwen_normalized):
+    engine, pipe = qwen_normalized
+    kw = dict(num_inference_steps=5, seed=21, **kw)
+    image = source_image()
+    n, seed = kw.pop("num_outputs", 1), kw.pop("seed")
+    ref = pipe(PROMPT, image=image, height=32, width=32, num_images_per_prompt=n, output_type="pt",
+               generator=torch.Generator().manual_seed(seed), **kw).images
+    out = engine_images(engine, dict(kw, num_outputs=n, seed=seed), image)
+    assert out.shape == ref.shape == (n, 3, 32, 32)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_models_without_an_input_kind_refuse_it(engines):
     with pytest.raises(InvalidParamError) as err:
-        engines("qwenimage").make_request(PROMPT, params(image=source_image(), strength=0.5))
-    assert err.value.field == "image"
-    assert engines("qwenimage").family.describe()["inputs"] == ["text"]
+        engines("qwenimage").make_request(PROMPT, params(image=source_image(), mask=right_half_mask()))
+    assert err.value.field == "mask"
+    assert engines("qwenimage").family.describe()["inputs"] == ["text", "image"]

@@ -19,7 +19,7 @@ from ..params import MAX_OUTPUTS, MAX_SIDE, MAX_STEPS, SamplingParams
 from ..request import Request
 from .base import Family, TextCond, split_rows
 from .image_inputs import (ImageInputs, blend_inpaint, check_strength, encode_images, preprocess,
-                           resolve_image_params)
+                           resolve_image_params, scaled_latents)
 
 
 class DiffusersFamily(Family):
@@ -236,10 +236,18 @@ class ImageFamily(DiffusersFamily):
         super().encode(requests)
         with_image = [r for r in requests if isinstance(r.inputs, ImageInputs)]
         if with_image:
-            calls = encode_images(self.vae, with_image, self.device, self.dtype, self.decode_pixel_budget)
+            calls = encode_images(self, with_image, self.decode_pixel_budget)
             counts = self.__dict__.setdefault("image_encodes", {"images": 0, "calls": 0})
             counts["images"] += len(with_image)
             counts["calls"] += calls
+
+    def vae_moments(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The VAE encoder's distribution parameters (mean and log-variance) for [N, 3, H, W] pixels."""
+        return self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.parameters
+
+    def image_latents(self, sample: torch.Tensor) -> torch.Tensor:
+        """A sample of the encoder's distribution -> the denoiser's latent space, [1, C, h, w]."""
+        return scaled_latents(self.vae, sample)
 
     def input_kinds(self) -> list[str]:
         """What a request may carry besides its prompt (``GET /v1/models/{id}``)."""

@@ -131,23 +131,28 @@ def pixel_chunks(requests: list[Request], budget: int) -> list[list[Request]]:
     return chunks + [current] if current else chunks
 
 
+def scaled_latents(vae, sample: torch.Tensor) -> torch.Tensor:
+    """A VAE sample in the transformer's latent space: ``(sample - shift_factor) * scaling_factor``."""
+    return (sample - (vae.config.get("shift_factor") or 0.0)) * vae.config.scaling_factor
+
+
 @torch.no_grad()
-def encode_images(vae, requests: list[Request], device, dtype, budget: int) -> int:
+def encode_images(family, requests: list[Request], budget: int) -> int:
     """VAE-encode the images of ``requests`` (same size: they share a batch key) in calls of at most
-    ``budget`` pixels. Each request's latent is sampled with its own generator, seeded with its seed (the
-    generator's first draw, as the pipelines' ``retrieve_latents``), then shifted and scaled; the
-    generator is kept for the request's noise. Sets ``state["image_latents"]`` ([1, C, h, w]) and
-    ``state["generator"]``. Returns how many VAE calls it made."""
-    shift = vae.config.get("shift_factor") or 0.0
+    ``budget`` pixels (``family.vae_moments``: the encoder's distribution parameters). Each request's
+    latent is sampled with its own generator, seeded with its seed (the generator's first draw, as the
+    pipelines' ``retrieve_latents``), then normalized (``family.image_latents``); the generator is kept
+    for the request's noise. Sets ``state["image_latents"]`` ([1, C, h, w]) and ``state["generator"]``.
+    Returns how many VAE calls it made."""
     calls = 0
     for chunk in pixel_chunks(requests, budget):
-        pixels = torch.cat([r.inputs.pixels for r in chunk]).to(device=device, dtype=dtype)
-        moments = vae.encode(pixels.to(vae.dtype)).latent_dist.parameters
+        pixels = torch.cat([r.inputs.pixels for r in chunk]).to(device=family.device, dtype=family.dtype)
+        moments = family.vae_moments(pixels)
         calls += 1
         for i, req in enumerate(chunk):
             gen = torch.Generator("cpu").manual_seed(req.params.seed)
-            latent = DiagonalGaussianDistribution(moments[i:i + 1]).sample(generator=gen)
-            req.state["image_latents"] = (latent - shift) * vae.config.scaling_factor
+            sample = DiagonalGaussianDistribution(moments[i:i + 1]).sample(generator=gen)
+            req.state["image_latents"] = family.image_latents(sample)
             req.state["generator"] = gen
     return calls
 

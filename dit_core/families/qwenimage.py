@@ -42,6 +42,8 @@ class QwenImageFamily(PackedFlowFamily):
     template = TEMPLATE
     # ComfyUI-TeaCache's Qwen-Image polynomial (also vLLM-Omni's default), highest power first
     teacache_coefficients = [-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02]
+    # image-to-image as QwenImageImg2ImgPipeline (see image_inputs.py; inpainting not yet)
+    params_used = PackedFlowFamily.params_used | {"image", "strength"}
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
@@ -49,6 +51,17 @@ class QwenImageFamily(PackedFlowFamily):
 
     def vae_scale_factor(self) -> int:
         return 2 ** len(self.vae.config.temperal_downsample)
+
+    def vae_moments(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The video VAE encodes one frame: [N, 3, H, W] -> moments [N, 2z, 1, h, w]."""
+        return self.vae.encode(pixels[:, :, None].to(self.vae.dtype)).latent_dist.parameters
+
+    def image_latents(self, sample: torch.Tensor) -> torch.Tensor:
+        """Normalized by the VAE's per-channel latents_mean / latents_std, the frame axis dropped."""
+        z = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1).to(sample.device, sample.dtype)
+        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1).to(sample.device, sample.dtype)
+        return ((sample - mean) * inv_std)[:, :, 0]
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         params = super().resolve(params)
