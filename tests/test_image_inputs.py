@@ -272,3 +272,13 @@ def test_models_without_an_input_kind_refuse_it(engines):
         engines("qwenimage").make_request(PROMPT, params(image=source_image(), mask=right_half_mask()))
     assert err.value.field == "mask"
     assert engines("qwenimage").family.describe()["inputs"] == ["text", "image"]
+
+
+def test_uint8_arrays_read_as_the_same_pictures(engines):
+    """A uint8 HxWx3 image and an HxW uint8 mask are the pictures a PIL image of them is (diffusers would
+    read raw uint8 arrays as floats in [0, 1]: they go through PIL)."""
+    engine, image, mask = engines("flux"), source_image(), right_half_mask()
+    kw = dict(num_inference_steps=4, seed=8, guidance_scale=3.5, strength=0.7)
+    as_pil = engine_images(engine, kw, image, mask)
+    as_arrays = engine_images(engine, kw, np.asarray(image), np.asarray(mask))
+    assert torch.equal(as_pil, as_arrays)
