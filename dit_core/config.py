@@ -100,7 +100,8 @@ class EngineConfig:
     max_loras: LoRA adapters resident per model (``dit_core.adapters``; requests name them in
         ``SamplingParams.loras``); 0 (default): no adapters, the linear layers are not hooked. Loading
         one more evicts the least recently used one no live request holds. FLUX, SD3, Qwen-Image and
-        Wan models; not combined yet with a step cache, parallel degrees or block offload.
+        Wan models; with the per-row step caches (a row's cache decisions use its adapted model);
+        not combined yet with cache-dit, parallel degrees or block offload.
     max_lora_rank: the highest adapter rank a load accepts (default 64).
     dtype: ``float32``, ``bfloat16``, ``float16`` (not on CPU) or ``auto``: measured once per machine
         and model, see ``dit_core.dtype_auto`` (``Engine.from_models`` resolves it before loading).
@@ -239,11 +240,11 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 4096:
                 raise InvalidParamError(name, value, "an integer in [0, 4096]")
-        if self.max_loras and (self.cache.kind != "none" or self.ulysses * self.ring * self.row_parallel > 1
+        if self.max_loras and (self.cache.kind == "cache-dit" or self.ulysses * self.ring * self.row_parallel > 1
                                or self.offload.streams_blocks or self.max_resident_gb is not None):
-            # the adapters' row assignment follows the whole batch: a step cache's row subsets, parallel
-            # ranks and streamed blocks are not wired to it yet
-            raise InvalidParamError("max_loras", self.max_loras, "0 with a step cache, parallel degrees or block "
+            # the adapters' row assignment follows the batch (and the per-row caches' sub-batches): cache-dit's
+            # own forward, parallel ranks and streamed blocks are not wired to it yet
+            raise InvalidParamError("max_loras", self.max_loras, "0 with cache-dit, parallel degrees or block "
                                                                   "offload (LoRA is not combined with them yet)")
         from .quantize import validate_quant
 

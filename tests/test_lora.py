@@ -142,7 +142,25 @@ def test_scale_zero_is_the_model_itself(engine):
     assert torch.equal(run(engine, [("a", 0.0)]), run(engine))
 
 
-def test_mixed_batch_rows_equal_their_solo_runs(engine):
+def recording_forwards(monkeypatch, eng) -> list:
+    """Record each batched forward of ``eng`` as (requests, error or None): a forward that raised would be
+    retried one request at a time by the runner, which would make any batch look like its solo runs."""
+    calls, predict = [], eng.family.predict
+
+    def recorded(requests):
+        try:
+            out = predict(requests)
+        except Exception as e:
+            calls.append((len(requests), e))
+            raise
+        calls.append((len(requests), None))
+        return out
+
+    monkeypatch.setattr(eng.family, "predict", recorded)
+    return calls
+
+
+def test_mixed_batch_rows_equal_their_solo_runs(engine, monkeypatch):
     cfg = dict(true_cfg_scale=2.0, negative_prompt="blurry")
     specs = [([("a", 1.0)], {}), ([("b", 0.8)], cfg), ([], {}), ([("a", 0.3)], dict(num_outputs=2)),
              ([("a", 0.5), ("b", 1.0)], {})]
@@ -150,8 +168,10 @@ def test_mixed_batch_rows_equal_their_solo_runs(engine):
     requests = [engine.make_request(PROMPT, params(seed=10 + i, loras=lo, **{**BASE, **kw}))
                 for i, (lo, kw) in enumerate(specs)]
     steps = engine.stats.steps
+    calls = recording_forwards(monkeypatch, engine)
     outs = engine.run_to_completion(requests)
     assert max(list(engine.stats.batch_sizes)[steps:]) == len(specs)  # all in one forward
+    assert [n for n, _ in calls] == [len(specs)] * BASE["num_inference_steps"] and not any(e for _, e in calls)
     for i, out in enumerate(outs):
         assert (images(out.outputs) - solo[i]).abs().max().item() <= 1e-5, f"request {i}"
 
@@ -256,7 +276,7 @@ def test_config_bounds_are_validated():
         with pytest.raises(InvalidParamError, match=field):
             EngineConfig(**{field: -1})
     with pytest.raises(InvalidParamError, match="max_loras"):
-        EngineConfig(max_loras=2, cache="teacache:0.1")
+        EngineConfig(max_loras=2, cache="cache-dit:0.1")
 
 
 def test_metadata_round_trip_is_json(loras):
@@ -445,3 +465,25 @@ def test_wan_equals_diffusers(wan_tiny, tmp_path):
             assert (got - ref).abs().max().item() <= 1e-4, weights
     finally:
         pipe.delete_adapters(list(files))
+
+
+@pytest.mark.parametrize("cache", ["teacache:0.4", "fbcache:0.3"])
+def test_step_cache_rows_keep_their_adapters(tiny_models, loras, cache, monkeypatch):
+    """Per-row caches compute some rows of a step as a sub-batch: those rows keep their own adapters, so
+    each request of a mixed batch equals its solo run under the same cache (its cache decisions are made
+    on its adapted model)."""
+    eng = Engine.from_pretrained(tiny_models["flux"], cache=cache, max_loras=2, max_lora_rank=8, max_batch_size=8)
+    eng.load_lora("a", loras["a"])
+    eng.load_lora("b", loras["b"])
+    specs = [([("a", 1.0)], 1), ([], 2), ([("b", 0.8)], 3), ([("a", 0.4), ("b", 1.0)], 4)]
+    p = dict(BASE, num_inference_steps=8)
+    solo = [images(eng.generate(PROMPT, params(seed=s, loras=lo, **p))) for lo, s in specs]
+    reqs = [eng.make_request(PROMPT, params(seed=s, loras=lo, **p)) for lo, s in specs]
+    before = eng.stats.steps
+    calls = recording_forwards(monkeypatch, eng)
+    outs = eng.run_to_completion(reqs)
+    assert [n for n, _ in calls] == [len(specs)] * p["num_inference_steps"], calls  # shared, none raised
+    skipped, rows = list(eng.stats.rows_skipped)[before:], list(eng.stats.batch_rows)[before:]
+    assert any(0 < s < r for s, r in zip(skipped, rows))  # some steps computed a sub-batch of the rows
+    for i, out in enumerate(outs):
+        assert (images(out.outputs) - solo[i]).abs().max().item() <= 1e-5, f"request {i}"

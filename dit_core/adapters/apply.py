@@ -42,6 +42,18 @@ class RowAdapters:
         self.rows = rows
         self.groups = groups  # (Adapter, row index tensor [n], scale tensor [n])
 
+    def select(self, idx: torch.Tensor) -> "RowAdapters":
+        """The assignment of the sub-batch ``rows[idx]`` (a step cache computing some rows only)."""
+        pos = torch.full((self.rows,), -1, dtype=torch.long, device=idx.device)
+        pos[idx] = torch.arange(len(idx), device=idx.device)
+        groups = []
+        for adapter, rows, scales in self.groups:
+            new = pos[rows]
+            keep = new >= 0
+            if bool(keep.any()):
+                groups.append((adapter, new[keep], scales[keep]))
+        return RowAdapters(len(idx), groups)
+
 
 def linear_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Module name -> layer for every linear-like leaf (``nn.Linear`` and subclasses, quantized
@@ -91,6 +103,21 @@ def active(store, ctx: RowAdapters | None):
         yield
     finally:
         table.pop(id(store), None)
+
+
+@contextlib.contextmanager
+def subset(store, idx: torch.Tensor):
+    """Within a forward of ``store``'s layers, run something on the rows ``idx`` only (their adapters follow)."""
+    table = getattr(_STATE, "active", {})
+    ctx = table.get(id(store))
+    if ctx is None:
+        yield
+        return
+    table[id(store)] = ctx.select(idx)
+    try:
+        yield
+    finally:
+        table[id(store)] = ctx
 
 
 def _add_deltas(y: torch.Tensor, x: torch.Tensor, name: str, ctx: RowAdapters) -> None:

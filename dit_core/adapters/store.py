@@ -108,6 +108,10 @@ class AdapterStore:
             (self.adapters[name], torch.tensor(idx, dtype=torch.long, device=device),
              torch.tensor(scales, dtype=torch.float32, device=device)) for name, (idx, scales) in groups.items()])
 
+    def subset(self, idx: torch.Tensor):
+        """Context for a call on the rows ``idx`` of the forward in progress (a step cache's sub-batch)."""
+        return apply.subset(self, idx)
+
     def forward(self, requests):
         """Context for the transformer forward over ``requests``: their rows get their adapters."""
         ctx = self.rows(requests)

@@ -4,6 +4,8 @@ decides for each of its rows on its own, so its result does not depend on its ba
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..families.base import BlockInputs, Family
@@ -61,7 +63,9 @@ def cached_blocks(family: Family, x: BlockInputs, start: int, stop: int, compute
         residual = {name: out[name] - base for name, base in streams}
     else:
         out, residual = {}, {}
-        computed = run_blocks(family, x.select(idx), start, stop) if len(idx) else None
+        adapters = getattr(family, "adapters", None)  # LoRA: the sub-batch's rows keep their adapters
+        with adapters.subset(idx) if adapters is not None else contextlib.nullcontext():
+            computed = run_blocks(family, x.select(idx), start, stop) if len(idx) else None
         for j, (name, base) in enumerate(streams):
             cached = gather_state(requests, key, "res_" + name, torch.zeros_like(base))
             merged = base + cached
