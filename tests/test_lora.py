@@ -487,3 +487,17 @@ def test_step_cache_rows_keep_their_adapters(tiny_models, loras, cache, monkeypa
     assert any(0 < s < r for s, r in zip(skipped, rows))  # some steps computed a sub-batch of the rows
     for i, out in enumerate(outs):
         assert (images(out.outputs) - solo[i]).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_aborted_and_waiting_requests_release_their_adapters(engine):
+    running = engine.make_request(PROMPT, params(seed=1, loras=[("a", 1.0)], **BASE))
+    waiting = engine.make_request(PROMPT, params(seed=2, loras=[("a", 0.5), ("b", 1.0)], **BASE))
+    engine.add_request(running)
+    engine.step()  # running is admitted and computing
+    engine.add_request(waiting)
+    assert {d["name"]: d["in_use"] for d in engine.loras()}["a"] == 2
+    engine.abort(running.id)
+    engine.abort(waiting.id)
+    while engine.has_unfinished():
+        engine.step()
+    assert all(d["in_use"] == 0 for d in engine.loras())
