@@ -20,22 +20,13 @@ Writes ``results/bf16_path.json``. Run it under the heavy-work lock on a shared 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from benchmarks.common import interleaved, machine, scratch_dir, write_json
+from benchmarks.speed import _per_call
 
 BATCH, TEXT = 8, 64
-
-
-def _per_call(fn, seconds: float) -> float:
-    fn()
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds or runs == 0:
-        fn()
-        runs += 1
-    return (time.perf_counter() - start) / runs
 
 
 def linear_shapes(tr, size: int) -> list[tuple[int, int, int]]:

@@ -29,8 +29,15 @@ def live_server(model, settings: ServeSettings, **engine_options):
     else:
         engine = AsyncEngine(Engine.from_pretrained(model, **engine_options))
     app = create_app(engine, settings)
+    with serve_app(app, log_level="warning") as url:
+        yield SimpleNamespace(url=url, engine=engine, app=app)
+
+
+@contextmanager
+def serve_app(app, **uvicorn_options):
+    """``app`` served by uvicorn on a free loopback port from a thread of this process; yields its URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **uvicorn_options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -38,7 +45,7 @@ def live_server(model, settings: ServeSettings, **engine_options):
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
     try:
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, app=app)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

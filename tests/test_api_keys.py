@@ -9,14 +9,10 @@ compared in constant time and never reach a log, an error message or a repr.
 import logging
 import subprocess
 import sys
-import threading
-import time
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from websockets.exceptions import InvalidStatus
 
@@ -24,7 +20,7 @@ from serve import auth as auth_module
 from serve.app import ServeSettings, create_app
 from serve.auth import ApiKeyConfigError, KeyRing, read_keys_file
 from serve.server import free_port
-from serve_helpers import assert_error
+from serve_helpers import assert_error, serve_app
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the video API deprecated
 
@@ -39,23 +35,9 @@ SECRETS = (ALICE, ALICE_NEW, BOB, CAROL)
 FAST = {"num_inference_steps": 2}
 
 
-@contextmanager
-def serve_app(app):
+def serve_keyed(app):
     """``app`` on a free loopback port; uvicorn leaves logging alone (its records reach the root logger)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, log_level="debug",
-                                           access_log=True))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    return serve_app(app, log_config=None, log_level="debug", access_log=True)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +48,7 @@ def keyed(reliability_server, tmp_path_factory):
                              max_steps=8)
     app = create_app(reliability_server.engine, settings, owns_engine=False)
     try:
-        with serve_app(app) as url:
+        with serve_keyed(app) as url:
             yield url, app
     finally:
         app.state.videos.close()

@@ -17,7 +17,7 @@ from serve.files import FileStore
 from serve.video_jobs import VideoJobStore
 from serve_helpers import assert_error
 
-OPEN = ("/health", "/healthz")  # liveness needs no key
+OPEN = ("/health", "/health/ready", "/healthz")  # liveness and readiness need no key (load balancer probes)
 GENERATION = ("/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/audio/generate", "/v1/audio/speech")
 
 
