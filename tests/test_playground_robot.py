@@ -6,6 +6,7 @@ tests/playground_fixtures.py). What the page sends is decoded here with the stoc
 
 import base64
 import re
+import time
 
 import numpy as np
 import pytest
@@ -50,6 +51,7 @@ def record_sockets(page) -> list[dict]:
         s = {"url": ws.url, "sent": [], "received": []}
         ws.on("framesent", lambda payload: s["sent"].append(payload))
         ws.on("framereceived", lambda payload: s["received"].append(payload))
+        ws.on("close", lambda _ws: s.update(closed=time.monotonic()))
         sockets.append(s)
 
     page.on("websocket", opened)
@@ -280,6 +282,33 @@ def test_robot_tab_sends_the_key_at_the_handshake_and_reports_a_closed_socket(pl
         assert v.errors == ["Failed to load resource: the server responded with a status of 401 (Unauthorized)"], \
             v.errors
         assert v.foreign == [], v.foreign
+    finally:
+        v.close()
+
+
+@pytest.fixture(scope="module")
+def full_queue_robot_server():
+    """The reach policy behind a queue that takes nothing (``max_queue=0``): every observation gets a
+    ``queue_full`` text frame, after which the server keeps the session open (the robot may resend)."""
+    with live_server({"reach": default_policy()}, ServeSettings(max_queue=0), max_batch_size=8) as srv:
+        yield srv
+
+
+def test_robot_tab_closes_a_session_the_server_keeps_open(playground_browser, full_queue_robot_server):
+    v = Visit(playground_browser, full_queue_robot_server.url)
+    try:
+        page = v.open()
+        expect(page.locator("[role=tab]")).to_have_text(["Robot"])
+        expect(page.locator("#robot-steps")).not_to_have_value("")
+        sockets = record_sockets(page)
+        page.click("#panel-actions button[type=submit]")
+        expect(page.locator("#robot-outcome")).to_have_attribute("data-state", "failed")
+        expect(page.locator("#panel-actions")).to_contain_text("queue_full")
+        # the server left the session open (idle timeout 300 s): the page itself closes it, at once
+        deadline = time.monotonic() + 5
+        while "closed" not in sockets[0] and time.monotonic() < deadline:
+            page.wait_for_timeout(50)
+        assert "closed" in sockets[0], "the page kept a refused session open"
     finally:
         v.close()
 

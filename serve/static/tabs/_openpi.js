@@ -3,7 +3,8 @@
 // the page sends (an observation, or {"reset": true}) gets one binary reply; an error arrives as
 // a text frame. The server closes the connection after most errors (1011), but keeps it open after
 // "busy: ..." and "queue_full: ..." (a refused frame the robot may resend): the page ends the
-// episode on any text frame and closes the connection itself, so it never holds a session slot.
+// episode on any text frame, and the Robot tab closes the connection when an episode ends, so a
+// refused session never holds a slot (tests/test_playground_robot.py).
 //
 // A browser cannot set the Authorization header on a WebSocket, so with an API key the page
 // offers two subprotocols: "omnidit.openpi" and "omnidit.key.<the key, base64url>"; the server
@@ -73,8 +74,7 @@ export class PolicySocket {
   onMessage(e) {
     if (typeof e.data === "string") { // the server's error: the episode ends here
       this.serverText = e.data;
-      this.fail(new RobotError(`The server stopped the episode: ${e.data}`));
-      return this.close(); // busy / queue_full leave the session open: release it
+      return this.fail(new RobotError(`The server stopped the episode: ${e.data}`));
     }
     let reply;
     try {
