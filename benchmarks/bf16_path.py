@@ -143,7 +143,12 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true",
                     help="compiled blocks (compile=True, warmed up at --sizes) for every side; writes "
                          "results/bf16_path_compiled.json")
+    ap.add_argument("--quick", action="store_true",
+                    help="64x64 only, 0.2 s per side per round, no profile or linear table; writes "
+                         "results/bf16_path_quick.json (every summary key)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.seconds, args.no_profile, args.no_linears = "64", 0.2, True, True
     from dit_core import Engine
     from dit_core.random_models import build
 
@@ -193,8 +198,22 @@ def main(argv=None):
         for k, p in r.get("profile", {}).items():
             print(f"  profile {k}: {p['total_ms']:.1f} ms: " + ", ".join(
                 f"{kk} {v:.1f}" for kk, v in sorted(p["by_kind_ms"].items(), key=lambda kv: -kv[1])), flush=True)
-    result["share_of_mm_gain_worst"] = min(r["bf16 auto share of mm gain"] for r in result["forward"].values())
-    print(f"wrote {write_json('bf16_path_compiled' if args.compile else 'bf16_path', result)}")
+    result["summary"] = summary(result["forward"])
+    print("summary: " + ", ".join(f"{k} {v:.3f}" for k, v in result["summary"].items()), flush=True)
+    name = "bf16_path" + ("_compiled" if args.compile else "") + ("_quick" if args.quick else "")
+    print(f"wrote {write_json(name, result)}")
+
+
+def summary(forward: dict) -> dict:
+    """Per size: the packed bf16 forward's speed over fp32 packed, and the share of torch.mm's bf16 gain
+    it keeps (issue 40's target: >= 0.85); the worst share over the sizes."""
+    out = {}
+    for size, r in forward.items():
+        out[f"bf16_packed_over_fp32_speed_{size}"] = r["bf16 auto over fp32 speed"]
+        out[f"mm_bf16_over_fp32_speed_{size}"] = r["mm_bf16_over_fp32_speed"]
+        out[f"share_of_mm_gain_{size}"] = r["bf16 auto share of mm gain"]
+    out["share_of_mm_gain_worst"] = min(r["bf16 auto share of mm gain"] for r in forward.values())
+    return out
 
 
 if __name__ == "__main__":

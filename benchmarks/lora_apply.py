@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import machine
+
 
 def make_case(rows, n_adapters, rank, tokens, d_in, d_out, without, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -88,14 +90,25 @@ def main(argv=None):
             key = f"{label}_{d_in}x{d_out}"
             results[key] = {**{f"{k}_ms": round(v, 4) for k, v in ms.items()},
                             "segmented_overhead": round(ms["segmented"] / ms["base"], 3),
-                            "stacked_overhead": round(ms["stacked"] / ms["base"], 3)}
+                            "stacked_overhead": round(ms["stacked"] / ms["base"], 3),
+                            # (max - min) / median of the per-round ratio: how far one round strays
+                            "segmented_overhead_spread": round(_spread(times["segmented"], times["base"]), 3),
+                            "stacked_overhead_spread": round(_spread(times["stacked"], times["base"]), 3)}
             print(key, json.dumps(results[key]))
-    summary = {"config": vars(args), "threads": torch.get_num_threads(), "cases": results,
-               "segmented_faster_cases": sum(r["segmented_ms"] < r["stacked_ms"] for r in results.values()),
-               "cases_total": len(results)}
+    summary = {"segmented_faster_cases": sum(r["segmented_ms"] < r["stacked_ms"] for r in results.values()),
+               "cases_total": len(results),
+               "segmented_overhead_worst": max(r["segmented_overhead"] for r in results.values()),
+               "stacked_overhead_worst": max(r["stacked_overhead"] for r in results.values())}
+    out = {"benchmark": "lora_apply", "machine": machine(), "config": vars(args), "threads": torch.get_num_threads(),
+           "cases": results, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in summary.items() if k != "cases"}))
+    Path(args.out).write_text(json.dumps(out, indent=2, default=float) + "\n")
+    print("summary:", json.dumps(summary))
+
+
+def _spread(variant: list[float], base: list[float]) -> float:
+    ratios = [v / b for v, b in zip(variant, base)]
+    return (max(ratios) - min(ratios)) / statistics.median(ratios)
 
 
 if __name__ == "__main__":
