@@ -49,6 +49,17 @@ class EngineStats:
         self.rows_skipped: collections.deque[int] = collections.deque(maxlen=history)  # by the step cache
         self.block_evals = 0  # rows x transformer blocks actually run
         self.block_evals_full = 0  # ... and what they would have been without a step cache
+        # input images (image-to-image, inpainting) VAE-encoded when their requests were admitted, the VAE
+        # calls that took (each at most the family's decode_pixel_budget pixels) and their seconds
+        self.images_encoded = 0
+        self.vae_encodes = 0
+        self.vae_encode_s = 0.0
+
+    def record_encode(self, images: int, calls: int, seconds: float) -> None:
+        """The input images one step's admissions VAE-encoded (families call it: ``Family.on_encode``)."""
+        self.images_encoded += images
+        self.vae_encodes += calls
+        self.vae_encode_s += seconds
 
     def record(self, requests: int, rows: int, step_ms: float, cache: dict | None = None,
                model: str | None = None) -> None:
@@ -114,6 +125,8 @@ class Engine:
 
             self.parallel = launch(self.models, config.parallel, config.device, config.dtype, self.attention_by_model)
         self.stats = EngineStats()
+        for family in self.models.values():
+            family.on_encode = self.stats.record_encode
         self.step_times = StepTimes()
         self.scheduler.policy.step_times = self.step_times  # edf reads the estimates (slack, bulk batch cap)
         self._seq = itertools.count()

@@ -29,7 +29,8 @@ class LiveStats:
         self._lock = threading.Lock()
         # per step: (end time, ms, requests, rows, rows skipped, model)
         self._steps: collections.deque[tuple] = collections.deque(maxlen=history)
-        self._totals = {"steps": 0, "rows": 0, "rows_skipped": 0, "block_evals": 0, "block_evals_full": 0}
+        self._totals = {"steps": 0, "rows": 0, "rows_skipped": 0, "block_evals": 0, "block_evals_full": 0,
+                        "images_encoded": 0, "vae_encodes": 0, "vae_encode_s": 0.0}
         self._outcomes: collections.Counter[str] = collections.Counter()
         engine.step_listeners.append(self.on_step)
         engine.listeners.append(self.on_event)
@@ -40,7 +41,8 @@ class LiveStats:
         with self._lock:
             self._steps.append(step)
             self._totals.update(steps=stats.steps, block_evals=stats.block_evals,
-                                block_evals_full=stats.block_evals_full)
+                                block_evals_full=stats.block_evals_full, images_encoded=stats.images_encoded,
+                                vae_encodes=stats.vae_encodes, vae_encode_s=stats.vae_encode_s)
             self._totals["rows"] += step[3]
             self._totals["rows_skipped"] += step[4]
 
@@ -90,6 +92,9 @@ class LiveStats:
                 "hits": prompt["hits"], "misses": prompt["misses"], "entries": prompt["entries"],
                 "bytes": prompt["bytes"], "hit_rate": round(prompt["hits"] / lookups, 4) if lookups else None,
             },
+            # input images (image-to-image, inpainting) VAE-encoded as their requests joined a step
+            "vae_encode": {"images": totals["images_encoded"], "calls": totals["vae_encodes"],
+                           "seconds": round(totals["vae_encode_s"], 4)},
             "requests": {"in_flight": self.engine.num_unfinished, "finished": outcomes.get("finished", 0),
                          "aborted": outcomes.get("aborted", 0), "failed": outcomes.get("failed", 0)},
             # every EngineConfig field as this engine runs it (dtype auto measured, cpu_linear and

@@ -1,7 +1,8 @@
-"""Image inputs on FLUX: image-to-image and inpainting equal diffusers' FluxImg2ImgPipeline and
-FluxInpaintPipeline (fp32, <= 1e-4, same seed), requests of different strengths and masks share one
-forward with text-to-image ones and each gets what it gets alone (<= 1e-5), and bad image inputs are
-refused naming the field."""
+"""Image inputs: image-to-image and inpainting equal diffusers' FluxImg2ImgPipeline, FluxInpaintPipeline,
+StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, QwenImageImg2ImgPipeline and
+QwenImageInpaintPipeline (fp32, <= 1e-4, same seed), requests of different strengths and masks share one
+forward with text-to-image ones and each gets what it gets alone (<= 1e-5), the engine's stats count the
+VAE encodes, and bad image inputs are refused naming the field."""
 
 import functools
 import json
@@ -13,10 +14,11 @@ import PIL.Image
 import pytest
 import torch
 from diffusers import (DiffusionPipeline, FluxImg2ImgPipeline, FluxInpaintPipeline, QwenImageImg2ImgPipeline,
-                       StableDiffusion3Img2ImgPipeline)
+                       QwenImageInpaintPipeline, StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline)
 
 from dit_core import Engine, SamplingParams
 from dit_core.errors import InvalidParamError
+from dit_core.random_models import build
 from helpers import assert_finished, params, run_staggered
 
 PROMPT = "a photo of a cat sitting on a red chair"
@@ -119,28 +121,56 @@ def test_inpaint_keeps_the_unmasked_latents(engines):
     assert (grids[0][:, 4:] - grids[1][:, 4:]).abs().max() > 1e-3
 
 
-def mixed_specs():
+# per family: what every request sets, and what turns classifier-free guidance on
+MIXED_KW = {"flux": (dict(guidance_scale=3.5), dict(negative_prompt="blurry", true_cfg_scale=3.0)),
+            "sd3": (dict(guidance_scale=1.0), dict(negative_prompt="blurry", guidance_scale=5.0)),
+            "qwenimage": (dict(), dict(negative_prompt="blurry", true_cfg_scale=3.0))}
+
+
+def mixed_specs(family: str = "flux"):
     image, mask = source_image(), right_half_mask()
-    common = dict(num_inference_steps=6, guidance_scale=3.5)
+    common, cfg = MIXED_KW[family]
+    common = dict(num_inference_steps=6, **common)
     return [
         params(seed=1, **common),  # text to image
         params(seed=2, image=image, strength=0.3, **common),
-        params(seed=3, image=image, strength=0.8, num_outputs=2, negative_prompt="blurry", true_cfg_scale=3.0,
-               **common),
+        params(seed=3, image=image, strength=0.8, num_outputs=2, **{**common, **cfg}),
         params(seed=4, image=image, mask=mask, strength=0.6, **common),
     ]
 
 
-def test_mixed_batch_rows_equal_alone(engines):
-    engine = engines("flux")
-    specs = mixed_specs()
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwenimage"])
+def test_mixed_batch_rows_equal_alone(family, engines, qwen_normalized, sd3_16ch):
+    engine = {"qwenimage": qwen_normalized[0], "sd3": sd3_16ch[0]}.get(family) or engines(family)
+    specs = mixed_specs(family)
     alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
-    before = dict(engine.family.image_encodes)
+    stats = engine.stats
+    before = (stats.images_encoded, stats.vae_encodes, stats.vae_encode_s)
     finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1])
     assert max(sizes) == len(specs)  # different strengths and a mask shared one forward
     # the two images admitted at step 0 were VAE-encoded in one call, the inpaint one (step 1) in its own
-    assert engine.family.image_encodes["images"] - before["images"] == 3
-    assert engine.family.image_encodes["calls"] - before["calls"] == 2
+    assert stats.images_encoded - before[0] == 3 and stats.vae_encodes - before[1] == 2
+    assert stats.vae_encode_s > before[2]
+    for i, ref in enumerate(alone):
+        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_vae_encodes_are_bounded_by_the_pixel_budget(engines, monkeypatch):
+    """Images admitted together are encoded in VAE calls of at most ``decode_pixel_budget`` input pixels
+    (a request alone always fits), counted in the engine's stats, and each row still gets what it gets alone."""
+    engine = engines("flux")
+    image = source_image()
+    specs = [params(seed=20 + i, image=image, strength=0.5, num_inference_steps=3, guidance_scale=3.5)
+             for i in range(3)]
+    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+    calls = []
+    original = engine.family.vae_moments
+    monkeypatch.setattr(engine.family, "vae_moments", lambda pixels: calls.append(len(pixels)) or original(pixels))
+    monkeypatch.setattr(engine.family, "decode_pixel_budget", 2 * 32 * 32)
+    before = (engine.stats.images_encoded, engine.stats.vae_encodes)
+    finals, _ = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0])
+    assert calls == [2, 1]
+    assert (engine.stats.images_encoded - before[0], engine.stats.vae_encodes - before[1]) == (3, 2)
     for i, ref in enumerate(alone):
         assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
 
@@ -201,25 +231,58 @@ SD3_CASES = [("strength-0.4-cfg", dict(strength=0.4, guidance_scale=5.0, negativ
              ("strength-0.8-two-outputs", dict(strength=0.8, guidance_scale=1.0, num_outputs=2))]
 
 
+@pytest.fixture(scope="module")
+def sd3_pipes(tiny_models):
+    base = DiffusionPipeline.from_pretrained(str(tiny_models["sd3"]))
+    made = {"img2img": StableDiffusion3Img2ImgPipeline.from_pipe(base)}
+    for pipe in made.values():
+        pipe.set_progress_bar_config(disable=True)
+    return made
+
+
+@pytest.fixture(scope="module")
+def sd3_16ch(tmp_path_factory):
+    """A tiny SD3 with 16 latent channels (StableDiffusion3InpaintPipeline takes no other count; the tiny
+    one has 4): (engine, stock inpaint pipeline)."""
+    path = build("sd3", "tiny-16ch", tmp_path_factory.mktemp("sd3-16ch") / "sd3")
+    pipe = StableDiffusion3InpaintPipeline.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    return Engine.from_pretrained(path, max_batch_size=8), pipe
+
+
 @pytest.mark.parametrize("case,kw", SD3_CASES, ids=[c for c, _ in SD3_CASES])
-def test_sd3_img2img_equals_diffusers(case, kw, tiny_models, engines):
+def test_sd3_img2img_equals_diffusers(case, kw, sd3_pipes, engines):
     kw = dict(num_inference_steps=5, seed=9, **kw)
     image = source_image()
     n, seed = kw.pop("num_outputs", 1), kw.pop("seed")
-    pipe = StableDiffusion3Img2ImgPipeline.from_pipe(DiffusionPipeline.from_pretrained(str(tiny_models["sd3"])))
-    pipe.set_progress_bar_config(disable=True)
-    ref = pipe(PROMPT, image=image, height=32, width=32, num_images_per_prompt=n, output_type="pt",
-               generator=torch.Generator().manual_seed(seed), **kw).images
+    ref = sd3_pipes["img2img"](PROMPT, image=image, height=32, width=32, num_images_per_prompt=n, output_type="pt",
+                               generator=torch.Generator().manual_seed(seed), **kw).images
     out = engine_images(engines("sd3"), dict(kw, num_outputs=n, seed=seed), image)
     assert out.shape == ref.shape == (n, 3, 32, 32)
     assert (out - ref).abs().max().item() <= 1e-4
 
 
-def test_sd3_refuses_a_mask(engines):
-    with pytest.raises(InvalidParamError) as err:
-        engines("sd3").make_request(PROMPT, params(image=source_image(), mask=right_half_mask()))
-    assert err.value.field == "mask"
-    assert engines("sd3").family.describe()["inputs"] == ["text", "image"]
+SD3_INPAINT = [
+    ("strength-0.5-cfg", dict(strength=0.5, guidance_scale=5.0, negative_prompt="blurry"), right_half_mask),
+    ("strength-1.0-two-outputs", dict(strength=1.0, guidance_scale=1.0, num_outputs=2), right_half_mask),
+    ("strength-0.8-mask-other-size", dict(strength=0.8, guidance_scale=1.0), lambda: right_half_mask(20, 30)),
+]
+
+
+@pytest.mark.parametrize("case,kw,make_mask", SD3_INPAINT, ids=[c for c, _, _ in SD3_INPAINT])
+def test_sd3_inpaint_equals_diffusers(case, kw, make_mask, sd3_16ch):
+    """Including its decode without the VAE's shift_factor (the tiny SD3's is 0.0609, as SD3's: adding it
+    moves the output by far more than the tolerance)."""
+    kw = dict(num_inference_steps=5, seed=13, **kw)
+    image, mask = source_image(), make_mask()
+    n, seed = kw.pop("num_outputs", 1), kw.pop("seed")
+    engine, pipe = sd3_16ch
+    ref = pipe(PROMPT, image=image, mask_image=mask, height=32, width=32, num_images_per_prompt=n, output_type="pt",
+               generator=torch.Generator().manual_seed(seed), **kw).images
+    out = engine_images(engine, dict(kw, num_outputs=n, seed=seed), image, mask)
+    assert out.shape == ref.shape == (n, 3, 32, 32)
+    assert (out - ref).abs().max().item() <= 1e-4
+    assert engine.family.describe()["inputs"] == ["text", "image", "mask"]
 
 
 def test_step_cache_with_image_inputs(tiny_models):
@@ -249,29 +312,45 @@ def qwen_normalized(tiny_models, tmp_path_factory):
     z = config["z_dim"]
     config.update(latents_mean=[0.1 * i - 0.15 for i in range(z)], latents_std=[0.6 + 0.3 * i for i in range(z)])
     (path / "vae" / "config.json").write_text(json.dumps(config))
-    pipe = QwenImageImg2ImgPipeline.from_pipe(DiffusionPipeline.from_pretrained(str(path)))
-    pipe.set_progress_bar_config(disable=True)
-    return Engine.from_pretrained(path, max_batch_size=8), pipe
+    base = DiffusionPipeline.from_pretrained(str(path))
+    pipes = {"img2img": QwenImageImg2ImgPipeline.from_pipe(base), "inpaint": QwenImageInpaintPipeline.from_pipe(base)}
+    for pipe in pipes.values():
+        pipe.set_progress_bar_config(disable=True)
+    return Engine.from_pretrained(path, max_batch_size=8), pipes
 
 
 @pytest.mark.parametrize("case,kw", QWEN_CASES, ids=[c for c, _ in QWEN_CASES])
 def test_qwenimage_img2img_equals_diffusers(case, kw, qwen_normalized):
-    engine, pipe = qwen_normalized
+    engine, pipes = qwen_normalized
     kw = dict(num_inference_steps=5, seed=21, **kw)
     image = source_image()
     n, seed = kw.pop("num_outputs", 1), kw.pop("seed")
-    ref = pipe(PROMPT, image=image, height=32, width=32, num_images_per_prompt=n, output_type="pt",
-               generator=torch.Generator().manual_seed(seed), **kw).images
+    ref = pipes["img2img"](PROMPT, image=image, height=32, width=32, num_images_per_prompt=n, output_type="pt",
+                           generator=torch.Generator().manual_seed(seed), **kw).images
     out = engine_images(engine, dict(kw, num_outputs=n, seed=seed), image)
     assert out.shape == ref.shape == (n, 3, 32, 32)
     assert (out - ref).abs().max().item() <= 1e-4
 
 
-def test_models_without_an_input_kind_refuse_it(engines):
-    with pytest.raises(InvalidParamError) as err:
-        engines("qwenimage").make_request(PROMPT, params(image=source_image(), mask=right_half_mask()))
-    assert err.value.field == "mask"
-    assert engines("qwenimage").family.describe()["inputs"] == ["text", "image"]
+QWEN_INPAINT = [
+    ("strength-0.6-cfg", dict(strength=0.6, negative_prompt="blurry", true_cfg_scale=3.0), right_half_mask),
+    ("strength-1.0-two-outputs", dict(strength=1.0, num_outputs=2), right_half_mask),
+    ("strength-0.8-mask-other-size", dict(strength=0.8), lambda: right_half_mask(20, 30)),
+]
+
+
+@pytest.mark.parametrize("case,kw,make_mask", QWEN_INPAINT, ids=[c for c, _, _ in QWEN_INPAINT])
+def test_qwenimage_inpaint_equals_diffusers(case, kw, make_mask, qwen_normalized):
+    engine, pipes = qwen_normalized
+    kw = dict(num_inference_steps=5, seed=23, **kw)
+    image, mask = source_image(), make_mask()
+    n, seed = kw.pop("num_outputs", 1), kw.pop("seed")
+    ref = pipes["inpaint"](PROMPT, image=image, mask_image=mask, height=32, width=32, num_images_per_prompt=n,
+                           output_type="pt", generator=torch.Generator().manual_seed(seed), **kw).images
+    out = engine_images(engine, dict(kw, num_outputs=n, seed=seed), image, mask)
+    assert out.shape == ref.shape == (n, 3, 32, 32)
+    assert (out - ref).abs().max().item() <= 1e-4
+    assert engine.family.describe()["inputs"] == ["text", "image", "mask"]
 
 
 def test_uint8_arrays_read_as_the_same_pictures(engines):

@@ -169,7 +169,8 @@ def _replica_snapshot(rid: str, batches: list[int], finished: int, hits: int, bu
     live = LiveStats(engine)
     for i, n in enumerate(batches):
         live.on_step(SimpleNamespace(step_ms=[10.0], batch_sizes=[n], batch_rows=[2 * n], rows_skipped=[0],
-                                     models=["digits"], steps=i + 1, block_evals=0, block_evals_full=0))
+                                     models=["digits"], steps=i + 1, block_evals=0, block_evals_full=0,
+                                     images_encoded=i + 1, vae_encodes=1, vae_encode_s=0.25))
     for _ in range(finished):
         live.on_event(SimpleNamespace(kind=SimpleNamespace(final=True, value="finished")))
     return {"replica": rid, **live.snapshot()}
@@ -188,6 +189,8 @@ def test_engine_stats_merge_every_replica_into_the_single_process_shape(digits_e
     assert merged["queue"] == {"waiting": 0, "running": 2} and merged["requests"]["finished"] == 3
     assert merged["step_cache"]["rows"] == 12 and merged["step_cache"]["skip_rate"] == 0
     assert merged["prompt_cache"]["hits"] == 3 and merged["prompt_cache"]["hit_rate"] == 0.6
+    # engine totals as of each replica's last step, added up: r1 (2 steps) 2 images, r2 (1 step) 1
+    assert merged["vae_encode"] == {"images": 3, "calls": 2, "seconds": 0.5}
     assert sorted((r["replica"], r["batch_size"]) for r in merged["steps"]["recent"]) == [("r1", 1), ("r1", 3),
                                                                                          ("r2", 2)]
     assert merge_snapshots([])["steps"]["total"] == 0  # no replica answered

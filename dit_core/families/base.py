@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -75,6 +75,8 @@ class Family(abc.ABC):
         checkpoint = checkpoint or {}
         # A checkpoint's own serving defaults (``_omnidit_defaults``) override the family's;
         # a request's explicit values override both.
+    # set by Engine: EngineStats.record_encode(images, vae_calls, seconds), called after input images are encoded
+    on_encode: Callable[[int, int, float], None] | None = None
         self.checkpoint_defaults = dict(checkpoint.get("_omnidit_defaults") or {})
         self.dtype = dtype
         self.device = device

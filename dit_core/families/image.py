@@ -4,6 +4,7 @@ encoders (or an AR thinker). What FLUX, SD3 and Qwen-Image share lives here."""
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -232,14 +233,14 @@ class ImageFamily(DiffusersFamily):
 
     def encode(self, requests: list[Request]) -> None:
         """The prompts, then the input images of the requests that have one, VAE-encoded together in
-        calls of at most ``decode_pixel_budget`` pixels (counted in ``image_encodes``)."""
+        calls of at most ``decode_pixel_budget`` pixels (counted in the engine's stats: ``on_encode``)."""
         super().encode(requests)
         with_image = [r for r in requests if isinstance(r.inputs, ImageInputs)]
         if with_image:
             calls = encode_images(self, with_image, self.decode_pixel_budget)
-            counts = self.__dict__.setdefault("image_encodes", {"images": 0, "calls": 0})
-            counts["images"] += len(with_image)
-            counts["calls"] += calls
+            if self.on_encode is not None:
+                self.on_encode(len(with_image), calls, time.perf_counter() - start)
+            start = time.perf_counter()
 
     def vae_moments(self, pixels: torch.Tensor) -> torch.Tensor:
         """The VAE encoder's distribution parameters (mean and log-variance) for [N, 3, H, W] pixels."""
@@ -268,10 +269,14 @@ class ImageFamily(DiffusersFamily):
         decoded = {}
         for chunk in self.decode_chunks(pixel):
             with torch.no_grad():
-                images = self.decode_latents(torch.cat([r.latents for r in chunk]), chunk[0].params)
+                images = self.decode_chunk(chunk)
             for req, outputs in zip(chunk, self.postprocess(images, chunk)):
                 decoded[req.id] = outputs
         return [decoded[r.id] if r.id in decoded else list(r.latents) for r in requests]
+
+    def decode_chunk(self, chunk: list[Request]) -> torch.Tensor:
+        """One VAE call over the final latents of ``chunk`` (one shape) -> images in [-1, 1]."""
+        return self.decode_latents(torch.cat([r.latents for r in chunk]), chunk[0].params)
 
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Final latents of one shape -> images in [-1, 1], [N, 3, H, W]."""

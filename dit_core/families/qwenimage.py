@@ -42,8 +42,8 @@ class QwenImageFamily(PackedFlowFamily):
     template = TEMPLATE
     # ComfyUI-TeaCache's Qwen-Image polynomial (also vLLM-Omni's default), highest power first
     teacache_coefficients = [-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02]
-    # image-to-image as QwenImageImg2ImgPipeline (see image_inputs.py; inpainting not yet)
-    params_used = PackedFlowFamily.params_used | {"image", "strength"}
+    # image-to-image and inpainting as QwenImageImg2ImgPipeline / QwenImageInpaintPipeline (image_inputs.py)
+    params_used = PackedFlowFamily.params_used | {"image", "mask", "strength"}
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)

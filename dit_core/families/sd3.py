@@ -26,10 +26,9 @@ class SD3Family(ImageFamily):
     defaults = dict(num_inference_steps=28, guidance_scale=7.0, true_cfg_scale=1.0, max_sequence_length=256)
     max_text_tokens = 512
     cfg_param = "guidance_scale"
-    # image-to-image as StableDiffusion3Img2ImgPipeline (see image_inputs.py). No inpainting yet: diffusers'
-    # StableDiffusion3InpaintPipeline decodes without the VAE's shift_factor (latents / scaling_factor only),
-    # which matching would mean decoding its rows apart from the others
-    params_used = ImageFamily.params_used | {"image", "strength"}
+    # image-to-image and inpainting as StableDiffusion3Img2ImgPipeline / StableDiffusion3InpaintPipeline
+    # (see image_inputs.py; the inpaint pipeline's decode differs: see decode_chunk)
+    params_used = ImageFamily.params_used | {"image", "mask", "strength"}
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
@@ -92,7 +91,7 @@ class SD3Family(ImageFamily):
         sampler.set_timesteps(p.num_inference_steps, device=self.device, **kwargs)
         sampler.set_begin_index(0)
         req.sampler = sampler
-        if req.inputs is not None:  # image-to-image: starts at its own step, from the image
+        if req.inputs is not None:  # image-to-image / inpainting: starts at its own step, from the image
             req.latents = start_from_image(req, req.latents, lambda latents: latents)
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
@@ -134,6 +133,21 @@ class SD3Family(ImageFamily):
         if uncond is None:
             return cond
         return uncond + req.params.guidance_scale * (cond - uncond)
+
+    def decode_chunk(self, chunk: list[Request]) -> torch.Tensor:
+        """One VAE call for the chunk, each row with its own pipeline's shift: diffusers'
+        StableDiffusion3InpaintPipeline decodes ``latents / scaling_factor`` without adding the VAE's
+        ``shift_factor`` (its text-to-image and img2img pipelines add it), so inpainting rows get no shift,
+        as there. (Adding 0.0 or the shift per row gives each row exactly what its own decode gives.)"""
+        inpaint = [getattr(r.inputs, "mask", None) is not None for r in chunk]
+        if not any(inpaint):
+            return super().decode_chunk(chunk)
+        latents = torch.cat([r.latents for r in chunk])
+        shift = self.vae.config.shift_factor or 0.0
+        shifts = [0.0 if masked else shift for r, masked in zip(chunk, inpaint) for _ in range(r.latents.shape[0])]
+        shifts = torch.tensor(shifts, device=latents.device, dtype=latents.dtype).view(-1, 1, 1, 1)
+        return self.vae.decode((latents / self.vae.config.scaling_factor + shifts).to(self.vae.dtype),
+                               return_dict=False)[0]
 
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor

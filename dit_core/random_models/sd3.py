@@ -1,5 +1,6 @@
 """Random Stable Diffusion 3 checkpoints (CLIP-L + CLIP-G + T5, MMDiT); ``tiny-3.5`` has SD3.5's
-dual-attention blocks (a second, image-only attention) and RMS qk-norm."""
+dual-attention blocks (a second, image-only attention) and RMS qk-norm; ``tiny-16ch`` has 16 latent
+channels (what the inpaint pipeline takes)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ SIZES = {
     # SD3.5 Medium's block layout in miniature: dual attention in the first block, qk-norm everywhere
     "tiny-3.5": dict(heads=4, head_dim=8, layers=2, clip=32, t5=64, pos=32, sample=32,
                      vae=(8, 16), latent=4, dual_attention_layers=(0,), qk_norm="rms_norm"),
+    # 16 latent channels, as diffusers' StableDiffusion3InpaintPipeline requires (it refuses others)
+    "tiny-16ch": dict(heads=4, head_dim=8, layers=2, clip=32, t5=64, pos=32, sample=32,
+                      vae=(8, 16), latent=16),
     # ~32 M parameter transformer; vae factor 8, 16 latent channels as in SD3.5
     "small": dict(heads=6, head_dim=64, layers=6, clip=64, t5=128, pos=64, sample=64,
                   vae=(16, 32, 64, 64), latent=16),

@@ -2,7 +2,7 @@
 one snapshot of the same shape (what the playground's engine panel reads), plus ``replicas``, each
 replica's own snapshot. No Ray import here.
 
-Counts add up (queue, requests, steps, step-cache rows, prompt-cache lookups); ``batch_size`` is the
+Counts add up (queue, requests, steps, step-cache rows, prompt-cache lookups, VAE encodes); ``batch_size`` is the
 requests in a forward right now on all replicas together and ``max_batch_size`` the largest one
 forward held in the window; ``per_second`` adds the replicas' step rates; ``last_ms`` is the most
 recent step's; ``recent`` interleaves the replicas' recent steps by age (oldest first, the newest ``HISTORY`` kept),
@@ -49,6 +49,9 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
             "bytes": sum(p["bytes"] for p in prompts),
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
         },
+        "vae_encode": {"images": sum(s["vae_encode"]["images"] for s in snapshots),
+                       "calls": sum(s["vae_encode"]["calls"] for s in snapshots),
+                       "seconds": round(sum(s["vae_encode"]["seconds"] for s in snapshots), 4)},
         "requests": {k: sum(s["requests"][k] for s in snapshots) for k in ("in_flight", "finished", "aborted",
                                                                           "failed")},
         # the replicas' effective engine settings when they all agree (each replica's own: under replicas)
