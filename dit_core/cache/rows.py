@@ -46,8 +46,19 @@ def gather_state(requests: list[Request], key: str, name: str, fallback: torch.T
     parts = []
     for req, sl in row_slices(requests):
         value = req.state.get(key, {}).get(name)
-        parts.append(fallback[sl] if value is None else value)
+        parts.append(fallback[sl] if value is None else fit_length(value, fallback))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def fit_length(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A row's cached stream from a batch padded to another length (FLUX Kontext pads each row's
+    reference tokens to the batch's longest) at ``like``'s length: its own tokens come first and
+    every batch is at least as long, so only padding is cut or added."""
+    if value.dim() < 2 or value.shape[1] == like.shape[1]:
+        return value
+    if value.shape[1] > like.shape[1]:
+        return value[:, :like.shape[1]]
+    return torch.cat([value, value.new_zeros(value.shape[0], like.shape[1] - value.shape[1], *value.shape[2:])], 1)
 
 
 def cached_blocks(family: Family, x: BlockInputs, start: int, stop: int, compute: torch.Tensor,

@@ -13,6 +13,7 @@ from ..loading import read_model_index
 from ..params import SamplingParams
 from .base import Family, TextCond
 from .flux import FluxFamily
+from .flux_kontext import FluxKontextFamily
 from .image import DiffusersFamily, ImageFamily
 from .pi0 import Pi0Family
 from .qwenimage import QwenImageFamily
@@ -34,7 +35,8 @@ def register(cls: type[Family]) -> type[Family]:
     return cls
 
 
-for _cls in (FluxFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily, Pi0Family):
+for _cls in (FluxFamily, FluxKontextFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily,
+             Pi0Family):
     register(_cls)
 
 

@@ -11,7 +11,7 @@ from ..params import SamplingParams
 from ..request import Request
 from .base import BlockInputs
 from .image import ImageFamily
-from .image_inputs import start_from_image
+from .image_inputs import ImageInputs, start_from_image
 from .latents import flow_shift_mu, linear_sigmas, pack_2x2, unpack_2x2
 
 
@@ -59,7 +59,7 @@ class PackedFlowFamily(ImageFamily):
             sampler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
         sampler.set_begin_index(0)
         req.sampler = sampler
-        if req.inputs is not None:  # image-to-image / inpainting: starts at its own step, from the image
+        if isinstance(req.inputs, ImageInputs):  # image-to-image / inpainting: starts at its own step, from the image
             req.latents = start_from_image(req, noise, pack_2x2)
 
     def prepare_positions(self, req: Request, h: int, w: int) -> None:

@@ -13,7 +13,10 @@ class FluxProcessor:
         self.backend = backends["joint"]
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, image_rotary_emb=None) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None = None, image_rotary_emb=None,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``valid`` [B, L] marks each row's real tokens of the joint sequence (rows padded to one length:
+        FLUX Kontext's reference tokens); with it, ``image_rotary_emb`` holds per-row [B, L, D] tables."""
         if attention_mask is not None:
             raise ValueError("FLUX attention takes no attention_mask (text is padded to a fixed length)")
         heads = (-1, attn.head_dim)
@@ -28,9 +31,10 @@ class FluxProcessor:
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
         if image_rotary_emb is not None:
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        out = attend(q, k, v, self.backend).flatten(2, 3).to(q.dtype)
+            rotate = _rotate_rows if image_rotary_emb[0].dim() == 3 else (
+                lambda x, emb: apply_rotary_emb(x, emb, sequence_dim=1))
+            q, k = rotate(q, image_rotary_emb), rotate(k, image_rotary_emb)
+        out = attend(q, k, v, self.backend, valid=valid).flatten(2, 3).to(q.dtype)
         if not joint:
             return out
         txt, img = out.split_with_sizes([encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
@@ -42,3 +46,11 @@ def _project(attn, x, fused: str, names=("to_q", "to_k", "to_v")):
     if getattr(attn, "fused_projections", False) and hasattr(attn, fused):
         return getattr(attn, fused)(x).chunk(3, dim=-1)
     return tuple(getattr(attn, n)(x) for n in names)
+
+
+def _rotate_rows(x: torch.Tensor, emb) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb`` (real form, FLUX's pairing) with per-row tables [B, S, D]."""
+    cos, sin = emb[0][:, :, None, :], emb[1][:, :, None, :]
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

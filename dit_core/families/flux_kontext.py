@@ -1,0 +1,244 @@
+"""FLUX.1 Kontext: reference-image editing as diffusers' ``FluxKontextPipeline`` does it, inside the
+batched step loop.
+
+A request on a Kontext checkpoint is one of three kinds, told apart by its fields:
+
+* text to image (no ``image``): exactly as ``FluxFamily``;
+* image-to-image / inpainting (``image`` with ``strength`` or ``mask``): the image is the start, as
+  ``FluxImg2ImgPipeline`` / ``FluxInpaintPipeline`` (``image_inputs.py``);
+* an edit (``image`` alone): the image is a *reference*. Its packed latents are appended to the
+  generated image tokens, with their own position ids (first component 1, then row and column of
+  the reference's own token grid); the transformer's output is cut back to the generated tokens.
+
+What the pipeline does, matched here:
+
+* the reference's size: the image's, rounded down to the size multiple; then (``_auto_resize``, on by
+  default) the entry of ``PREFERRED_KONTEXT_RESOLUTIONS`` (about one megapixel each) whose aspect ratio
+  is closest, whatever the image's own size; the image is resized to it (PIL: Lanczos) and scaled to
+  [-1, 1]. A checkpoint turns that off with ``"_omnidit_kontext": {"auto_resize": false}`` in its
+  model_index.json (the pipeline's ``_auto_resize=False``): the reference keeps its own size.
+* the reference latent is the VAE encoder's mode (``sample_mode="argmax"``), so the request's noise is
+  its generator's first draw;
+* the scheduler's shift ``mu`` counts only the generated tokens; guidance as FLUX.
+* output size: the pipeline fits ``height`` x ``width`` (default its text-to-image size) to
+  ``max_area`` (default 1024^2) keeping the aspect ratio. Here ``height`` / ``width`` are used as
+  given (the pipeline's result with ``max_area=height*width``); without them an edit takes the
+  reference's size (the pipeline takes its square default).
+
+Batching: rows with references of different token counts (and text-to-image rows, with none) share
+a forward. The image stream of each row is [generated tokens, its reference tokens], right-padded to
+the longest row; attention gets the validity mask, so it runs packed on the valid tokens (a varlen
+backend) or masked (``attention.attend``), and each row gets per-row rotary embeddings. The token-wise
+layers (linears, norms) run over the padded rectangle; padded tokens never reach a valid one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import PIL.Image
+import torch
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+from ..errors import InvalidParamError, UnknownModelError
+from ..params import SamplingParams, describe_image
+from ..request import Request
+from .base import BlockInputs, split_rows
+from .flux import FluxFamily, image_ids
+from .image_inputs import _processor_input, first_image, image_size, scaled_latents
+from .latents import pack_2x2
+
+OPTIONS_KEY = "_omnidit_kontext"  # model_index.json: {"auto_resize": bool}
+
+
+@dataclass
+class ReferenceInputs:
+    """An edit request's reference image, preprocessed at its own size."""
+
+    pixels: torch.Tensor  # [1, 3, h, w] in [-1, 1]
+
+
+def is_edit(params: SamplingParams) -> bool:
+    """An image without strength or mask is a reference (an edit), not a start image."""
+    return params.image is not None and params.strength is None and params.mask is None
+
+
+class FluxKontextFamily(FluxFamily):
+    name = "flux_kontext"
+    pipeline_class = "FluxKontextPipeline"
+
+    def __init__(self, components, dtype, device, checkpoint=None):
+        super().__init__(components, dtype, device, checkpoint)
+        options = (checkpoint or {}).get(OPTIONS_KEY) or {}
+        unknown = set(options) - {"auto_resize"}
+        if unknown or not isinstance(options.get("auto_resize", True), bool):
+            raise UnknownModelError(f"{OPTIONS_KEY} in model_index.json takes only auto_resize (true or false); "
+                                    f"got {options!r}")
+        self.auto_resize = options.get("auto_resize", True)
+
+    def input_kinds(self) -> list[str]:
+        return super().input_kinds() + ["reference_images"]
+
+    # ---- the reference image, per request ----
+
+    def reference_size(self, image) -> tuple[int, int]:
+        """(height, width) the pipeline resizes a reference image to."""
+        m = self.size_multiple
+        h, w = image_size(image)
+        h, w = h - h % m, w - w % m  # VaeImageProcessor.get_default_height_width
+        if not h or not w:
+            raise InvalidParamError("image", describe_image(image), f"at least {m} pixels per side")
+        if self.auto_resize:
+            aspect = w / h
+            _, w, h = min((abs(aspect - pw / ph), pw, ph) for pw, ph in PREFERRED_KONTEXT_RESOLUTIONS)
+        return h // m * m, w // m * m
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        if not is_edit(params):
+            return super().resolve(params)
+        image = first_image(params, self.name)
+        h, w = self.reference_size(image)
+        params = params.with_defaults(height=h, width=w)
+        return replace(super().resolve(replace(params, image=None)), image=params.image)
+
+    def validate_input(self, value, params: SamplingParams):
+        if not is_edit(params):
+            return super().validate_input(value, params)
+        text, _ = super().validate_input(value, replace(params, image=None))
+        image = first_image(params, self.name)
+        h, w = self.reference_size(image)
+        picture = _processor_input(image, False)
+        if isinstance(picture, PIL.Image.Image):  # the pipeline resizes, then preprocesses (no-op resize)
+            picture = self.processor.resize(picture, h, w)
+        pixels = self.processor.preprocess(picture, height=h, width=w)
+        return text, ReferenceInputs(pixels.to(torch.float32))
+
+    def row_tokens(self, prompt: str, params: SamplingParams, inputs=None) -> int:
+        extra = 0
+        if isinstance(inputs, ReferenceInputs):
+            extra = (inputs.pixels.shape[2] // self.size_multiple) * (inputs.pixels.shape[3] // self.size_multiple)
+        return super().row_tokens(prompt, params, inputs) + extra
+
+    def batch_key(self, params: SamplingParams) -> tuple:
+        key = super().batch_key(params)
+        if self.parallel is not None:  # processes split the sequence: no padded rows there
+            key += (self.reference_size(first_image(params, self.name)) if is_edit(params) else None,)
+        return key
+
+    def encode(self, requests: list[Request]) -> None:
+        """Prompts and start images (``FluxFamily``), then the references: VAE-encoded together per
+        reference size, in calls of at most ``decode_pixel_budget`` pixels."""
+        super().encode(requests)
+        refs = [r for r in requests if isinstance(r.inputs, ReferenceInputs)]
+        if refs:
+            start = time.perf_counter()
+            calls = self.encode_references(refs)
+            record = getattr(self, "on_encode", None)  # the engine's stats (set by Engine)
+            if record is not None:
+                record(len(refs), calls, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def encode_references(self, requests: list[Request]) -> int:
+        by_size: dict[tuple, list[Request]] = {}
+        for req in requests:
+            by_size.setdefault(tuple(req.inputs.pixels.shape[2:]), []).append(req)
+        calls = 0
+        for (h, w), group in by_size.items():
+            per_call = max(1, self.decode_pixel_budget // (h * w))
+            for i in range(0, len(group), per_call):
+                chunk = group[i:i + per_call]
+                pixels = torch.cat([r.inputs.pixels for r in chunk]).to(device=self.device, dtype=self.dtype)
+                moments = self.vae_moments(pixels)
+                calls += 1
+                for j, req in enumerate(chunk):
+                    mode = DiagonalGaussianDistribution(moments[j:j + 1]).mode()
+                    latents = scaled_latents(self.vae, mode).to(self.dtype)
+                    ids = image_ids(latents.shape[2] // 2, latents.shape[3] // 2)
+                    ids[:, 0] = 1
+                    req.state["reference"] = pack_2x2(latents)
+                    req.state["reference_ids"] = ids.to(self.device, self.dtype)
+        return calls
+
+    # ---- every step ----
+
+    def transformer_inputs(self, requests: list[Request]) -> dict:
+        """FLUX's inputs with each row's reference tokens appended to its image tokens. When all rows
+        carry the same reference grid (or none), these are the transformer's own arguments; otherwise
+        rows are right-padded and ``valid`` marks each row's real tokens of the joint sequence."""
+        inputs = super().transformer_inputs(requests)
+        latents, ids = inputs["hidden_states"], inputs["img_ids"]
+        owners = [req for req in requests for _ in range(req.rows)]
+        refs = [o.state.get("reference") for o in owners]
+        if all(r is None for r in refs):
+            return inputs
+        grids = {tuple(o.state["reference_ids"].shape) if r is not None else None for o, r in zip(owners, refs)}
+        if len(grids) == 1 and all(torch.equal(o.state["reference_ids"], owners[0].state["reference_ids"])
+                                   for o in owners):
+            inputs["hidden_states"] = torch.cat([latents, torch.cat(refs).to(latents.dtype)], dim=1)
+            inputs["img_ids"] = torch.cat([ids, owners[0].state["reference_ids"]])
+            return inputs
+        n, rows = latents.shape[1], latents.shape[0]
+        lengths = [0 if r is None else r.shape[1] for r in refs]
+        total = n + max(lengths)
+        hidden = latents.new_zeros(rows, total, latents.shape[2])
+        row_ids = ids.new_zeros(rows, total, 3)
+        hidden[:, :n], row_ids[:, :n] = latents, ids
+        text = inputs["encoder_hidden_states"].shape[1]
+        valid = torch.zeros(rows, text + total, dtype=torch.bool, device=latents.device)
+        for i, (owner, ref, length) in enumerate(zip(owners, refs, lengths)):
+            if ref is not None:
+                hidden[i, n:n + length] = ref[0].to(latents.dtype)
+                row_ids[i, n:n + length] = owner.state["reference_ids"]
+            valid[i, :text + n + length] = True
+        inputs.update(hidden_states=hidden, img_ids=row_ids, valid=valid)
+        return inputs
+
+    @torch.no_grad()
+    def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """As FLUX's, on the extended image stream; padded batches run the block loop (per-row
+        positions and the validity mask); the output is cut back to the generated tokens."""
+        inputs = self.transformer_inputs(requests)
+        if self.step_cache is not None:
+            out = self.step_cache.forward(self, inputs, requests)
+        elif "valid" in inputs:
+            x = self.block_inputs(inputs)
+            img, _ = self.run_blocks(x, 0, self.num_blocks)
+            out = self.head(x.with_streams(img, None))
+        elif self.parallel is not None:
+            out = self.parallel.forward(inputs)
+        else:
+            out = self.transformer(**inputs, return_dict=False)[0]
+        return split_rows(out[:, :requests[0].latents.shape[1]], requests)
+
+    def block_inputs(self, inputs: dict) -> BlockInputs:
+        ids = inputs["img_ids"]
+        if "valid" not in inputs:
+            x = super().block_inputs(inputs)
+            x.shared["generated"] = int((ids[:, 0] == 0).sum())
+            return x
+        plain = {k: v for k, v in inputs.items() if k != "valid"}
+        x = super().block_inputs({**plain, "img_ids": ids[0]})
+        rows, text_ids = ids.shape[0], inputs["txt_ids"]
+        joint = torch.cat([text_ids.expand(rows, -1, -1), ids], dim=1)
+        cos, sin = self.transformer.pos_embed(joint.flatten(0, 1))
+        cos, sin = cos.view(rows, joint.shape[1], -1), sin.view(rows, joint.shape[1], -1)
+        return BlockInputs(x.img, x.txt, {**x.rows, "cos": cos, "sin": sin, "valid": inputs["valid"]},
+                           {"generated": int((ids[0, :, 0] == 0).sum())})
+
+    def run_block(self, index: int, x: BlockInputs):
+        if "valid" not in x.rows:
+            return super().run_block(index, x)
+        tr = self.transformer
+        n_double = len(tr.transformer_blocks)
+        block = tr.transformer_blocks[index] if index < n_double else tr.single_transformer_blocks[index - n_double]
+        txt, img = block(hidden_states=x.img, encoder_hidden_states=x.txt, temb=x.rows["temb"],
+                         image_rotary_emb=(x.rows["cos"], x.rows["sin"]),
+                         joint_attention_kwargs={"valid": x.rows["valid"]})
+        return img, txt
+
+    def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        """TeaCache's signal on the generated tokens only: a row's decisions must not depend on its
+        reference's padding (its batchmates)."""
+        return super().cache_signal(x)[:, :x.shared["generated"]]
