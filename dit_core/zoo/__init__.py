@@ -48,3 +48,15 @@ TTS_MODEL = ROOT / "tts"
 def tts_model() -> Path:
     """The folder of the embedded text-to-speech model (talker + audio DiT + audio VAE)."""
     return embedded_model("tts")
+
+
+# the example LoRA for the digits model: "bold digits", rank 8 (``omnidit train-lora dit_core/zoo/digits_lora``)
+DIGITS_LORA = ROOT / "digits_lora" / "pytorch_lora_weights.safetensors"
+
+
+def digits_lora() -> Path:
+    """The shipped LoRA file for the embedded digits model (bold strokes; diffusers / PEFT format)."""
+    if not DIGITS_LORA.is_file():
+        raise FileNotFoundError(f"the digits LoRA is missing from {DIGITS_LORA}; rebuild it with "
+                                "`omnidit train-lora dit_core/zoo/digits_lora`")
+    return DIGITS_LORA
