@@ -70,13 +70,13 @@ class Family(abc.ABC):
     supports_step_cache: ClassVar[bool] = False  # True: exposes the block loop below
     thinker_component: ClassVar[str | None] = None  # the AR language model component, if any
     faults: Faults = NO_FAULTS  # the engine's fault-injection points (dit_core/faults.py); set by Engine
+    # set by Engine: EngineStats.record_encode(images, vae_calls, seconds), called after input images are encoded
+    on_encode: Callable[[int, int, float], None] | None = None
 
     def __init__(self, dtype: torch.dtype, device: torch.device, checkpoint: dict | None = None):
         checkpoint = checkpoint or {}
         # A checkpoint's own serving defaults (``_omnidit_defaults``) override the family's;
         # a request's explicit values override both.
-    # set by Engine: EngineStats.record_encode(images, vae_calls, seconds), called after input images are encoded
-    on_encode: Callable[[int, int, float], None] | None = None
         self.checkpoint_defaults = dict(checkpoint.get("_omnidit_defaults") or {})
         self.dtype = dtype
         self.device = device

@@ -237,10 +237,10 @@ class ImageFamily(DiffusersFamily):
         super().encode(requests)
         with_image = [r for r in requests if isinstance(r.inputs, ImageInputs)]
         if with_image:
+            start = time.perf_counter()
             calls = encode_images(self, with_image, self.decode_pixel_budget)
             if self.on_encode is not None:
                 self.on_encode(len(with_image), calls, time.perf_counter() - start)
-            start = time.perf_counter()
 
     def vae_moments(self, pixels: torch.Tensor) -> torch.Tensor:
         """The VAE encoder's distribution parameters (mean and log-variance) for [N, 3, H, W] pixels."""
