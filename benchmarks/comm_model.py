@@ -147,7 +147,7 @@ def speedup(shape: Shape, work: Workload, plan: Plan, machine: Machine) -> float
     return one / step_time(shape, work, plan, machine)["step_s"]
 
 
-# ---- shapes and machines the README quotes ----
+# ---- shapes and machines the docs quote (docs/guide/parallelism.md) ----
 
 QWEN_IMAGE = Shape("Qwen-Image transformer", blocks=60, hidden=3072, heads=24)
 H100_CLASS_FLOPS = 0.4 * 989e12  # bf16 dense peak 989 TFLOP/s at 40% sustained

@@ -24,6 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     """How the engine runs.
 
+    device: the torch device the engine computes on, e.g. ``cpu`` or ``cuda:0`` (CUDA only where present).
     max_batch_size: requests per forward (each request may bring several rows:
         ``num_outputs``, doubled when it uses CFG).
     max_tokens_per_step: rows x (image + text tokens) per forward. A request that
@@ -38,6 +39,8 @@ class EngineConfig:
     edf_bulk_step_share: under ``edf``, while a deadline request is live or arrived within
         ``edf_recent_s`` seconds, a bulk step carries at most the requests the estimates say fit in
         this share of the tightest such budget (at least one; 0, the default: no cap).
+    edf_recent_s: under ``edf``, seconds a deadline request still counts as recent after it arrived: for
+        ``edf_bulk_step_share`` and for the chunked, deferred decodes (default 2).
     edf_defer_decode: under ``edf``, when a step finishes requests without a deadline while a
         request with one is live (or arrived during the step), their decode (the VAE) waits for a
         later step of its own, scheduled as bulk work, so the deadline request's next step comes

@@ -22,7 +22,7 @@ import os
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-DEFAULT_THRESHOLD = 1 << 20  # bytes; see the offload benchmark in the README for the measured trade
+DEFAULT_THRESHOLD = 1 << 20  # bytes; see the offload benchmark (docs/guide/offload.md) for the measured trade
 MAX_THRESHOLD = 32 << 20  # glibc's HEAP_MAX / 2 on 64-bit: mallopt refuses larger values
 _applied: int | None = None  # the threshold this process set, if any
 

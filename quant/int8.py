@@ -1,6 +1,6 @@
 """Int8 methods: weight-only int8 (per-output-channel scales) and W8A8 with per-token activation scales.
 
-Kernels measured on the 2-core AVX2 machine (see benchmarks/quant.py and README "Quantization"):
+Kernels measured on the 2-core AVX2 machine (see benchmarks/quant.py and docs/guide/quantization.md):
 * ``int8-weight``: ``upcast`` casts the int8 weight to the activation dtype and applies the per-channel
   scale to the GEMM's output (scales commute with the matmul), so the float GEMM runs at full speed;
   ``int8pack`` is ``torch._weight_int8pack_mm`` with bfloat16 activations (with float32 activations

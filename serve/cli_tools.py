@@ -36,7 +36,7 @@ def add_model_tools(sub) -> None:
     rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
                                   "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder), flux medium (~415 M "
                                   "parameter transformer, the offload benchmark)")
-    rnd.add_argument("out_dir")
+    rnd.add_argument("out_dir", help="folder to write the checkpoint to")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     rnd.set_defaults(func=cmd_make_random)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 def add_training_commands(sub) -> None:
     """The training commands and run-episode, on the ``omnidit`` sub-command parser."""
     trn = sub.add_parser("train-default", help="retrain the embedded default model (about 10 minutes on 2 cores)")
-    trn.add_argument("out_dir")
+    trn.add_argument("out_dir", help="folder to write the trained model to")
     trn.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     trn.set_defaults(func=cmd_train_default)
 
@@ -23,7 +23,7 @@ def add_training_commands(sub) -> None:
 
     tvd = sub.add_parser("train-video-default",
                          help="retrain the embedded video model, moving digits (about 18 minutes on 2 cores)")
-    tvd.add_argument("out_dir")
+    tvd.add_argument("out_dir", help="folder to write the trained model to")
     tvd.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     tvd.add_argument("--threads", type=int, default=None,
                      help="torch threads (default: torch's); 1 is much faster on a machine busy with other jobs")
@@ -31,7 +31,7 @@ def add_training_commands(sub) -> None:
     tts = sub.add_parser("train-tts-default",
                          help="retrain the embedded text-to-speech model and its digit recognizer (espeak-ng data; "
                               "apt-get installs espeak-ng when missing; see README for times)")
-    tts.add_argument("out_dir")
+    tts.add_argument("out_dir", help="folder to write the trained model to")
     tts.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     tts.add_argument("--vae-steps", type=int, default=1000, help="audio VAE training steps (default 1000)")
     tts.add_argument("--vae-minutes", type=float, default=10.0,
@@ -47,7 +47,7 @@ def add_training_commands(sub) -> None:
 
     tp = sub.add_parser("train-policy", help="retrain the embedded reaching policy (behaviour cloning; "
                                              "about 10-15 minutes on 2 cores)")
-    tp.add_argument("out_dir")
+    tp.add_argument("out_dir", help="folder to write the trained model to")
     tp.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     tp.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                     help="stop after STEP steps of the joint schedule (after pre-training) and save that snapshot "
