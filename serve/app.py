@@ -23,6 +23,7 @@ from .models import served_models
 from .readiness import Readiness
 from .robot_limits import SessionSlots, default_max_sessions
 from .routes import audio, images, robot, speech, stats, system, videos
+from .routes import loras
 from .traffic import CountMiddleware
 from .video_jobs import VideoJobStore
 
@@ -67,6 +68,12 @@ class ServeSettings:
     # server runs, and give the allocator's free pages back to the system every so many seconds (0: never)
     gc_freeze: bool = True
     malloc_trim_s: float = 10.0
+    # LoRA adapters over HTTP (serve.loras): files load only from under this folder (None: no loading over
+    # HTTP), and with API keys only the --api-key key and the keys of these --api-keys-file NAMEs may load
+    lora_dir: str | None = None
+    lora_admins: tuple[str, ...] = ()
+    # adapters every engine (replica) loads at start: (model or None: the only one that takes them, name, path)
+    loras: tuple[tuple, ...] = ()
 
 
 def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | None = None,
@@ -77,6 +84,8 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     robot.check_settings(settings)
     keys = KeyRing.from_settings(settings)  # before the engine work below: a bad key file fails at once
     client = engine if isinstance(engine, EngineClient) else LocalEngineClient(engine)
+    if isinstance(client, LocalEngineClient):
+        client.loras.preload(settings.loras)  # --lora (on Ray Serve each replica loads them: serve.ray_app.replica)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -115,6 +124,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.include_router(speech.router)
     app.include_router(system.router)
     app.include_router(stats.router)
+    app.include_router(loras.router)
     playground.install(app)
     app.include_router(videos.router)
     app.include_router(robot.router)

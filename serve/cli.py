@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .cli_engine_args import add_engine_args, engine_kwargs, parse_size, resolve_model
+from .cli_lora import add_generate_lora_args, add_serve_lora_args, load_generate_loras, serve_lora_settings
 from .cli_tools import add_model_tools
 from .cli_train import add_training_commands
 from .quiet import quiet_third_party
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
     gen.add_argument("--seconds", type=float, default=None,
                      help="audio models: clip length in seconds (default: the model's maximum)")
+    add_generate_lora_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -153,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--malloc-trim-interval", type=float, default=10.0,
                      help="seconds between giving the allocator's free pages back to the system (glibc "
                           "malloc_trim; 0: never; default 10)")
+    add_serve_lora_args(srv)
     add_engine_args(srv)
     srv.add_argument("--warmup", default=None, metavar="off|auto|SIZES",
                      help="before the server reports ready (GET /health/ready 200; /health answers at once), run "
@@ -176,6 +179,7 @@ def cmd_generate(args) -> int:
     width, height = parse_size(args.size)
     engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
     try:
+        args.loras = load_generate_loras(engine, args)  # (--lora: the requests' SamplingParams.loras)
         return _generate(engine, args, height, width)
     finally:
         engine.close()  # parallel workers, a vLLM thinker
@@ -202,7 +206,7 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
                                 seed=None if args.seed is None else args.seed + i,
                                 guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
                                 negative_prompt=args.negative_prompt, num_outputs=args.num_outputs,
-                                num_frames=args.frames)
+                                num_frames=args.frames, loras=args.loras)
         ids.append(engine.add_request(prompt, params))
     total = sum(engine.get_request(r).total_steps for r in ids)
     outputs = {}
@@ -250,7 +254,8 @@ def cmd_serve(args) -> int:
                              max_robot_sessions=args.max_robot_sessions,
                              max_inflight_per_client=args.max_inflight_per_client,
                              max_pixel_steps=args.max_pixel_steps, max_steps=args.max_steps,
-                             gc_freeze=args.gc_freeze, malloc_trim_s=args.malloc_trim_interval)
+                             gc_freeze=args.gc_freeze, malloc_trim_s=args.malloc_trim_interval,
+                             **serve_lora_settings(args))
     from .auth import KeyRing
 
     KeyRing.from_settings(settings)  # a bad key or key file fails now, not after the models have loaded

@@ -7,6 +7,8 @@ import argparse
 
 from offload.reuse import IDLE_S
 
+from .cli_lora import lora_slots
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true",
@@ -89,6 +91,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-per-role", default=None,
                    help="role overrides on top of --attention, e.g. 'joint=flex,self=math' "
                         "(roles: self, cross, joint)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="LoRA adapters resident per model (FLUX, SD3, Qwen-Image, Wan); one more evicts the least "
+                        "recently used one no running request holds; 0: none, the linear layers are not hooked "
+                        "(default: 8 for a server with --lora-dir or --lora, one per --lora for generate, else 0)")
+    p.add_argument("--max-lora-rank", type=int, default=64, metavar="R",
+                   help="the highest LoRA rank a load accepts; a file over it is refused naming its tensor "
+                        "(default 64)")
     add_parallel_args(p)
 
 
@@ -135,6 +144,7 @@ def engine_kwargs(args) -> dict:
                 ulysses=args.ulysses, ring=args.ring,
                 row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
                 parallel_timeout_s=args.parallel_timeout, edf_forecast=args.edf_forecast == "on",
+                max_loras=lora_slots(args), max_lora_rank=args.max_lora_rank,
                 **({"policy": args.policy} if args.policy else {}))
 
 

@@ -16,6 +16,7 @@ from dit_core import AsyncEngine
 from dit_core.audio.service import SpeechService
 from dit_core.request import RequestEvent
 
+from .loras import LoraHost
 from .metrics import Metrics
 
 
@@ -87,6 +88,20 @@ class EngineClient(abc.ABC):
         single-process app reads its own ``LiveStats`` instead (``app.state.live_stats``)."""
         raise NotImplementedError
 
+    # LoRA adapters (serve.loras, serve/routes/loras.py): every engine (replica) answers for itself
+    async def lora_list(self) -> list[dict]:
+        """Each engine's resident adapters: ``[{"replica": id (None in process), "data": [adapter, ...]}]``."""
+        raise NotImplementedError
+
+    async def lora_load(self, name: str, path: str, model: str, token: str) -> list[dict]:
+        """Load the file ``path`` (already checked against --lora-dir) as ``name`` on every engine: one
+        outcome each (``serve.loras.LoraHost.load``, with ``replica``). Never raises for a refused load."""
+        raise NotImplementedError
+
+    async def lora_unload(self, name: str, model: str, token: str | None = None) -> list[dict]:
+        """Unload ``name`` on every engine (with ``token``: only where that load made it); one outcome each."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def make_metrics(self):
         """The app's metrics: an object with ``error(kind)`` and ``render()`` (bytes, or an awaitable of them)."""
@@ -103,6 +118,7 @@ class LocalEngineClient(EngineClient):
         self.engine = engine
         self.models = engine.engine.models
         self.speech: dict = {}  # model name -> SpeechService, made on first use (the app closes them)
+        self.loras = LoraHost(engine)
 
     @property
     def is_alive(self) -> bool:
@@ -148,6 +164,16 @@ class LocalEngineClient(EngineClient):
 
     def make_metrics(self) -> Metrics:
         return Metrics(self.engine)
+
+    async def lora_list(self):
+        return [{"replica": None, "data": await asyncio.to_thread(self.loras.listing)}]
+
+    async def lora_load(self, name, path, model, token):
+        # reading and converting a file is blocking work: a worker thread (the engine keeps stepping)
+        return [{"replica": None, **await asyncio.to_thread(self.loras.load, name, path, model, token)}]
+
+    async def lora_unload(self, name, model, token=None):
+        return [{"replica": None, **await asyncio.to_thread(self.loras.unload, name, model, token)}]
 
     def shutdown(self, drain_timeout_s=0.0):
         self.engine.shutdown(drain_timeout_s=drain_timeout_s)

@@ -17,6 +17,8 @@ from dit_core import (EngineDeadError, InvalidParamError, RequestAbortedError, R
 
 logger = logging.getLogger("omnidit.serve")
 STAGE_UNAVAILABLE = "stage_unavailable"  # the code of a request failed by a stage that was down (503)
+# engine parameter names (SamplingParams) that the HTTP bodies spell otherwise: errors name the HTTP field
+HTTP_FIELDS = {"loras": "lora"}
 
 
 class APIError(Exception):
@@ -83,6 +85,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidParamError)
     async def _invalid(request: Request, e: InvalidParamError):
+        if e.field in HTTP_FIELDS:  # e.g. an unknown adapter in a request's lora list (SamplingParams.loras)
+            e = InvalidParamError(HTTP_FIELDS[e.field], e.value, e.allowed)
         return respond(request, 400, str(e), "invalid_request_error", e.field, "invalid_value")
 
     @app.exception_handler(RequestFailedError)

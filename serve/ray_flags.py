@@ -74,6 +74,8 @@ REACH: dict[str, Reach] = {
     "robot_min_deadline_ms": _settings("robot_min_deadline_ms"), "max_ws_frame_mb": _settings("max_ws_frame_mb"),
     "max_robot_sessions": _settings("max_robot_sessions"), "request_timeout": _settings("request_timeout_s"),
     "gc_freeze": _settings("gc_freeze"), "malloc_trim_interval": _settings("malloc_trim_s"),
+    # LoRA adapters (serve.loras): the ingress checks paths and keys; --lora: every replica loads them at start
+    "lora_dir": _settings("lora_dir"), "lora_admins": _settings("lora_admins"), "lora": _settings("loras"),
     "shutdown_timeout": _scale_out("shutdown_timeout_s"),
     # the engine (dit_core.EngineConfig), serve.cli_engine_args
     **{name: _engine(name) for name in (
@@ -81,7 +83,7 @@ REACH: dict[str, Reach] = {
         "cache", "thinker", "thinker_kv_cache_gb", "thinker_memory_utilization", "thinker_on_failure",
         "prompt_cache_bytes", "offload", "max_resident_gb", "malloc_mmap_threshold", "cpu_allocator",
         "cpu_allocator_idle_s", "cpu_linear", "policy", "edf_forecast", "quant", "attention_per_role", "ulysses",
-        "ring", "row_parallel", "world_size", "parallel_threads")},
+        "ring", "row_parallel", "world_size", "parallel_threads", "max_loras", "max_lora_rank")},
     "parallel_timeout": _engine("parallel_timeout_s"),
     # Ray Serve only (serve.ray_app.ScaleOutConfig)
     "replicas": _scale_out("replicas"), "max_replicas": _scale_out("max_replicas"),

@@ -10,7 +10,9 @@ so the document and the code cannot drift apart.
 from __future__ import annotations
 
 REASONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or invalid API key",
-           404: "Unknown model, file, job or route", 405: "Method not allowed (see the Allow header)",
+           403: "The API key may not do this (e.g. load LoRA adapters: an admin key is needed)",
+           404: "Unknown model, file, job, adapter or route", 405: "Method not allowed (see the Allow header)",
+           409: "Conflict with the server's state (e.g. a LoRA adapter name already loaded, or in use)",
            413: "Request body too large",
            416: "The Range header's range is not within the file (see Content-Range: bytes */SIZE)",
            429: "Queue, store or per-client limit full (see Retry-After)",

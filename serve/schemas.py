@@ -7,8 +7,48 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from dit_core import InvalidParamError, SamplingParams
+from dit_core.params import MAX_LORAS_PER_REQUEST
 
 MAX_N = 10  # images per HTTP request (the engine allows more; GET /v1/models/{id} states the lower one)
+
+
+class LoraRef(BaseModel):
+    """One adapter of a request's ``lora`` list: a name loaded on the server (``GET /v1/loras``) and its scale."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=128)
+    scale: float = Field(1.0, allow_inf_nan=False, description="its weight, as diffusers' set_adapters takes "
+                                                               "it (0: the model without it)")
+
+
+def _json_text(value):
+    """A form (image edits, the openai client's video requests) sends the ``lora`` list as JSON text."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError('expected a list of {"name", "scale"} objects (in a form: as JSON text)') from None
+    return value
+
+
+LoraList = Annotated[Annotated[list[LoraRef], Field(max_length=MAX_LORAS_PER_REQUEST)] | None,
+                     BeforeValidator(_json_text),
+                     Field(description=f"LoRA adapters loaded on the server to apply, up to "
+                                       f"{MAX_LORAS_PER_REQUEST}: [{{\"name\": ..., \"scale\": ...}}]; several "
+                                       "compose (the sum of their scaled deltas)")]
+
+
+def lora_pairs(refs: list[LoraRef] | None) -> tuple:
+    """``SamplingParams.loras`` of a body's ``lora`` list (400 naming ``lora`` for a name given twice, or too many)."""
+    if not refs:
+        return ()
+    names = [r.name for r in refs]
+    if len(set(names)) != len(names) or len(names) > MAX_LORAS_PER_REQUEST:
+        raise InvalidParamError("lora", names, f"up to {MAX_LORAS_PER_REQUEST} adapters, each named once")
+    return tuple((r.name, r.scale) for r in refs)
 
 
 def _integral(value):
@@ -42,6 +82,7 @@ class ImageGenerationRequest(BaseModel):
     seed: int | None = None
     max_sequence_length: int | None = None
     use_cache: bool = True
+    lora: LoraList = None
 
     def size_pixels(self) -> tuple[int | None, int | None]:
         if self.size in (None, "auto"):
@@ -53,7 +94,8 @@ class ImageGenerationRequest(BaseModel):
 
     def sampling_params(self) -> SamplingParams:
         width, height = self.size_pixels()
-        return SamplingParams(height=height, width=width, num_inference_steps=self.num_inference_steps,
+        return SamplingParams(loras=lora_pairs(self.lora), height=height, width=width,
+                              num_inference_steps=self.num_inference_steps,
                               guidance_scale=self.guidance_scale, true_cfg_scale=self.true_cfg_scale,
                               negative_prompt=self.negative_prompt, seed=self.seed, num_outputs=self.n,
                               max_sequence_length=self.max_sequence_length, use_cache=self.use_cache)

@@ -33,6 +33,7 @@ EXAMPLES = {
     "cache": "teacache:0.2", "thinker": "hf", "offload": "components", "quant": "int8-dynamic",
     "attention_per_role": "joint=math", "malloc_mmap_threshold": "2097152", "policy": "edf",
     "autoscaling": json.dumps({"upscale_delay_s": 5}), "cpu_linear": "aten",
+    "lora_dir": "{tmp}", "lora_admins": "alice,bob", "lora": "style={tmp}/style.safetensors",
 }
 
 

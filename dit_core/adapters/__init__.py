@@ -9,8 +9,10 @@
 """
 
 from .apply import RowAdapters, linear_layers
-from .files import LOADERS, Adapter, AdapterError, LoraWeights, read_adapter
+from .files import (LOADERS, Adapter, AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError,
+                    LoraWeights, read_adapter)
 from .store import AdapterStore
 
-__all__ = ["LOADERS", "Adapter", "AdapterError", "AdapterStore", "LoraWeights", "RowAdapters", "linear_layers",
+__all__ = ["LOADERS", "Adapter", "AdapterError", "AdapterExistsError", "AdapterInUseError", "AdapterNotLoadedError",
+           "AdapterStore", "LoraWeights", "RowAdapters", "linear_layers",
            "read_adapter"]

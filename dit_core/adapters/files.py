@@ -27,6 +27,18 @@ class AdapterError(OmniditError, ValueError):
     was expected."""
 
 
+class AdapterExistsError(AdapterError):
+    """A load under a name that is already loaded."""
+
+
+class AdapterNotLoadedError(AdapterError):
+    """An unload of a name that is not loaded."""
+
+
+class AdapterInUseError(AdapterError):
+    """The adapter (or, for a load, every resident one) is held by a live request."""
+
+
 # family name -> the diffusers LoRA loader mixin whose ``lora_state_dict`` converts its file layouts
 # (a name in diffusers.loaders.lora_pipeline, imported when first used)
 LOADERS = {"flux": "FluxLoraLoaderMixin", "sd3": "SD3LoraLoaderMixin", "qwenimage": "QwenImageLoraLoaderMixin",

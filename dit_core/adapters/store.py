@@ -4,6 +4,12 @@
 ``max_lora_rank``. Loading one more evicts the least recently used adapter that no live request
 holds (requests pin theirs from ``Engine.add_request`` to their final event); when every resident
 adapter is held, the load fails. A load that fails for any reason leaves the set as it was.
+
+Thread safety: the set (resident adapters, pins) changes under one lock, so a server thread may load,
+unload and list adapters while the engine thread admits requests and builds each forward's row
+assignment. A file is read outside the lock (the engine keeps stepping meanwhile); only the insert is
+under it. A forward in progress holds its adapters' tensors itself (``apply.RowAdapters``), and a held
+adapter is never removed, so no load or unload changes a running forward.
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import threading
 
 import torch
 
 from . import apply
-from .files import LOADERS, Adapter, AdapterError, read_adapter
+from .files import (LOADERS, Adapter, AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError,
+                    read_adapter)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +37,7 @@ class AdapterStore:
         self.max_rank = max_rank
         self.adapters: collections.OrderedDict[str, Adapter] = collections.OrderedDict()  # LRU order, oldest first
         self.pins: collections.Counter[str] = collections.Counter()
+        self._lock = threading.RLock()  # guards adapters and pins (see the module docstring)
         self.layers = apply.linear_layers(family.transformer)
         self._hooks = apply.install(self, self.layers)
 
@@ -39,54 +48,66 @@ class AdapterStore:
         adapter when ``max_loras`` are resident. Raises ``AdapterError`` (the set unchanged)."""
         if not isinstance(name, str) or not name.strip():
             raise AdapterError(f"adapter name {name!r}: expected a non-empty string")
-        if name in self.adapters:
-            raise AdapterError(f"adapter {name!r} is already loaded (from {self.adapters[name].path}); "
-                               f"unload it first or choose another name")
+        self._refuse_loaded(name)
         adapter = read_adapter(name, path, self.family.name, self.layers, self.max_rank, self.family.dtype,
-                               self.family.device)
-        if len(self.adapters) >= self.max_loras:
-            victim = next((n for n in self.adapters if not self.pins[n]), None)
-            if victim is None:
-                raise AdapterError(f"{path}: cannot load adapter {name!r}: max_loras={self.max_loras} adapters are "
-                                   f"resident and every one is in use by a live request")
-            logger.info("LoRA: evicting %r (least recently used) to load %r", victim, name)
-            del self.adapters[victim]
-        self.adapters[name] = adapter
+                               self.family.device)  # outside the lock: the engine keeps stepping
+        with self._lock:
+            self._refuse_loaded(name)  # (loaded by another caller while this one read the file)
+            if len(self.adapters) >= self.max_loras:
+                victim = next((n for n in self.adapters if not self.pins[n]), None)
+                if victim is None:
+                    raise AdapterInUseError(f"{path}: cannot load adapter {name!r}: max_loras={self.max_loras} "
+                                            f"adapters are resident and every one is in use by a live request")
+                logger.info("LoRA: evicting %r (least recently used) to load %r", victim, name)
+                del self.adapters[victim]
+            self.adapters[name] = adapter
         logger.info("LoRA: loaded %r from %s (%d layers, rank %d, %.1f MB)", name, path, len(adapter.layers),
                     adapter.rank, adapter.nbytes / 1e6)
         return adapter
 
+    def _refuse_loaded(self, name: str) -> None:
+        with self._lock:
+            if name in self.adapters:
+                raise AdapterExistsError(f"adapter {name!r} is already loaded (from {self.adapters[name].path}); "
+                                         f"unload it first or choose another name")
+
     def unload(self, name: str) -> None:
-        if name not in self.adapters:
-            raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
-        if self.pins[name]:
-            raise AdapterError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
-        del self.adapters[name]
+        with self._lock:
+            if name not in self.adapters:
+                raise AdapterNotLoadedError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+            if self.pins[name]:
+                raise AdapterInUseError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
+            del self.adapters[name]
 
     def describe(self) -> list[dict]:
-        return [{"name": a.name, "path": a.path, "rank": a.rank, "layers": len(a.layers), "bytes": a.nbytes,
-                 "in_use": self.pins[a.name]} for a in self.adapters.values()]
+        with self._lock:
+            return [{"name": a.name, "path": a.path, "rank": a.rank, "layers": len(a.layers), "bytes": a.nbytes,
+                     "in_use": self.pins[a.name]} for a in self.adapters.values()]
 
     # ---- requests ----
 
     def check(self, loras) -> None:
         """Every adapter named by a request's ``loras`` is resident (raises ``AdapterError`` naming it)."""
-        for name, _ in loras:
-            if name not in self.adapters:
-                raise AdapterError(f"loras: adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        with self._lock:
+            for name, _ in loras:
+                if name not in self.adapters:
+                    raise AdapterNotLoadedError(f"loras: adapter {name!r} is not loaded; loaded: "
+                                                f"{sorted(self.adapters)}")
 
     def pin(self, loras) -> None:
         """Hold the request's adapters (not evicted or unloaded while held); marks them recently used."""
-        self.check(loras)
-        for name, _ in loras:
-            self.pins[name] += 1
-            self.adapters.move_to_end(name)
+        with self._lock:  # checked and held at once: an unload cannot slip in between
+            self.check(loras)
+            for name, _ in loras:
+                self.pins[name] += 1
+                self.adapters.move_to_end(name)
 
     def unpin(self, loras) -> None:
-        for name, _ in loras:
-            self.pins[name] -= 1
-            if self.pins[name] <= 0:
-                del self.pins[name]
+        with self._lock:
+            for name, _ in loras:
+                self.pins[name] -= 1
+                if self.pins[name] <= 0:
+                    del self.pins[name]
 
     def rows(self, requests) -> apply.RowAdapters | None:
         """The row assignment of one forward over ``requests`` (rows in ``gather_rows`` order: each
@@ -104,8 +125,10 @@ class AdapterStore:
         if not groups:
             return None
         device = self.family.device
+        with self._lock:  # (held adapters: all resident; the lock keeps the dict still while they are read)
+            found = {name: self.adapters[name] for name in groups}
         return apply.RowAdapters(start, [
-            (self.adapters[name], torch.tensor(idx, dtype=torch.long, device=device),
+            (found[name], torch.tensor(idx, dtype=torch.long, device=device),
              torch.tensor(scales, dtype=torch.float32, device=device)) for name, (idx, scales) in groups.items()])
 
     def subset(self, idx: torch.Tensor):

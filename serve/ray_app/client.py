@@ -27,6 +27,7 @@ from .stats_merge import merge_snapshots
 from .wire import Failed, Rejected
 
 STATS_TIMEOUT_S = 10.0
+LORA_TIMEOUT_S = 300.0  # a LoRA load reads and converts a file in every replica
 
 
 @dataclass
@@ -205,6 +206,24 @@ class RemoteEngineClient(EngineClient):
         found = await self.handle.broadcast("engine_stats").results_async(timeout_s=STATS_TIMEOUT_S,
                                                                          return_exceptions=True)
         return merge_snapshots([s for s in found if not isinstance(s, BaseException)])
+
+    async def lora_list(self):
+        return await self._broadcast("lora_list")
+
+    async def lora_load(self, name, path, model, token):
+        return await self._broadcast("lora_load", name, path, model, token)
+
+    async def lora_unload(self, name, model, token=None):
+        return await self._broadcast("lora_unload", name, model, token)
+
+    async def _broadcast(self, method: str, *args) -> list[dict]:
+        """``method`` on every live engine replica, each one's answer (a replica that did not answer: an
+        ``unreachable`` outcome, so a load or unload reports it rather than passing over it)."""
+        found = await self.handle.broadcast(method, *args).results_async(timeout_s=LORA_TIMEOUT_S,
+                                                                          return_exceptions=True)
+        return [r if not isinstance(r, BaseException) else
+                {"replica": "?", "ok": False, "error": "unreachable", "data": [],
+                 "message": f"an engine replica did not answer ({type(r).__name__})"} for r in found]
 
     async def replica_stats(self) -> dict:
         """Every engine replica's ``stats()``, and every shared thinker stage's."""

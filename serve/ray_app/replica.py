@@ -55,6 +55,7 @@ class EngineReplica:
         self.settings = settings = ServeSettings(**cfg.settings)
         self.memory = MemoryKeeper(settings.gc_freeze, settings.malloc_trim_s)
         self.memory.start()
+        await asyncio.to_thread(self.local.loras.preload, settings.loras)  # --lora: every replica, at start
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.shutdown_timeout_s = cfg.shutdown_timeout_s
         self.live: dict[str, tuple[str, str | None]] = {}  # request id -> (routing key, origin)
@@ -152,6 +153,17 @@ class EngineReplica:
     def engine_stats(self) -> dict:
         """This replica's ``LiveStats.snapshot()`` (``GET /v1/engine/stats`` merges every replica's)."""
         return {"replica": self.replica_id, **self.live_stats.snapshot()}
+
+    # LoRA adapters (serve.loras): the ingress broadcasts these to every replica; each answers for itself
+    async def lora_list(self) -> dict:
+        return {"replica": self.replica_id, "data": await asyncio.to_thread(self.local.loras.listing)}
+
+    async def lora_load(self, name: str, path: str, model: str, token: str) -> dict:
+        outcome = await asyncio.to_thread(self.local.loras.load, name, path, model, token)
+        return {"replica": self.replica_id, **outcome}
+
+    async def lora_unload(self, name: str, model: str, token: str | None = None) -> dict:
+        return {"replica": self.replica_id, **await asyncio.to_thread(self.local.loras.unload, name, model, token)}
 
     def metrics_text(self) -> tuple[str, str]:
         """(replica id, this replica's Prometheus text)."""

@@ -3,7 +3,8 @@ synchronous ``POST /v1/videos/sync`` that answers with the MP4 itself.
 
 Bodies come as JSON or as a multipart / url-encoded form (the ``openai`` client sends a form).
 Beyond OpenAI's fields (prompt, model, seconds, size) a body may carry omnidit's: num_frames,
-fps, num_inference_steps, guidance_scale, negative_prompt, seed, max_sequence_length, use_cache.
+fps, num_inference_steps, guidance_scale, negative_prompt, seed, max_sequence_length, use_cache, and
+``lora`` (adapters loaded with ``POST /v1/loras``; in a form, as JSON text).
 ``seconds`` x fps becomes the nearest frame count the model can make (Wan: 4k + 1).
 Everything goes through ``app.state.client`` (an ``EngineClient``): the routes work the same on an
 in-process engine and on Ray Serve engine replicas (jobs live in the ingress; their requests in a replica).
@@ -29,6 +30,7 @@ from ..models import public_id, resolve_model
 from ..file_stream import FileStreamResponse, RangeNotSatisfiable, open_stored
 from ..guards import Deadline, check_prompts, check_queue, check_work, faults_of
 from ..route_errors import errors
+from ..schemas import LoraList, lora_pairs
 from ..video_jobs import StoreFullError, run_job
 from .images import _until_final
 
@@ -56,6 +58,7 @@ class VideoCreateRequest(BaseModel):
     seed: int | None = None
     max_sequence_length: int | None = None
     use_cache: bool = True
+    lora: LoraList = None
 
 
 def parse_size(size: str | None) -> tuple[int | None, int | None]:
@@ -129,7 +132,8 @@ def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, Sampling
     width, height = parse_size(body.size)
     params = SamplingParams(height=height, width=width, num_frames=frames, num_inference_steps=body.num_inference_steps,
                             guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt, seed=body.seed,
-                            max_sequence_length=body.max_sequence_length, use_cache=body.use_cache)
+                            max_sequence_length=body.max_sequence_length, use_cache=body.use_cache,
+                            loras=lora_pairs(body.lora))
     return name, public, params, fps
 
 

@@ -1,0 +1,96 @@
+"""The LoRA flags of ``omnidit generate`` (``--lora NAME=PATH[:SCALE]``) and ``omnidit serve``
+(``--lora-dir``, ``--lora-admins``, ``--lora [MODEL/]NAME=PATH`` to load at start). ``--max-loras`` and
+``--max-lora-rank`` are engine flags (serve.cli_engine_args)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+SERVE_SLOTS = 8  # --max-loras of a server started with --lora-dir or --lora and no --max-loras
+
+
+def add_generate_lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH[:SCALE]",
+                   help="apply this LoRA file (diffusers / PEFT or kohya .safetensors) to every prompt at SCALE "
+                        "(default 1); repeatable: several compose, as diffusers' set_adapters composes them")
+
+
+def add_serve_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters (GET/POST /v1/loras, DELETE /v1/loras/NAME; a request's lora field)")
+    g.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="POST /v1/loras loads files from under this folder only (paths relative to it; one that "
+                        "leaves it, through a symlink too, is a 400); without it nothing is loaded over HTTP. "
+                        f"Implies --max-loras {SERVE_SLOTS} unless given (default: none)")
+    g.add_argument("--lora-admins", default=None, metavar="NAME[,NAME...]",
+                   help="with API keys: the --api-keys-file key NAMEs that may load and unload adapters (POST / "
+                        "DELETE /v1/loras), besides the --api-key key; other keys get 403 and may still list and "
+                        "use the loaded ones (default: only the --api-key key)")
+    g.add_argument("--lora", action="append", default=None, metavar="[MODEL/]NAME=PATH",
+                   help="load this LoRA file at start as NAME (for MODEL; default: the only model that takes "
+                        "adapters), in every engine replica; repeatable. Implies --max-loras "
+                        f"{SERVE_SLOTS} unless given")
+
+
+def lora_slots(args) -> int:
+    """``--max-loras``, or when it is not given: one per ``--lora`` of generate; at least ``SERVE_SLOTS`` for a
+    server with ``--lora-dir`` or ``--lora``; else 0 (no adapters, no hooks)."""
+    if args.max_loras is not None:
+        return args.max_loras
+    specs = getattr(args, "lora", None) or ()
+    if hasattr(args, "lora_dir"):  # omnidit serve
+        return max(SERVE_SLOTS, len(specs)) if specs or args.lora_dir else 0
+    return len(specs)  # omnidit generate
+
+
+def generate_loras(args) -> list[tuple[str, str, float]]:
+    """``--lora NAME=PATH[:SCALE]`` of omnidit generate -> (name, path, scale)."""
+    from dit_core.errors import InvalidParamError
+
+    out = []
+    for spec in args.lora or ():
+        name, eq, rest = spec.partition("=")
+        path, value = rest, 1.0
+        head, colon, tail = rest.rpartition(":")
+        if colon:
+            try:
+                path, value = head, float(tail)
+            except ValueError:  # a ':' inside the path, and no scale
+                pass
+        if not name or not eq or not path or name in {n for n, _, _ in out}:
+            raise InvalidParamError("--lora", spec, "NAME=PATH[:SCALE] with a NAME not used twice, e.g. "
+                                                    "style=style.safetensors:0.8")
+        out.append((name, path, value))
+    if args.max_loras is not None and args.max_loras < len(out):
+        raise InvalidParamError("--max-loras", args.max_loras, f"at least the {len(out)} adapters of --lora")
+    return out
+
+
+def load_generate_loras(engine, args) -> tuple:
+    """Load the ``--lora`` files into ``engine``; the requests' ``SamplingParams.loras``."""
+    specs = generate_loras(args)
+    for name, path, _ in specs:
+        engine.load_lora(name, path)
+    return tuple((name, scale) for name, _, scale in specs)
+
+
+def serve_lora_settings(args) -> dict:
+    """The ``ServeSettings`` fields of the LoRA flags (folders and files as absolute paths: on Ray Serve other
+    processes read them, from their own working directories)."""
+    from dit_core.errors import InvalidParamError
+
+    lora_dir = None
+    if args.lora_dir is not None:
+        if not Path(args.lora_dir).is_dir():
+            raise InvalidParamError("--lora-dir", args.lora_dir, "an existing folder")
+        lora_dir = os.path.realpath(args.lora_dir)
+    admins = tuple(n.strip() for n in (args.lora_admins or "").split(",") if n.strip())
+    preload = []
+    for spec in args.lora or ():
+        target, eq, path = spec.partition("=")
+        model, slash, name = target.rpartition("/")
+        if not eq or not name or not path or (slash and not model):
+            raise InvalidParamError("--lora", spec, "[MODEL/]NAME=PATH, e.g. bold=loras/bold.safetensors")
+        preload.append((model or None, name, os.path.abspath(path)))
+    return {"lora_dir": lora_dir, "lora_admins": admins, "loras": tuple(preload)}

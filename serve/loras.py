@@ -1,0 +1,188 @@
+"""LoRA adapters over HTTP: where files may come from, who may load them, and the per-engine host
+that loads, unloads and lists them (the routes are in serve/routes/loras.py).
+
+- Files are resolved only under ``--lora-dir`` (``ServeSettings.lora_dir``): the path a client sends is
+  taken relative to it, made real (symlinks followed, ``..`` folded), and refused unless the real path
+  is still inside the real folder. Without ``--lora-dir`` nothing is loaded over HTTP.
+- Who may load and unload: with API keys configured, the ``--api-key`` key and the keys of
+  ``--api-keys-file`` whose NAME is in ``--lora-admins`` (``admin_required``); everyone else gets 403.
+  Listing adapters and naming them in a request (the ``lora`` field) is open to every key.
+- ``LoraHost``: one engine's side (the in-process engine, or each Ray Serve replica): it answers
+  outcomes (plain dicts that travel from a replica as they are), never raises for a refused load.
+  A load is blocking work (reading and converting the file): callers run it in a worker thread.
+  ``dit_core.adapters.AdapterStore`` makes the set safe to change while the engine steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+from pathlib import Path
+
+from dit_core import InvalidParamError
+from dit_core.adapters import AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError
+
+from .auth import owner_of
+from .errors import APIError
+
+ADMIN_KEY_OWNER = "flag:--api-key"  # serve.auth's owner of the --api-key key (the operator's)
+
+
+def check_admin(request) -> None:
+    """403 unless the caller may load and unload adapters (see the module docstring)."""
+    state = request.app.state
+    if state.keys is None:  # an open server: every caller may (bind it to a trusted address)
+        return
+    owner = owner_of(request)
+    admins = {ADMIN_KEY_OWNER} | {f"name:{name}" for name in state.settings.lora_admins}
+    if owner not in admins:
+        raise APIError(403, "loading and unloading LoRA adapters needs an admin key: the --api-key key, or a key "
+                            "of --api-keys-file whose name is listed in --lora-admins", "permission_error", None,
+                       "admin_key_required")
+
+
+def resolve_path(settings, path: str) -> tuple[str, str]:
+    """(real path to read, the path as the client names it) for ``path`` under ``--lora-dir``; 400 naming
+    ``path`` when no folder is set or the path (a symlink's target included) leaves it."""
+    if not settings.lora_dir:
+        raise APIError(400, "this server loads no LoRA adapters over HTTP: start it with --lora-dir DIR",
+                       "invalid_request_error", "path", "lora_dir_not_set")
+    root = Path(settings.lora_dir).resolve()
+    if "\0" in path or not path.strip():
+        raise APIError(400, "path: expected a file name under the server's --lora-dir", "invalid_request_error",
+                       "path", "invalid_path")
+    real = (root / path).resolve()  # an absolute ``path`` replaces root: refused below unless inside it
+    if real != root and root not in real.parents:
+        raise APIError(400, f"path {path!r} is outside the server's --lora-dir (symlinks are followed): give a "
+                            "path relative to it", "invalid_request_error", "path", "path_outside_lora_dir")
+    return str(real), os.path.relpath(real, root)
+
+
+def shown_path(settings, path: str) -> str:
+    """An adapter's file as clients see it: relative to ``--lora-dir``, else its file name only."""
+    if settings.lora_dir:
+        root = Path(settings.lora_dir).resolve()
+        real = Path(path).resolve()
+        if root in real.parents:
+            return os.path.relpath(real, root)
+    return Path(path).name
+
+
+def raise_outcome(outcome: dict, client_path: str | None = None) -> None:
+    """The HTTP error of a refused load or unload (the engine's message, its file named as the client did)."""
+    kind, message = outcome["error"], outcome["message"]
+    if client_path is not None and outcome.get("path"):
+        message = message.replace(outcome["path"], client_path)
+    if kind == "exists":
+        raise APIError(409, message, "invalid_request_error", "name", "lora_exists")
+    if kind == "in_use":
+        raise APIError(409, message, "invalid_request_error", "name", "lora_in_use")
+    if kind == "not_loaded":
+        raise APIError(404, message, "not_found_error", "name", "lora_not_found")
+    if kind == "unsupported":
+        raise APIError(400, message, "invalid_request_error", "model", "lora_unsupported")
+    if kind == "unreachable":
+        raise APIError(503, message, "server_error", None, "engine_unavailable")
+    raise APIError(400, message, "invalid_request_error", "path", "invalid_lora_file")
+
+
+@contextlib.contextmanager
+def http_field():
+    """Engine errors about ``SamplingParams.loras`` name the HTTP field, ``lora``."""
+    try:
+        yield
+    except InvalidParamError as e:
+        if e.field != "loras":
+            raise
+        raise InvalidParamError("lora", e.value, e.allowed) from None
+
+
+class LoraHost:
+    """The adapters of one ``AsyncEngine``: load / unload / list as outcome dicts. Each load carries a
+    token, so that a Ray-wide load refused by one replica can be undone on exactly the replicas where it
+    took (``unload(..., token=)``), never on one that had the name before."""
+
+    def __init__(self, engine):
+        self.engine = engine.engine if hasattr(engine, "engine") else engine  # an AsyncEngine or an Engine
+        self.tokens: dict[tuple[str, str], str] = {}  # (model, name) -> the token of the load that made it
+        self._lock = threading.Lock()
+
+    def listing(self) -> list[dict]:
+        """Every resident adapter of every model: name, model, path, rank, layers, bytes, in_use."""
+        return [{**entry, "model": model} for model, family in self.engine.models.items()
+                if getattr(family, "adapters", None) is not None for entry in self.engine.loras(model)]
+
+    def preload(self, specs) -> None:
+        """Load ``ServeSettings.loras`` (``--lora [MODEL/]NAME=PATH``) at start: an error stops the start."""
+        for model, name, path in specs:
+            if model is None:
+                takers = [m for m, f in self.engine.models.items() if getattr(f, "adapters", None) is not None]
+                if len(takers) != 1:
+                    raise InvalidParamError("--lora", f"{name}={path}", f"MODEL/NAME=PATH naming one of the models "
+                                                                        f"that take adapters: {takers}")
+                model = takers[0]
+            self.engine.load_lora(name, path, model)
+
+    def load(self, name: str, path: str, model: str, token: str | None = None) -> dict:
+        token = token or secrets.token_hex(8)
+        try:
+            entry = self.engine.load_lora(name, path, model)
+        except InvalidParamError as e:  # a model without adapters (max_loras=0, or an unsupported family)
+            return {"ok": False, "error": "unsupported", "message": str(e), "path": path}
+        except AdapterError as e:
+            return {"ok": False, "error": _kind(e), "message": str(e), "path": path}
+        with self._lock:
+            self.tokens[(model, name)] = token
+        return {"ok": True, "adapter": {**entry, "model": model}, "token": token}
+
+    def unload(self, name: str, model: str, token: str | None = None) -> dict:
+        """Unload ``name``; with ``token``, only if that load made it (else a no-op ``not_loaded``)."""
+        with self._lock:
+            if token is not None and self.tokens.get((model, name)) != token:
+                return {"ok": False, "error": "not_loaded", "message": f"adapter {name!r} was not loaded by {token}"}
+        try:
+            self.engine.unload_lora(name, model)
+        except InvalidParamError as e:
+            return {"ok": False, "error": "unsupported", "message": str(e)}
+        except AdapterError as e:
+            return {"ok": False, "error": _kind(e), "message": str(e)}
+        with self._lock:
+            self.tokens.pop((model, name), None)
+        return {"ok": True}
+
+
+def _kind(e: AdapterError) -> str:
+    if isinstance(e, AdapterExistsError):
+        return "exists"
+    if isinstance(e, AdapterInUseError):
+        return "in_use"
+    if isinstance(e, AdapterNotLoadedError):
+        return "not_loaded"
+    return "bad_file"
+
+
+def lora_model(state, requested: str | None) -> str:
+    """The engine model a load or unload means: ``requested`` (a public id), or the only served model whose
+    family takes LoRA adapters. 404 for an id not served, 400 naming ``model`` otherwise."""
+    from dit_core.adapters import LOADERS
+
+    client, ids = state.client, state.model_ids
+    fitting = [public for public, name in ids.items() if client.models[name].name in LOADERS]
+    if requested is None:
+        if len(fitting) == 1:
+            return ids[fitting[0]]
+        if not fitting:
+            raise APIError(400, f"no model served here takes LoRA adapters (families that do: {sorted(LOADERS)})",
+                           "invalid_request_error", "model", "lora_unsupported")
+        raise APIError(400, f"model is required: several models served here take LoRA adapters: {fitting}",
+                       "invalid_request_error", "model", "model_required")
+    if requested not in ids:
+        raise APIError(404, f"model {requested!r} is not served here; this server serves {sorted(ids)}",
+                       "invalid_request_error", "model", "model_not_found")
+    if requested not in fitting:
+        raise APIError(400, f"model {requested!r} ({client.models[ids[requested]].name}) takes no LoRA adapters; "
+                            f"models served here that do: {fitting}", "invalid_request_error", "model",
+                       "lora_unsupported")
+    return ids[requested]
