@@ -30,6 +30,9 @@ def _importable() -> None:
 
 def _generate(name: str) -> str:
     _importable()
+    from serve.quiet import quiet_third_party
+
+    quiet_third_party()  # the build's own output only: no library chatter while the generators load models
     import gen_openapi
     import gen_reference
     import gen_results
