@@ -38,7 +38,7 @@ from PIL import Image
 
 from dit_core import EngineConfig
 from dit_core.video import decode_mp4
-from dit_core.zoo import default_model, default_policy, tts_model
+from dit_core.zoo import default_model, default_policy, digits_lora, tts_model
 from dit_core.zoo.reach_env import ReachEnv
 from serve import ray_flags
 from serve.app import ServeSettings
@@ -46,6 +46,7 @@ from serve.cli import build_parser
 from serve.server import free_port
 from serve_helpers import assert_error, live_server
 
+DIGITS_LORA = digits_lora()  # the shipped example adapter of the digits model (dit_core/zoo/digits_lora)
 SERVE_PARSER = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -103,7 +104,8 @@ def serve_flags(extra_models: dict, keys_file: Path) -> list[str]:
     """The cluster's flags that mean the same without Ray: its models, engine and server settings."""
     models = [arg for name, path in extra_models.items() for arg in ("--model", f"{name}={path}")]
     return ["--model", "digits", *models, "--model", "tts", "--model", "reach", "--dtype", "float32",
-            "--api-key", KEY, "--api-keys-file", str(keys_file), "--max-batch-size", str(BUDGET),
+            "--api-key", KEY, "--api-keys-file", str(keys_file), "--lora-dir", str(keys_file.parent / "loras"),
+            "--max-batch-size", str(BUDGET),
             "--max-pixel-steps", str(PIXEL_STEPS), "--malloc-trim-interval", str(TRIM_S)]
 
 
@@ -148,6 +150,8 @@ def cli_server(flags: list[str], env: dict | None = None):
 def keys_file():
     path = Path(tempfile.mkdtemp(prefix="omnidit-keys-")) / "keys"
     path.write_text(f"# KEY [NAME]\n{OTHER_KEY} bob\n")
+    (path.parent / "loras").mkdir()  # --lora-dir: the shipped digits adapter
+    shutil.copy(DIGITS_LORA, path.parent / "loras" / "bold.safetensors")
     yield path
     shutil.rmtree(path.parent, ignore_errors=True)
 
@@ -234,6 +238,35 @@ def test_streaming_errors_models_and_api_key(scaled):
                                                               ("reach", "actions")]
     detail = httpx.get(f"{url}/v1/models/digits", headers=AUTH).json()
     assert detail["details"]["defaults"]["height"] == 32
+
+
+def test_a_lora_load_reaches_every_replica_and_is_listed_per_replica(scaled):
+    """POST /v1/loras is broadcast to the engine replicas and answered per replica; GET lists each replica's
+    adapters; a request naming it runs on whichever replica takes it; a second load of the name is 409 on
+    every replica; another key (not in --lora-admins) gets 403; DELETE unloads it everywhere."""
+    url = scaled["url"]
+    body = {"name": "bold", "path": "bold.safetensors", "model": "digits"}
+    assert_error(httpx.post(f"{url}/v1/loras", json=body, headers={"Authorization": f"Bearer {OTHER_KEY}"},
+                            timeout=60), 403, None, "admin_key_required")
+    r = httpx.post(f"{url}/v1/loras", json=body, headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    ids = {e["replica"] for e in replicas(url)["engines"]}
+    assert len(ids) == 2 and {x["replica"] for x in r.json()["replicas"]} == ids and r.json()["rank"] == 8
+    listing = httpx.get(f"{url}/v1/loras", headers=AUTH, timeout=60).json()
+    assert [(a["name"], a["model"], a["replicas"]) for a in listing["data"]] == [("bold", "digits", 2)]
+    assert {x["replica"]: [a["name"] for a in x["data"]] for x in listing["replicas"]} == {i: ["bold"] for i in ids}
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        out = client.images.generate(prompt="digit 3", model="digits", response_format="b64_json",
+                                     extra_body={"seed": 3, "num_inference_steps": 4,
+                                                 "lora": [{"name": "bold", "scale": 1.0}]})
+        assert png_pixels(out.data[0].b64_json).shape[:2] == (32, 32)
+        assert_error(httpx.post(f"{url}/v1/loras", json=body, headers=AUTH, timeout=300), 409, "name", "lora_exists")
+        assert_error(post(url, {"prompt": "x", "lora": [{"name": "nope"}]}), 400, "lora", "invalid_value")
+    finally:
+        r = httpx.delete(f"{url}/v1/loras/bold", params={"model": "digits"}, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and {x["replica"] for x in r.json()["replicas"] if x["unloaded"]} == ids
+    assert httpx.get(f"{url}/v1/loras", headers=AUTH, timeout=60).json()["data"] == []
 
 
 AUDIO = {"model": "sound", "prompt": "a bell", "seconds": 0.1, "num_inference_steps": 3, "seed": 5,
