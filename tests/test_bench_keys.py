@@ -47,3 +47,44 @@ def test_offload_summary_keeps_the_bit_for_bit_claim_and_reports_the_packed_gap_
     assert summary["packed_over_aten_speed_b8"] == pytest.approx(1.0 / 0.8)
     diffs["disk:1"] = 2e-6  # an offload policy off none by more than the tolerance still says so
     assert offload.summarize(rows, diffs, [64])["outputs_identical"] is False
+
+
+def test_edits_quality_keys_are_read_never_invented(tmp_path):
+    """benchmarks/edits.py writes the quality keys from edit_quality.json's summary, else None with the reason."""
+    import json
+
+    from benchmarks import edits
+
+    path = tmp_path / "edit_quality.json"
+    values, missing = edits.quality_keys(path)
+    assert set(values) == set(missing) == set(edits.QUALITY_KEYS) and set(values.values()) == {None}
+    assert "does not exist" in missing["img2img_keep_rate"]
+    path.write_text(json.dumps({"summary": {"img2img_keep_rate": 0.95, "inpaint_outside_mad": 0.01}}))
+    values, missing = edits.quality_keys(path)
+    assert values["img2img_keep_rate"] == 0.95 and values["inpaint_outside_mad"] == 0.01
+    assert "img2img_keep_rate" not in missing and values["edit_model_accuracy"] is None
+    assert "digits_edit" in missing["edit_model_accuracy"]
+
+
+def _lora_case(**over) -> dict:
+    case = {"lora_vs_diffusers_throughput": 3.0, "lora_vs_diffusers_throughput_spread": 0.1,
+            "mixed_vs_grouped_throughput": 1.5, "mixed_vs_grouped_throughput_spread": 0.1, "lora_overhead": 1.2,
+            "lora_overhead_spread": 0.05, "idle_hooks_overhead": 1.0, "max_abs_diff_vs_diffusers": 3e-6,
+            "max_abs_diff_vs_solo": 0.0}
+    return {**case, **over}
+
+
+def test_lora_summary_has_every_issue_key_and_judges_both_sizes():
+    from benchmarks import lora
+
+    digits = {"style_shift": 1.33, "adherence_lora": 1.0}
+    summary = lora.summarize({"64x64": _lora_case(), "256x256": _lora_case(lora_overhead=1.1)}, digits)
+    assert {"lora_vs_diffusers_throughput", "mixed_vs_grouped_throughput", "lora_overhead", "outputs_match_diffusers",
+            "mixed_equals_solo", "digits_lora_style_shift", "digits_lora_adherence"} <= set(summary)
+    assert summary["lora_overhead"] == 1.2 and summary["lora_overhead_256"] == 1.1  # 64x64 is the main size
+    assert summary["outputs_match_diffusers"] is True and summary["mixed_equals_solo"] is True
+    assert (summary["digits_lora_style_shift"], summary["digits_lora_adherence"]) == (1.33, 1.0)
+    bad = lora.summarize({"64x64": _lora_case(), "256x256": _lora_case(max_abs_diff_vs_solo=1e-3)}, digits)
+    assert bad["mixed_equals_solo"] is False and bad["outputs_match_diffusers"] is True  # one size off says so
+    quick = lora.summarize({"64x64": _lora_case()}, digits)
+    assert not any(k.endswith("_256") for k in quick)

@@ -162,8 +162,29 @@ def test_mixed_batch_rows_equal_alone(kontext):
     _, engine = kontext
     specs = mixed_specs()
     alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+    before = dict(engine.family.__dict__.get("forwards", {"padded": 0, "by_length": 0}))
     finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1, 1, 2])
-    assert max(sizes) == len(specs)  # references of 0, 120 and 36 tokens and start images in one forward
+    assert max(sizes) == len(specs)  # references of 0, 120 and 36 tokens and start images in one step
+    # 512 text tokens each: padding to the longest reference is a small share, so they shared one forward
+    assert engine.family.forwards["padded"] > before["padded"]
+    assert engine.family.forwards["by_length"] == before["by_length"]
+    for i, ref in enumerate(alone):
+        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_rows_of_very_different_lengths_run_per_length(kontext):
+    """Short text and a 256-token reference beside reference-less rows: padding would more than double
+    their token rows, so the step runs one forward per length; each row still gets what it gets alone."""
+    _, engine = kontext
+    common = dict(num_inference_steps=5, max_sequence_length=8)
+    specs = [params(seed=1, **common), params(seed=2, image=picture(64, 64), **common),
+             params(seed=3, image=picture(40, 48), strength=0.6, **common), params(seed=4, **common)]
+    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+    before = dict(engine.family.__dict__.get("forwards", {"padded": 0, "by_length": 0}))
+    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1])
+    assert max(sizes) == len(specs)
+    assert engine.family.forwards["by_length"] > before["by_length"]
+    assert engine.family.forwards["padded"] == before["padded"]
     for i, ref in enumerate(alone):
         assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
 
@@ -207,3 +228,12 @@ def test_bad_reference_inputs_name_the_field(kontext):
         engine.make_request(PROMPT, params(image=picture(3, 40)))
     assert err.value.field == "image"
     assert engine.family.describe()["inputs"] == ["text", "image", "mask", "reference_images"]
+
+
+def test_dtype_auto_serves_an_edit(kontext):
+    """``dtype="auto"`` measures a Kontext checkpoint like any FLUX one, and an edit runs in what it chose."""
+    path, _ = kontext
+    engine = Engine.from_pretrained(path, dtype="auto")
+    out = engine.generate(PROMPT, params(image=picture(40, 48), num_inference_steps=2))
+    assert engine.family.dtype in (torch.float32, torch.bfloat16)
+    assert out[0].shape == (3, 32, 32) and torch.isfinite(out[0]).all()

@@ -26,10 +26,13 @@ What the pipeline does, matched here:
   reference's size (the pipeline takes its square default).
 
 Batching: rows with references of different token counts (and text-to-image rows, with none) share
-a forward. The image stream of each row is [generated tokens, its reference tokens], right-padded to
-the longest row; attention gets the validity mask, so it runs packed on the valid tokens (a varlen
-backend) or masked (``attention.attend``), and each row gets per-row rotary embeddings. The token-wise
-layers (linears, norms) run over the padded rectangle; padded tokens never reach a valid one.
+a step. The image stream of each row is [generated tokens, its reference tokens]; rows of one
+reference grid run as the transformer's own batch. Rows of different lengths either share ONE forward,
+right-padded to the longest row (attention gets the validity mask, so it runs packed on the valid
+tokens with a varlen backend or masked otherwise: ``attention.attend``; each row gets its own rotary
+table), or run as one forward per reference length, whichever costs fewer token rows: the token-wise
+layers (linears, norms) run over the padded rectangle, so padding pays off only while it is a small
+share (``PAD_SHARE``). Padded tokens never reach a valid one; either way a row gets what it gets alone.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ from .image_inputs import _processor_input, first_image, image_size, scaled_late
 from .latents import pack_2x2
 
 OPTIONS_KEY = "_omnidit_kontext"  # model_index.json: {"auto_resize": bool}
+# One padded forward while its token rows exceed those of one forward per reference length by at most
+# this share (each extra forward has its own fixed cost and smaller GEMMs). Measured on the small FLUX
+# (benchmarks/edits.py, 2 cores): at 64x64 (64 text, 16 image, 15-16 reference tokens) padding adds
+# ~14% and one forward wins; at 256x256 (256 + 240-256 reference tokens) it adds ~50%, and padded
+# batches ran x1.02 of diffusers against x1.62 for text-to-image.
+PAD_SHARE = 0.25
 
 
 @dataclass
@@ -195,10 +204,48 @@ class FluxKontextFamily(FluxFamily):
         inputs.update(hidden_states=hidden, img_ids=row_ids, valid=valid)
         return inputs
 
+    def forward_groups(self, requests: list[Request]) -> list[list[Request]]:
+        """The forwards of one step. Rows grouped by length (text + generated + reference tokens) are
+        merged in order of length while padding the merged rows to the longest adds at most
+        ``PAD_SHARE`` token rows; each merged group is one forward. Counted in ``forwards``: "padded"
+        (forwards over rows of different lengths) and "by_length" (steps split into several)."""
+        text = requests[0].params.max_sequence_length + requests[0].latents.shape[1]  # text + generated tokens
+        length = {r.id: text + (r.state["reference"].shape[1] if "reference" in r.state else 0) for r in requests}
+        by_length: dict[int, list[Request]] = {}
+        for req in requests:
+            by_length.setdefault(length[req.id], []).append(req)
+        groups, rows, exact = [], 0, 0
+        for tokens in sorted(by_length):
+            reqs = by_length[tokens]
+            n = sum(r.rows for r in reqs)
+            if groups and (rows + n) * tokens <= (1 + PAD_SHARE) * (exact + n * tokens):
+                groups[-1] += reqs
+                rows, exact = rows + n, exact + n * tokens
+            else:
+                groups.append(list(reqs))
+                rows, exact = n, n * tokens
+        counts = self.__dict__.setdefault("forwards", {"padded": 0, "by_length": 0})
+        counts["padded"] += sum(len({length[r.id] for r in g}) > 1 for g in groups)
+        counts["by_length"] += int(len(groups) > 1)
+        return groups if len(groups) > 1 else [requests]
+
     @torch.no_grad()
     def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """As FLUX's, on the extended image stream; padded batches run the block loop (per-row
-        positions and the validity mask); the output is cut back to the generated tokens."""
+        groups = self.forward_groups(requests)
+        if len(groups) == 1:
+            return self.predict_rows(requests)
+        out, totals = {}, {}
+        for group in groups:
+            out.update({r.id: o for r, o in zip(group, self.predict_rows(group))})
+            for key, value in (getattr(self.step_cache, "last", None) or {}).items():  # the step's cache stats
+                totals[key] = totals.get(key, 0) + value
+        if totals:
+            self.step_cache.last = totals
+        return [out[r.id] for r in requests]
+
+    def predict_rows(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One forward, as FLUX's, on the extended image stream; padded batches run the block loop
+        (per-row positions and the validity mask); the output is cut back to the generated tokens."""
         inputs = self.transformer_inputs(requests)
         if self.step_cache is not None:
             out = self.step_cache.forward(self, inputs, requests)
