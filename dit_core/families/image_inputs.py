@@ -1,6 +1,7 @@
 """Image inputs of the image families: image-to-image and inpainting, done as diffusers' img2img and
-inpaint pipelines do them (``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``), one request at a time
-but inside the batched step loop:
+inpaint pipelines do them (``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``; SD3's and Qwen-Image's
+likewise: their inpaint pipelines blend the same way, and SD3's decodes without the VAE's shift_factor,
+see ``SD3Family.decode_chunk``), one request at a time but inside the batched step loop:
 
 * preprocessing (``preprocess``, at ``make_request``, any thread): the pipeline's own
   ``VaeImageProcessor`` resizes the image to the request's height x width (PIL: Lanczos; arrays:
@@ -10,7 +11,10 @@ but inside the batched step loop:
 * VAE encoding (``encode_images``, when the step loop admits the request): the images of the
   requests admitted in one step are encoded together, in VAE calls of at most the family's
   ``decode_pixel_budget`` pixels; each request samples its latent from the encoder's distribution
-  with its own seeded generator, the first draw of that generator, as the pipelines do.
+  with its own seeded generator, the first draw of that generator, as the pipelines do. The engine's
+  stats count them (``EngineStats.images_encoded``, ``vae_encodes``, ``vae_encode_s``). (The inpaint
+  pipelines also encode the masked image, after the noise draw, which the transformers served here
+  never read: skipped, it changes no output.)
 * the start (``start_from_image``): the request's sampler keeps the full schedule of
   ``num_inference_steps`` and the request starts at step ``t_start`` (``get_timesteps``:
   ``int(N - min(N * strength, N))``), its latents the image latents noised to that step
