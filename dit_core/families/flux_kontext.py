@@ -54,11 +54,12 @@ from .image_inputs import _processor_input, first_image, image_size, scaled_late
 from .latents import pack_2x2
 
 OPTIONS_KEY = "_omnidit_kontext"  # model_index.json: {"auto_resize": bool}
-# One padded forward while its token rows exceed those of one forward per reference length by at most
-# this share (each extra forward has its own fixed cost and smaller GEMMs). Measured on the small FLUX
-# (benchmarks/edits.py, 2 cores): at 64x64 (64 text, 16 image, 15-16 reference tokens) padding adds
-# ~14% and one forward wins; at 256x256 (256 + 240-256 reference tokens) it adds ~50%, and padded
-# batches ran x1.02 of diffusers against x1.62 for text-to-image.
+# One padded forward while its token rows exceed those of one forward per length group by at most this
+# share (each extra forward has its own fixed cost and smaller GEMMs). Measured on the small FLUX Kontext
+# (benchmarks/edits.py, 2 cores, 8 mixed requests): at 64x64 (64 text, 16 image, 15-16 reference tokens)
+# padding adds ~14%, the rows share one forward: x2.10 of diffusers; at 256x256 (256 image, 240-256
+# reference tokens) padding would add ~50%: one padded forward ran x1.02 (--quick), one forward per
+# length group x1.29 (text-to-image alone: x1.54 in the same run).
 PAD_SHARE = 0.25
 
 
