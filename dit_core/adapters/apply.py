@@ -3,9 +3,11 @@
 Every linear layer of the transformer gets a forward hook (the layer itself, and its kernel, stay
 as they are: ``nn.Linear``, ``cpu_linear.PackedLinear``, quantized layers). The base GEMM runs
 once for all rows; the hook then adds, for each adapter used in the batch, its low-rank delta to
-the rows that use it (segmented: gather those rows, two thin GEMMs, scatter-add; scales per row).
-Rows without an adapter are not touched, and a forward where no row uses one costs one Python
-check per layer.
+the rows that use it. When an adapter's rows form a few runs of consecutive rows (``MAX_RUNS``; a
+request's rows are consecutive, CFG included), per run: one thin GEMM on a view of the layer's input
+and one ``addmm_`` into a view of its output, the request's scale as alpha (two ops, no copies).
+Otherwise segmented: gather its rows, two thin GEMMs, scale per row, scatter-add. Rows without an
+adapter are not touched, and a forward where no row uses one costs one Python check per layer.
 
 Which rows use which adapter is a per-forward context (``RowAdapters``) the runner sets around
 the transformer call (``forward``). Under ``torch.compile`` the hook calls one opaque custom op
@@ -22,6 +24,10 @@ faster in all four cases, so it is the one kept here. Whole engine steps (small 
 12 of them over 8 rank-16 adapters on every attention and MLP linear, 4 without; 2 cores): x1.26 the
 step time without adapters at 64x64, x1.24 at 256x256 (the per-row scale on the rank side took it
 from x1.41 at 64x64). Most of the rest is op count (six small ops per adapter per layer), not FLOPs.
+The run-slice path (two ops per run) then cut the transformer forward alone (same 16 rows, 8 adapters
+on every attention and MLP linear of all 9 blocks, 64x64, 2 cores) from x1.54 to x1.15-x1.30 of the
+forward without adapters (noisy machine; profile: the thin GEMMs are 12% of the forward, views and
+Python the rest). Whole engine runs: ``benchmarks/lora.py`` (``lora_overhead``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ import threading
 
 import torch
 
+# an adapter whose rows in a forward make at most this many runs of consecutive rows takes the slice
+# path (per run: one thin GEMM on a view, one addmm_ into the output's view); more runs: gather/scatter
+MAX_RUNS = 4
 _LAYERS: dict[int, tuple[object, str]] = {}  # hook key -> (store, module name)
 _KEYS = itertools.count()
 _STATE = threading.local()  # .active: store -> RowAdapters for the forward in progress
@@ -44,6 +53,22 @@ class RowAdapters:
     def __init__(self, rows: int, groups: list[tuple[object, torch.Tensor, torch.Tensor]]):
         self.rows = rows
         self.groups = groups  # (Adapter, row index tensor [n], scale tensor [n])
+        self._runs = None
+
+    def runs(self) -> list[list[tuple[int, int, float]] | None]:
+        """Per group, its rows as runs of consecutive rows at one scale, ``(start, end, scale)``, or
+        None when they fall into more than ``MAX_RUNS`` runs; worked out once per forward."""
+        if self._runs is None:
+            self._runs = []
+            for _, idx, scales in self.groups:
+                runs: list[list] = []
+                for i, s in zip(idx.tolist(), scales.tolist()):
+                    if runs and runs[-1][1] == i and runs[-1][2] == s:
+                        runs[-1][1] = i + 1
+                    else:
+                        runs.append([i, i + 1, s])
+                self._runs.append([tuple(r) for r in runs] if len(runs) <= MAX_RUNS else None)
+        return self._runs
 
     def select(self, idx: torch.Tensor) -> "RowAdapters":
         """The assignment of the sub-batch ``rows[idx]`` (a step cache computing some rows only)."""
@@ -128,9 +153,18 @@ def _add_deltas(y: torch.Tensor, x: torch.Tensor, name: str, ctx: RowAdapters) -
     if x.shape[0] != ctx.rows:
         raise RuntimeError(f"LoRA: layer {name} got {x.shape[0]} rows, the forward has {ctx.rows} "
                            f"(this model's transformer folds rows in a way the adapters do not follow)")
-    for adapter, idx, scales in ctx.groups:
+    slices = y.is_contiguous() and x.dtype == y.dtype
+    for (adapter, idx, scales), runs in zip(ctx.groups, ctx.runs()):
         w = adapter.layers.get(name)
         if w is None:
+            continue
+        if runs is not None and slices and w.A.dtype == y.dtype:
+            # the adapter's rows are a few runs of consecutive rows: per run, the thin GEMM on a view of
+            # x and one addmm_ into a view of y (scales as its alpha): no gather, no delta tensor, no scatter
+            a_t, b_t = _transposed(w)
+            for start, end, scale in runs:
+                h = torch.mm(x[start:end].reshape(-1, x.shape[-1]), a_t)
+                y[start:end].view(-1, y.shape[-1]).addmm_(h, b_t, alpha=scale * w.scaling)
             continue
         xs = x.index_select(0, idx) if idx.numel() != ctx.rows else x
         h = torch.matmul(xs.to(w.A.dtype), w.A.t())
@@ -140,6 +174,14 @@ def _add_deltas(y: torch.Tensor, x: torch.Tensor, name: str, ctx: RowAdapters) -
             y.add_(d.to(y.dtype))
         else:
             y.index_add_(0, idx, d.to(y.dtype))
+
+
+def _transposed(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A.T, B.T)`` views of a layer's factors, made once per adapter layer (not per call)."""
+    t = w.__dict__.get("_transposed")
+    if t is None:
+        t = w.__dict__["_transposed"] = (w.A.t(), w.B.t())
+    return t
 
 
 @torch.library.custom_op("omnidit::lora_add", mutates_args=())
