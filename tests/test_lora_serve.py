@@ -315,3 +315,31 @@ def test_generate_cli_applies_lora_files(server, tiny_models, lora_dir, tmp_path
     capsys.readouterr()
     assert cli_main(argv[:-1] + ["a"]) == 2  # no =PATH
     assert "--lora" in capsys.readouterr().err
+
+
+def test_image_edits_take_the_lora_field(server, client):
+    """POST /v1/images/edits (a multipart form: the list as JSON text), through the openai client's images.edit:
+    the adapter changes the edit, and the edit equals the engine's image-to-image with the same adapter."""
+    pytest.importorskip("serve.routes.edits", reason="the image edit route (issue 37) has not landed yet")
+    source = Image.fromarray(np.random.default_rng(5).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    png = io.BytesIO()
+    source.save(png, format="PNG")
+    steps = {"seed": 7, "num_inference_steps": 3, "strength": 0.8}
+
+    def edit(lora=None):
+        extra = {**steps, **({"lora": json.dumps(lora)} if lora is not None else {})}
+        answer = client.images.edit(image=("cat.png", png.getvalue(), "image/png"), prompt=PROMPT, model="flux",
+                                    size="32x32", response_format="b64_json", extra_body=extra)
+        return pixels(answer.data[0].b64_json)
+
+    assert load(server, "a", "a/pytorch_lora_weights.safetensors").status_code == 200
+    try:
+        adapted = edit([{"name": "a", "scale": 0.7}])
+        assert np.abs(adapted - edit()).max() >= 2
+        ref = engine_output(server, (("a", 0.7),), image=source, **steps)
+        assert np.array_equal(adapted, np.asarray(ref.images[0], dtype=np.int16))
+        with pytest.raises(openai.BadRequestError) as e:
+            edit([{"name": "nope"}])
+        assert e.value.body["param"] == "lora"
+    finally:
+        unload(server, "a")
