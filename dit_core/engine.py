@@ -251,7 +251,10 @@ class Engine:
 
     def load_lora(self, name: str, path: str | Path, model: str | None = None) -> dict:
         """Make the LoRA file ``path`` resident for ``model`` as ``name`` (requests then name it in
-        ``SamplingParams.loras``); returns its description. ``AdapterError`` on a bad file or name."""
+        ``SamplingParams.loras``); returns its description. ``AdapterError`` on a bad file or name.
+        Unlike the rest of the engine, ``load_lora``, ``unload_lora`` and ``loras`` may be called from any
+        thread while the engine steps (the adapter store changes its set under a lock; the file is read
+        outside it): a server loads adapters in a worker thread while an ``AsyncEngine`` serves."""
         model = self.model_name(model)
         store = adapter_store(self.models[model], model)
         adapter = store.load(name, path)
