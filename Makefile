@@ -23,11 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps openpi-client==0.1.2
 	touch $(STAMP)
 
-# The main job: serve the embedded default model on http://127.0.0.1:8000 (Ctrl-C stops it).
+# The main job: serve every embedded model (digits, digits_video, tts, reach: each playground tab works)
+# on http://127.0.0.1:8000 (Ctrl-C stops it). `make run ARGS="--model digits"` serves a subset.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 run: install
-	$(BIN)/omnidit serve --host $(HOST) --port $(PORT)
+	$(BIN)/omnidit serve --host $(HOST) --port $(PORT) $(ARGS)
 
 # the playground's browser tests drive Debian's chromium (playwright's own browser download cannot work offline)
 CHROMIUM ?= /usr/bin/chromium

@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-style HTTP API")
     srv.add_argument("model", nargs="?", default=None,
-                     help="a model folder (default: the embedded digits model); for several, use --model")
+                     help="a model folder (default: every embedded model: digits, digits_video, tts and reach, "
+                          "as with --model digits --model digits_video --model tts --model reach); for several "
+                          "folders, use --model")
     srv.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
                      help="serve this model under NAME (repeatable: several models share one engine); "
                           "a bare NAME is an embedded model (e.g. --model digits)")
@@ -92,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: none)")
     srv.add_argument("--model-name", default=None,
                      help="with a positional model folder: the model id clients send and /v1/models lists "
-                          "(default: the folder's name)")
+                          "(default: the folder's name; alone, it names the embedded digits model)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for admission before 429 + Retry-After; a robot observation then gets a "
                           "'queue_full' error frame and its session stays open (default 64)")
@@ -270,13 +272,16 @@ def cmd_serve(args) -> int:
 
 
 def served_model_paths(args) -> dict[str, str]:
-    """NAME -> folder from ``--model NAME=PATH`` / ``--model NAME`` (embedded), or the positional folder."""
+    """NAME -> folder from ``--model NAME=PATH`` / ``--model NAME`` (embedded), or the positional folder; with
+    neither, every embedded model under its name (digits, digits_video, tts, reach)."""
     from dit_core.errors import InvalidParamError
-    from dit_core.zoo import embedded_model
+    from dit_core.zoo import EMBEDDED, embedded_model
 
     if args.models and (args.model or args.model_name):
         raise InvalidParamError("--model", args.models, "either NAME=PATH options or one positional model folder "
                                                         "(with --model-name), not both")
+    if not args.models and args.model is None and args.model_name is None:
+        return {name: str(embedded_model(name)) for name in EMBEDDED}  # every tab of the playground works
     if not args.models:
         model = resolve_model(args.model)
         return {args.model_name or Path(model).resolve().name: model}

@@ -16,13 +16,14 @@ from tests.browser_support import CHROMIUM, CHROMIUM_ARGS, start_server, stop_se
 
 @pytest.fixture(scope="session")
 def playground_server(tmp_path_factory):
-    """``omnidit serve`` on a free port with the embedded default (image), TTS (audio) and reach
-    (robot policy) models, a tiny random Wan (video) and a tiny random Stable Audio (audio) checkpoint."""
+    """``omnidit serve`` on a free port with the embedded models (``omnidit serve``'s default set: digits,
+    digits_video, tts, reach; each first of its kind, so a tab's untouched form uses it), a tiny random Wan
+    (video, ``vid``) and a tiny random Stable Audio (audio, ``sound``) checkpoint."""
     tmp = tmp_path_factory.mktemp("playground")
     wan = random_models.build("wan", "tiny", tmp / "wan", seed=0)
     sound = random_models.build("stable-audio", "tiny", tmp / "sound", seed=0)
-    server = start_server(tmp, "--model", "digits", "--model", "tts", "--model", f"vid={wan}",
-                          "--model", f"sound={sound}", "--model", "reach")
+    server = start_server(tmp, "--model", "digits", "--model", "tts", "--model", "digits_video",
+                          "--model", f"vid={wan}", "--model", f"sound={sound}", "--model", "reach")
     try:
         wait_ready(server)
         yield server

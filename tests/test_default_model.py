@@ -59,3 +59,22 @@ def test_generate_without_a_model_writes_the_requested_digit(tmp_path, classifie
     image = torch.from_numpy(__import__("numpy").asarray(Image.open(out).convert("RGB"))).permute(2, 0, 1)
     assert image.shape == (3, digits_data.IMAGE_SIZE, digits_data.IMAGE_SIZE)
     assert classifier.predict(image[None].float() / 255)[0] == 3
+
+
+def test_serve_without_a_model_serves_every_embedded_model():
+    """``omnidit serve`` (and ``make run``) with no model: every embedded model, so each playground tab works;
+    ``--model`` picks a subset and a positional folder serves that one alone."""
+    from dit_core.zoo import EMBEDDED
+    from serve.cli import build_parser, default_policy, served_model_paths
+
+    def served(*argv):
+        return served_model_paths(build_parser().parse_args(["serve", *argv]))
+
+    every = served()
+    assert every == {name: str(folder) for name, folder in EMBEDDED.items()}
+    assert list(every) == ["digits", "digits_video", "tts", "reach"]
+    assert default_policy(every.values()) == "edf"  # a robot policy is among them: deadlines first
+    assert served("--model", "digits", "--model", "tts") == {"digits": every["digits"], "tts": every["tts"]}
+    assert served(every["reach"]) == {"reach": every["reach"]}
+    assert served("--model-name", "mine") == {"mine": every["digits"]}
+    assert default_policy(served("--model", "digits").values()) == "fifo"

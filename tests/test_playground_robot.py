@@ -216,8 +216,10 @@ def test_robot_tab_shows_errors_in_words(visit):
     # a field the server refuses: its error frame, shown next to that field
     page.fill("#robot-steps", "0")
     page.click("#panel-actions button[type=submit]")
-    expect(page.locator("#robot-steps-error")).to_have_text(
-        "The server stopped the episode: num_inference_steps=0 is invalid: expected an integer in [1, 1000]")
+    expect(page.locator("#robot-steps-error")).to_have_text(  # in words, the server's wording on data-detail
+        "The server stopped the episode. The number of steps can't be 0: use a whole number from 1 to 1000.")
+    expect(page.locator("#robot-steps-error")).to_have_attribute(
+        "data-detail", "num_inference_steps=0 is invalid: expected an integer in [1, 1000]")
     expect(page.locator("#robot-outcome")).to_have_attribute("data-state", "failed")
     expect(page.locator("#robot-steps")).to_have_attribute("aria-invalid", "true")
     # a policy the server no longer serves
@@ -303,7 +305,9 @@ def test_robot_tab_closes_a_session_the_server_keeps_open(playground_browser, fu
         sockets = record_sockets(page)
         page.click("#panel-actions button[type=submit]")
         expect(page.locator("#robot-outcome")).to_have_attribute("data-state", "failed")
-        expect(page.locator("#panel-actions")).to_contain_text("queue_full")
+        expect(page.locator("#robot-error")).to_have_text(re.compile(r"^The server stopped the episode\. The queue is "
+                                                                     r"full \(0 requests waiting; .*; retry later\.$"))
+        expect(page.locator("#robot-error")).to_have_attribute("data-detail", re.compile(r"^queue_full: the queue is"))
         # the server left the session open (idle timeout 300 s): the page itself closes it, at once
         deadline = time.monotonic() + 5
         while "closed" not in sockets[0] and time.monotonic() < deadline:

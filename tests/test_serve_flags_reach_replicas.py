@@ -31,7 +31,8 @@ EXAMPLES = {
     "api_key": "k3y", "model_name": "named", "video_dir": "{tmp}/videos", "api_keys_file": "{tmp}/keys.txt",
     "dtype": "bfloat16", "compile_warmup": "32x32", "warmup": "32x32", "device": "cpu:0", "attention": "math",
     "cache": "teacache:0.2", "thinker": "hf", "offload": "components", "quant": "int8-dynamic",
-    "attention_per_role": "joint=math", "malloc_mmap_threshold": "2097152", "policy": "edf",
+    # policy: not the default, which is edf for a bare `omnidit serve` (it serves the reach policy too)
+    "attention_per_role": "joint=math", "malloc_mmap_threshold": "2097152", "policy": "fifo",
     "autoscaling": json.dumps({"upscale_delay_s": 5}), "cpu_linear": "aten",
     "lora_dir": "{tmp}", "lora_admins": "alice,bob", "lora": "style={tmp}/style.safetensors",
 }

@@ -2,6 +2,7 @@
 // they name. Shared by the tabs.
 
 import { el } from "./dom.js";
+import { explain } from "./errors.js";
 
 /** A labelled control (``input`` or ``textarea``) with its error line; returns {wrap, input, error}. */
 export function field(id, label, tag = "input", attrs = {}) {
@@ -23,26 +24,29 @@ export class FormErrors {
   clear() {
     for (const { input, inputs, error } of Object.values(this.fields)) {
       error.textContent = "";
+      delete error.dataset.detail;
       for (const node of [input, ...Object.values(inputs || {})]) node?.removeAttribute("aria-invalid");
     }
     this.general.textContent = "";
+    delete this.general.dataset.detail;
   }
 
-  /** Show ``err`` (an ApiError) next to the field its ``param`` names, else under the form. */
+  /** Show ``err`` (an ApiError) in words (errors.js) next to the field its ``param`` names, else under
+   * the form. The server's own wording stays on the line's ``data-detail``. Returns the line. */
   show(err) {
     const name = this.paramToField[err.param] || err.param;
     const target = this.fields[name];
-    if (!target) {
-      this.general.textContent = err.message;
-      return;
-    }
-    target.error.textContent = err.message;
+    const line = target ? target.error : this.general;
+    line.textContent = explain(err);
+    line.dataset.detail = err.message;
+    if (!target) return line;
     // a field of several inputs (size: width and height) marks the one the server named
     const input = (target.inputs && target.inputs[err.param]) || target.input;
     if (input) {
       input.setAttribute("aria-invalid", "true");
       input.focus();
     }
+    return line;
   }
 }
 

@@ -2,6 +2,7 @@
 // Tabs of every output kind share it; a tab only decides what an output looks like.
 
 import { el } from "./dom.js";
+import { explain } from "./errors.js";
 
 let counter = 0;
 
@@ -38,7 +39,7 @@ export class Job {
         if (event.type === "progress") {
           this.progress(event.step, event.total);
         } else if (event.type === "error") {
-          this.fail(event.error.message);
+          this.fail(explain(event.error));
           return shown;
         } else {
           this.output(render(event));

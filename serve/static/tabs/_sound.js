@@ -23,13 +23,14 @@ export class SoundForm {
     const number = (attrs = {}) => ({ type: "number", inputmode: "numeric", step: "1", min: "1", ...attrs });
     const f = (this.f = {
       model: field("sound-model", "Model", "select"),
-      prompt: field("sound-prompt", "Prompt", "textarea", { rows: "2", placeholder: "rain on a roof" }),
+      prompt: field("sound-prompt", "Prompt", "textarea", { rows: "2" }),
       negative: field("sound-negative", "Negative prompt (optional)", "textarea", { rows: "1" }),
       seconds: field("sound-seconds", "Seconds", "input", number({ step: "any", min: "0", inputmode: "decimal" })),
       steps: field("sound-steps", "Steps", "input", number()),
       guidance: field("sound-guidance", "Guidance", "input", number({ step: "0.1", min: "0", inputmode: "decimal" })),
       seed: field("sound-seed", "Seed (empty: random)", "input", number({ min: "0" })),
     });
+    f.prompt.input.value = "rain on a roof"; // a working request as the page opens
     setOptions(f.model.input, models.map((m) => [m.id, m.id]));
     f.model.input.addEventListener("change", () => this.loadModel());
     this.general = el("p", { class: "field-error", id: "sound-form-error", role: "alert" });

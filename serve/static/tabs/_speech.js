@@ -10,6 +10,7 @@ import { fromBase64, mediaFigure, wavBlob } from "../media.js";
 
 // the server's ``param`` names -> this form's fields
 const PARAMS = { input: "text", voice: "voice", speed: "speed", seed: "seed", model: "model" };
+const EXAMPLE_TEXT = "three one four"; // words the embedded tts model speaks
 
 export class SpeechForm {
   /** ``models``: the server's speech models, each with its ``details`` (GET /v1/models/{id}). */
@@ -19,7 +20,7 @@ export class SpeechForm {
     this.onAuthError = onAuthError;
     const f = (this.f = {
       model: field("speech-model", "Model", "select"),
-      text: field("speech-text", "Text", "textarea", { rows: "2", placeholder: "three one four", "aria-describedby": "speech-text-hint" }),
+      text: field("speech-text", "Text", "textarea", { rows: "2", "aria-describedby": "speech-text-hint" }),
       voice: field("speech-voice", "Voice", "select"),
       speed: field("speech-speed", "Speed", "select"),
       seed: field("speech-seed", "Seed (empty: random)", "input", { type: "number", inputmode: "numeric", step: "1", min: "0" }),
@@ -27,6 +28,7 @@ export class SpeechForm {
     this.hint = el("p", { class: "hint", id: "speech-text-hint" });
     f.text.wrap.insertBefore(this.hint, f.text.error);
     setOptions(f.model.input, models.map((m) => [m.id, m.id]));
+    f.text.input.value = EXAMPLE_TEXT; // a working request as the page opens: press Speak
     f.model.input.addEventListener("change", () => this.loadModel());
     this.general = el("p", { class: "field-error", id: "speech-form-error", role: "alert" });
     const title = el("h2", { id: "speech-title", text: "Text to speech" });
@@ -54,9 +56,18 @@ export class SpeechForm {
       [name, about ? `${name} (${about})` : name]));
     setOptions(this.f.speed.input, (d.speeds || [1]).map((s) => [s, `${s}x`]), 1);
     const words = d.words || [];
+    this.exampleFor(words);
     this.hint.textContent = words.length
       ? `Words this model speaks: ${words.join(", ")}; at most ${d.max_words} words.`
       : "";
+  }
+
+  /** While the text is an untouched example, keep it to words the chosen model speaks. */
+  exampleFor(words) {
+    const text = this.f.text.input;
+    if (text.value !== (this.example ?? EXAMPLE_TEXT) || !words.length) return;
+    const fits = EXAMPLE_TEXT.split(" ").every((w) => words.includes(w));
+    this.example = text.value = fits ? EXAMPLE_TEXT : words.slice(0, 3).join(" ");
   }
 
   body() {

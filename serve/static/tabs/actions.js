@@ -159,7 +159,8 @@ class RobotTab {
     // the server's error frame names a field first ("num_inference_steps=0 is invalid: ...")
     const text = e.message.replace(/^The server stopped the episode: /, "");
     const param = e.param || Object.keys(PARAMS).find((p) => text.startsWith(`${p}=`) || text.startsWith(`${p}:`));
-    this.errors.show({ message: e.message, param });
+    const line = this.errors.show({ message: text, param });
+    if (text !== e.message) line.textContent = `The server stopped the episode. ${line.textContent}`;
   }
 
   async episode(form, run) {

@@ -3,6 +3,7 @@
 // the MP4 (GET /v1/videos/{id}/content) when it is done. Cancel deletes the job, which aborts it.
 
 import { el } from "../dom.js";
+import { explain } from "../errors.js";
 import { field, FormErrors, loadModelLimits, onSubmit, sizeFieldset } from "../form.js";
 import { Job } from "../jobs.js";
 import { mediaFigure } from "../media.js";
@@ -15,6 +16,7 @@ const PARAMS = {
 };
 const POLL_MS = 250; // unless the server's openai-poll-after-ms says otherwise
 const SHOWN_PX = 160; // small videos are shown enlarged (pixelated) to at least this size
+const EXAMPLE_PROMPT = "a 3 moving left"; // what the embedded digits_video model makes; any model takes it
 
 export default {
   kind: "video",
@@ -32,7 +34,7 @@ class VideoTab {
     const number = (attrs = {}) => ({ type: "number", inputmode: "numeric", step: "1", ...attrs });
     const f = (this.f = {
       model: field("video-model", "Model", "select"),
-      prompt: field("video-prompt", "Prompt", "textarea", { rows: "2", placeholder: "a 3 moving left" }),
+      prompt: field("video-prompt", "Prompt", "textarea", { rows: "2" }),
       negative: field("video-negative", "Negative prompt (optional)", "textarea", { rows: "1" }),
       frames: field("video-frames", "Frames", "input", number({ min: "1", "aria-describedby": "video-frames-hint" })),
       fps: field("video-fps", "Frames per second", "input", number({ min: "1", max: "120" })),
@@ -42,6 +44,7 @@ class VideoTab {
     });
     this.framesHint = el("p", { class: "hint", id: "video-frames-hint" });
     f.frames.wrap.insertBefore(this.framesHint, f.frames.error);
+    f.prompt.input.value = EXAMPLE_PROMPT; // a working request as the page opens: press Generate video
     for (const m of models) f.model.input.append(el("option", { value: m.id, text: m.id }));
     f.model.input.addEventListener("change", () => this.loadModel());
     const submit = el("button", { type: "submit", class: "primary", text: "Generate video" });
@@ -112,7 +115,7 @@ class VideoTab {
     try {
       while (!state.cancelled) {
         if (video.status === "completed") return this.show(video, job);
-        if (video.status === "failed") return job.fail(video.error?.message || "The video could not be made.");
+        if (video.status === "failed") return job.fail(video.error ? explain(video.error) : "The video could not be made.");
         if (video.status === "in_progress") job.progress(video.progress, 100, steps ? `${video.progress}% of ${steps} steps` : `${video.progress}%`);
         const response = await this.api.fetch(`v1/videos/${video.id}`);
         const wait = Number(response.headers.get("openai-poll-after-ms")) || POLL_MS;
