@@ -25,7 +25,9 @@ Ratios are medians of the per-round ratios, spreads (max - min) / median:
 = engine_grouped / engine_mixed; ``lora_overhead`` = engine_mixed / engine_none transformer time
 per step (forward hooks included; the text encoders and VAE are outside it). Correctness: every
 request's image from ``engine_mixed`` against diffusers' (``outputs_match_diffusers``: <= 1e-4, as
-tests/test_lora.py) and against the engine running it alone (``mixed_equals_solo``: <= 1e-5). Then the
+tests/test_lora.py) and against the engine running it alone (``mixed_equals_solo``: <= 1e-5; at 256x256
+the engine's own batch of 16 differs from a request alone by up to 1.0e-5 with no adapter at all,
+GEMMs blocked by batch size, so that size sits at the floor of the tolerance: 1.4e-5 there). Then the
 shipped digits adapter (dit_core/zoo/digits_lora) on the digits model: ``digits_lora_style_shift``
 (ink fraction with / without) and ``digits_lora_adherence`` (dit_core.eval.digits_style).
 Writes results/lora.json (``--quick``: results/lora_quick.json, 64x64 only, 4 steps).
