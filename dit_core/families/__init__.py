@@ -21,6 +21,7 @@ from .sd3 import SD3Family
 from .speech import SpeechFamily
 from .stable_audio import StableAudioFamily
 from .wan import WanFamily
+from .wan_i2v import WanI2VFamily
 
 # A checkpoint may declare its own serving defaults (any SamplingParams fields) under this key of
 # model_index.json; diffusers ignores keys that start with "_".
@@ -36,7 +37,7 @@ def register(cls: type[Family]) -> type[Family]:
 
 
 for _cls in (FluxFamily, FluxKontextFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily,
-             Pi0Family):
+             Pi0Family, WanI2VFamily):
     register(_cls)
 
 

@@ -50,12 +50,15 @@ class WanFamily(DiffusersFamily):
                     max_sequence_length=512)
     max_text_tokens = 512
     decode_pixel_budget = 1 << 24
+    takes_image = False  # image-to-video (wan_i2v.py): the transformer also takes the input image
 
     def __init__(self, components: dict[str, Any], dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
         checkpoint = checkpoint or {}
-        if self.transformer.config.image_dim is not None or self.transformer.config.added_kv_proj_dim is not None:
-            raise UnknownModelError("image-to-video Wan checkpoints are not supported (text-to-video only)")
+        if not self.takes_image and (self.transformer.config.image_dim is not None
+                                     or self.transformer.config.added_kv_proj_dim is not None):
+            raise UnknownModelError("this WanPipeline checkpoint's transformer takes image tokens: image-to-video "
+                                    "checkpoints are served as WanImageToVideoPipeline folders")
         # (a parallel worker loads no text encoder: it only runs the transformer)
         self.tokenizer, self.text_encoder = components["tokenizer"], components.get("text_encoder")
         self.t_scale = self.vae.config.scale_factor_temporal
@@ -84,7 +87,8 @@ class WanFamily(DiffusersFamily):
     def describe(self) -> dict:
         return {**super().describe(), "size_multiple": self.size_multiple, "frame_step": self.t_scale * self.patch[0],
                 "frame_base": self.frame_base, "fps": self.fps,
-                "max_text_tokens": self.max_text_tokens, "max_side": 8192}
+                "max_text_tokens": self.max_text_tokens, "max_side": 8192,
+                "inputs": ["text", "image"] if self.takes_image else ["text"]}
 
     # ---- per request ----
 
@@ -128,6 +132,11 @@ class WanFamily(DiffusersFamily):
         return ((params.num_frames - 1) // self.t_scale + 1, params.height // self.s_scale,
                 params.width // self.s_scale)
 
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the denoised latents (WanPipeline: the transformer's input channels)."""
+        return self.transformer.config.in_channels
+
     def latent_tokens(self, params: SamplingParams) -> int:
         """Video tokens of one row: latent frames x patches per frame."""
         f, h, w = self.latent_shape(params)
@@ -158,7 +167,7 @@ class WanFamily(DiffusersFamily):
     def prepare(self, req: Request) -> None:
         p = req.params
         gen = torch.Generator("cpu").manual_seed(p.seed)
-        shape = (p.num_outputs, self.transformer.config.in_channels, *self.latent_shape(p))
+        shape = (p.num_outputs, self.latent_channels, *self.latent_shape(p))
         # the pipeline keeps Wan latents in float32 whatever the transformer's dtype
         req.latents = randn_tensor(shape, generator=gen, device=self.device, dtype=torch.float32)
         sampler = self.new_sampler()
@@ -192,7 +201,10 @@ class WanFamily(DiffusersFamily):
         latents = inputs["hidden_states"]
         rotary = tr.rope(latents)
         img = tr.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
-        temb, proj, txt, _ = tr.condition_embedder(inputs["timestep"], inputs["encoder_hidden_states"], None)
+        temb, proj, txt, image = tr.condition_embedder(inputs["timestep"], inputs["encoder_hidden_states"],
+                                                       inputs.get("encoder_hidden_states_image"))
+        if image is not None:  # image-to-video: the image tokens come first, as the transformer joins them
+            txt = torch.concat([image, txt], dim=1)
         grid = tuple(n // p for n, p in zip(latents.shape[2:], self.patch))
         return BlockInputs(img, txt, {"temb": temb, "proj": proj.unflatten(1, (6, -1))},
                            {"rotary": rotary, "grid": grid})

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 # family name -> module under dit_core.random_models that builds it
-BUILDERS = {"flux": "flux", "sd3": "sd3", "qwenimage": "qwenimage", "wan": "wan", "stable-audio": "stable_audio",
+BUILDERS = {"flux": "flux", "sd3": "sd3", "qwenimage": "qwenimage", "wan": "wan", "wan-i2v": "wan_i2v",
+            "stable-audio": "stable_audio",
             "pi0": "pi0"}
 SIZES = ("tiny", "small")  # every family has these; a family module's SIZES may add variants
 

@@ -1,5 +1,8 @@
-"""Wan attention: self attention over the video tokens (3D rotary), cross attention to the text.
-(diffusers' own Wan processor calls its dispatcher directly; ours goes through ``attention.attend``.)"""
+"""Wan attention: self attention over the video tokens (3D rotary), cross attention to the text,
+and for image-to-video checkpoints with an image encoder (``add_k_proj``) a second cross attention to
+the image tokens, added to the text one. (diffusers' own Wan processor calls its dispatcher directly;
+ours goes through ``attention.attend``. diffusers finds the image tokens as all but the last 512
+context tokens; ours takes their count, so any text length splits right.)"""
 
 from __future__ import annotations
 
@@ -17,15 +20,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class WanProcessor:
-    def __init__(self, backends: dict[str, Backend]):
+    def __init__(self, backends: dict[str, Backend], image_tokens: int | None = None):
         self.backends = backends
+        self.image_tokens = image_tokens  # leading context tokens that are the image's (image-to-video)
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb=None) -> torch.Tensor:
         if attention_mask is not None:
             raise ValueError("Wan attention takes no attention_mask (text is zero-padded to a fixed length)")
+        image = None
         if attn.add_k_proj is not None:
-            raise ValueError("image-conditioned Wan checkpoints (I2V) are not supported")
+            if self.image_tokens is None:
+                raise ValueError("this Wan transformer takes image tokens: serve it as an image-to-video model")
+            image = encoder_hidden_states[:, :self.image_tokens]
+            encoder_hidden_states = encoder_hidden_states[:, self.image_tokens:]
         cross = encoder_hidden_states is not None
         context = encoder_hidden_states if cross else hidden_states
         if attn.fused_projections:
@@ -41,4 +49,12 @@ class WanProcessor:
         if rotary_emb is not None:
             q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
         out = attend(q, k, v, self.backends["cross" if cross else "self"]).flatten(2, 3).type_as(q)
+        if image is not None:
+            if attn.fused_projections:
+                k_img, v_img = attn.to_added_kv(image).chunk(2, dim=-1)
+            else:
+                k_img, v_img = attn.add_k_proj(image), attn.add_v_proj(image)
+            k_img = attn.norm_added_k(k_img).unflatten(2, (attn.heads, -1))
+            v_img = v_img.unflatten(2, (attn.heads, -1))
+            out = out + attend(q, k_img, v_img, self.backends["cross"]).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))

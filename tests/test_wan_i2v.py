@@ -1,0 +1,180 @@
+"""Wan image-to-video: a single request equals diffusers' WanImageToVideoPipeline (with a CLIP image encoder,
+as Wan 2.1 I2V, and without one) for the same seed (fp32, <= 1e-4); requests with different images share
+forwards and each gets what it gets alone (<= 1e-5), with and without step caches; the defaults and the
+bad inputs; and ``input_reference`` on POST /v1/videos through the ``openai`` client."""
+
+import functools
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+from dit_core import Engine, InvalidParamError, SamplingParams
+from dit_core.errors import UnknownModelError
+from dit_core.random_models import build
+from helpers import assert_finished, run_staggered
+
+PROMPT = "the cat turns its head"
+
+
+def picture(seed: int, h: int = 40, w: int = 56) -> PIL.Image.Image:
+    """A smooth picture with texture, of another size and aspect ratio than the output (so it is resized)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    img = np.stack([x / w, y / h, 0.5 + 0.5 * np.sin(x / (2.0 + seed)) * np.cos(y / 5.0)], axis=-1)
+    return PIL.Image.fromarray((np.clip(img + 0.1 * rng.standard_normal((h, w, 3)), 0, 1) * 255).astype(np.uint8))
+
+
+def vparams(**kw) -> SamplingParams:
+    for key, value in dict(height=32, width=48, num_frames=9, num_inference_steps=3, output_type="pt").items():
+        kw.setdefault(key, value)
+    return SamplingParams(**kw)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan-i2v")
+    return {size: build("wan-i2v", size, root / size) for size in ("tiny", "tiny-noencoder")}
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    return {size: Engine.from_pretrained(path, max_batch_size=8) for size, path in models.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline(path):
+    pipe = DiffusionPipeline.from_pretrained(path)
+    assert type(pipe).__name__ == "WanImageToVideoPipeline"
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture
+def stock(monkeypatch):
+    """diffusers' I2V module calls ftfy without checking it is installed (its T2V module checks, with an
+    otherwise identical prompt_clean, which the engine uses): the T2V one stands in where ftfy is missing."""
+    if not pipeline_wan.is_ftfy_available():
+        monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+    return lambda path: pipeline(str(path))
+
+
+# Wan 2.1 I2V's layout needs 512 text tokens in diffusers (its attention takes all but the last 512
+# context tokens as the image's); without an image encoder any text length works.
+CASES = {"cfg": ("tiny", dict(guidance_scale=5.0, max_sequence_length=512)),
+         "cfg-negative": ("tiny", dict(guidance_scale=3.0, negative_prompt="blurry", max_sequence_length=512)),
+         "no-cfg": ("tiny", dict(guidance_scale=1.0, max_sequence_length=512)),
+         "no-encoder-two-outputs": ("tiny-noencoder", dict(guidance_scale=4.0, max_sequence_length=16,
+                                                          num_outputs=2))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_single_request_equals_the_pipeline(case, models, engines, stock):
+    size, kw = CASES[case]
+    kw = dict(kw)
+    n = kw.pop("num_outputs", 1)
+    image = picture(1)
+    ref = stock(models[size])(image=image, prompt=PROMPT, height=32, width=48, num_frames=9, num_inference_steps=3,
+                              num_videos_per_prompt=n, generator=torch.Generator().manual_seed(7), output_type="pt",
+                              **kw).frames
+    out = torch.stack(engines[size].generate(PROMPT, vparams(image=image, seed=7, num_outputs=n, **kw)))
+    assert out.shape == ref.shape == (n, 9, 3, 32, 48)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def mixed(seq: int) -> list:
+    return [(PROMPT, vparams(image=picture(1), seed=1, num_inference_steps=5, guidance_scale=5.0,
+                             max_sequence_length=seq)),
+            ("a dog runs", vparams(image=picture(2), seed=2, num_inference_steps=3, guidance_scale=1.0,
+                                   max_sequence_length=seq)),
+            ("waves", vparams(image=np.asarray(picture(3)), seed=3, num_inference_steps=4, guidance_scale=3.0,
+                              negative_prompt="dark", num_outputs=2, max_sequence_length=seq))]
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-noencoder"])
+def test_requests_with_different_images_do_not_depend_on_their_batchmates(size, engines):
+    engine = engines[size]
+    specs = mixed(16)
+    alone = [assert_finished(run_staggered(engine, [s], arrivals=[0])[0][0]) for s in specs]
+    assert (alone[0] - alone[1]).abs().max().item() > 1e-2  # the images (and prompts) matter
+    images, calls = engine.stats.images_encoded, engine.stats.vae_encodes
+    finals, sizes = run_staggered(engine, specs, arrivals=[0, 1, 1])
+    assert max(sizes) == 3  # all three shared forwards, at different steps
+    # the two admitted together were VAE-encoded in one call (the engine's stats count it)
+    assert (engine.stats.images_encoded - images, engine.stats.vae_encodes - calls) == (3, 2)
+    for i in range(len(specs)):
+        got = assert_finished(finals[i])
+        assert got.shape == alone[i].shape
+        assert (got - alone[i]).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_the_image_conditions_the_video(engines):
+    """Same prompt and seed, another first frame: another video, whose first frame follows its image."""
+    engine = engines["tiny"]
+    a = torch.stack(engine.generate(PROMPT, vparams(image=picture(1), seed=4, max_sequence_length=16)))
+    b = torch.stack(engine.generate(PROMPT, vparams(image=picture(5), seed=4, max_sequence_length=16)))
+    assert (a - b).abs().max().item() > 1e-2
+
+
+def test_rows_count_the_image_tokens(engines):
+    family = engines["tiny"].family
+    req = engines["tiny"].make_request(PROMPT, vparams(image=picture(1), seed=1, max_sequence_length=16))
+    # 9 frames of 32 x 48: 3 latent frames of 4 x 6, patches of 1 x 2 x 2 -> 18 video tokens; CFG: 2 rows
+    assert family.image_tokens == 5 and req.tokens == 2 * (18 + 16 + 5)
+
+
+@pytest.mark.parametrize("spec", ["teacache:0", "fbcache:0"])
+def test_step_caches_at_threshold_zero_change_nothing(spec, models, engines):
+    specs = mixed(16)
+    plain, _ = run_staggered(engines["tiny"], specs, arrivals=[0, 1, 1])
+    cached = Engine.from_pretrained(models["tiny"], cache=spec)
+    got, sizes = run_staggered(cached, specs, arrivals=[0, 1, 1])
+    assert max(sizes) == 3
+    for i in range(len(specs)):
+        assert (assert_finished(got[i]) - assert_finished(plain[i])).abs().max().item() <= 1e-6
+
+
+def test_size_defaults_to_the_images_aspect_ratio_at_the_default_area(engines):
+    family = engines["tiny"].family
+    image = picture(1, h=300, w=400)  # 3:4
+    p = family.resolve(SamplingParams(image=image))
+    # the pipeline's example: round(sqrt(480 * 832 * 3 / 4)) // 16 * 16 = 544, round(sqrt(480 * 832 * 4 / 3)) = 729
+    assert (p.height, p.width) == (544, 720) and (p.num_frames, p.num_inference_steps) == (81, 50)
+    p = family.resolve(SamplingParams(image=image, height=96))
+    assert (p.height, p.width) == (96, 128)
+    p = family.resolve(SamplingParams(image=image, width=64))
+    assert (p.height, p.width) == (48, 64)
+    assert family.describe()["inputs"] == ["text", "image"]
+
+
+@pytest.mark.parametrize("kw,field", [(dict(), "image"), (dict(image=[picture(1), picture(2)]), "image"),
+                                      (dict(image=picture(1), strength=0.5), "strength"),
+                                      (dict(image=picture(1), mask=PIL.Image.new("L", (56, 40))), "mask"),
+                                      (dict(image=picture(1), height=40), "height")])
+def test_bad_inputs_name_the_field(kw, field, engines):
+    with pytest.raises(InvalidParamError) as e:
+        engines["tiny"].make_request(PROMPT, SamplingParams(num_frames=9, **kw))
+    assert e.value.field == field
+
+
+def test_text_to_video_models_refuse_an_image(wan_tiny):
+    engine = Engine.from_pretrained(wan_tiny)
+    with pytest.raises(InvalidParamError) as e:
+        engine.make_request(PROMPT, SamplingParams(image=picture(1)))
+    assert e.value.field == "image"
+    assert engine.family.describe()["inputs"] == ["text"]
+
+
+def test_a_mismatched_checkpoint_is_refused(models, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "ti2v"
+    shutil.copytree(models["tiny-noencoder"], folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    with pytest.raises(UnknownModelError, match="expand_timesteps"):
+        Engine.from_pretrained(folder)
