@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .cli_engine_args import add_engine_args, engine_kwargs, parse_size, resolve_model
+from .cli_help import DOCS, group_flags
 from .cli_lora import add_generate_lora_args, add_serve_lora_args, load_generate_loras, serve_lora_settings
 from .cli_tools import add_model_tools
 from .cli_train import add_training_commands
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_training_commands(sub)
     add_model_tools(sub)
+    for name, command in sub.choices.items():  # --help: argument groups, a brief line per flag, the docs' page
+        group_flags(command, name)
+    parser.epilog = f"Every command and flag in full: {DOCS}."
     return parser
 
 
