@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from dit_core import AsyncEngine
 
-from . import openapi, playground
+from . import image_uploads, openapi, playground
 from .auth import ApiKeyMiddleware, KeyRing
 from .client import EngineClient, LocalEngineClient
 from .errors import count_error, error_response, install_handlers
@@ -22,7 +22,8 @@ from .memory import MemoryKeeper
 from .models import served_models
 from .readiness import Readiness
 from .robot_limits import SessionSlots, default_max_sessions
-from .routes import audio, images, robot, speech, stats, system, videos
+from .image_uploads import DEFAULT_MAX_PIXELS
+from .routes import audio, edits, images, robot, speech, stats, system, videos
 from .routes import loras
 from .traffic import CountMiddleware
 from .video_jobs import VideoJobStore
@@ -39,6 +40,9 @@ class ServeSettings:
     api_keys_file: str | None = None
     max_queue: int = 64  # waiting (not yet admitted) requests before 429
     max_body_bytes: int = 1 << 20
+    # the upload routes (UPLOAD_PATHS: multipart image files) take bodies up to this instead of max_body_bytes
+    max_upload_bytes: int = 32 << 20
+    max_image_pixels: int = DEFAULT_MAX_PIXELS  # an uploaded image's pixels (header-checked before decode)
     max_prompt_chars: int = 4000
     file_ttl_s: float = 3600.0
     max_files: int = 256
@@ -82,6 +86,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     see ``serve.ray_app``). With ``owns_engine`` the app shuts the engine down when it stops."""
     settings = settings or ServeSettings()
     robot.check_settings(settings)
+    image_uploads.check_settings(settings)
     keys = KeyRing.from_settings(settings)  # before the engine work below: a bad key file fails at once
     client = engine if isinstance(engine, EngineClient) else LocalEngineClient(engine)
     if isinstance(client, LocalEngineClient):
@@ -120,6 +125,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     app.state.speech = client.speech if isinstance(client, LocalEngineClient) else {}
     install_handlers(app)
     app.include_router(images.router)
+    app.include_router(edits.router)
     app.include_router(audio.router)
     app.include_router(speech.router)
     app.include_router(system.router)
@@ -128,7 +134,8 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     playground.install(app)
     app.include_router(videos.router)
     app.include_router(robot.router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       per_path={path: settings.max_upload_bytes for path in UPLOAD_PATHS})
     if settings.max_inflight_per_client:
         app.add_middleware(ClientLimitMiddleware, max_inflight=settings.max_inflight_per_client,
                            retry_after_s=settings.retry_after_s)
@@ -139,23 +146,28 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     return app
 
 
+UPLOAD_PATHS = (edits.PATH,)  # routes that take image files: their bodies are bounded by max_upload_bytes
+
+
 class BodyLimitMiddleware:
-    """413 for request bodies over ``max_bytes``, declared (Content-Length) or streamed (chunked).
+    """413 for request bodies over ``max_bytes`` (``per_path``: another limit for some paths), declared
+    (Content-Length) or streamed (chunked).
 
     A chunked body's size is known only once it is read, so it is read here, up to the limit, before
     the app sees it (then replayed to it): one past the limit is answered 413 at once, never handed to a
     route (FastAPI would turn an error raised while it parses a body into its own 400)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, per_path: dict[str, int] | None = None):
+        self.app, self.max_bytes, self.per_path = app, max_bytes, per_path or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.per_path.get(scope.get("path"), self.max_bytes)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._too_large(scope, receive, send, limit)
         if declared is not None or b"transfer-encoding" not in headers:  # the server reads no more than declared
             return await self.app(scope, receive, send)
         read, size = [], 0
@@ -165,8 +177,8 @@ class BodyLimitMiddleware:
             if message["type"] != "http.request":  # the client went away: the app sees that too
                 break
             size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return await self._too_large(scope, receive, send)
+            if size > limit:
+                return await self._too_large(scope, receive, send, limit)
             if not message.get("more_body", False):
                 break
 
@@ -175,8 +187,8 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, scope, receive, send):
+    async def _too_large(self, scope, receive, send, limit: int):
         count_error(scope.get("app"), "body_too_large")
-        response = error_response(413, f"request body is larger than {self.max_bytes} bytes",
+        response = error_response(413, f"request body is larger than {limit} bytes",
                                   "invalid_request_error", None, "body_too_large")
         await response(scope, receive, send)

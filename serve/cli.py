@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
     gen.add_argument("--seconds", type=float, default=None,
                      help="audio models: clip length in seconds (default: the model's maximum)")
+    gen.add_argument("--image", default=None, metavar="PATH",
+                     help="image models: start from this picture (image-to-image; PNG, JPEG, WebP, GIF or BMP); the "
+                          "size defaults to its own, rounded down to the model's multiple")
+    gen.add_argument("--mask", default=None, metavar="PATH",
+                     help="with --image: repaint only where this picture is white (read as grayscale, white = "
+                          "repaint, black = keep, as diffusers' inpaint pipelines take it; resized to the output "
+                          "size like the image)")
+    gen.add_argument("--strength", type=float, default=None,
+                     help="with --image: the fraction of the denoising schedule to run, in (0, 1] (default 0.6)")
     add_generate_lora_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -99,7 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for admission before 429 + Retry-After; a robot observation then gets a "
                           "'queue_full' error frame and its session stays open (default 64)")
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                     help="larger bodies get 413 (default 1 MiB); the image upload route has its own limit, "
+                          "--max-upload-bytes")
+    srv.add_argument("--max-upload-bytes", type=int, default=32 << 20,
+                     help="larger bodies of POST /v1/images/edits (multipart image files) get 413 (default 32 MiB)")
+    srv.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                     help="an input image (upload, or an earlier output named by its file id) of more pixels is a "
+                          "400 naming the field, checked from the file's header before it is decoded: a "
+                          "decompression bomb costs nothing (default 4096 x 4096 = 16777216; at most 8192 x 8192)")
     srv.add_argument("--max-prompt-chars", type=int, default=4000, help="longer prompts get 400 (default 4000)")
     srv.add_argument("--max-inflight-per-client", type=int, default=64,
                      help="POST requests in flight plus WebSocket (robot) sessions open that one client address may "
@@ -183,6 +200,7 @@ def cmd_generate(args) -> int:
     if args.model is None and len(args.prompt) > 1 and (Path(args.prompt[0]) / "model_index.json").is_file():
         args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
+    args.image_inputs = read_image_inputs(args)  # (--image, --mask: a bad file fails before the model loads)
     engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
     try:
         args.loras = load_generate_loras(engine, args)  # (--lora: the requests' SamplingParams.loras)
@@ -205,9 +223,11 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
         from dit_core.errors import InvalidParamError
 
         raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
+    image, mask = args.image_inputs
     ids = []
     for i, prompt in enumerate(args.prompt):
         params = SamplingParams(height=height, width=width, num_inference_steps=args.steps,
+                                image=image, mask=mask, strength=args.strength,
                                 audio_end_in_s=args.seconds,
                                 seed=None if args.seed is None else args.seed + i,
                                 guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
@@ -241,6 +261,28 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
     return 0
 
 
+def read_image_inputs(args):
+    """``--image`` (as RGB) and ``--mask`` (grayscale, white = repaint), read as the server reads uploads
+    (serve.image_uploads: same formats and conversions) but without its pixel limit."""
+    from dit_core.errors import InvalidParamError
+
+    from .errors import APIError
+    from .image_uploads import MAX_PIXELS_LIMIT, decode_gray, decode_image
+
+    inputs = []
+    for flag, path, decode in (("--image", args.image, decode_image), ("--mask", args.mask, decode_gray)):
+        if path is None:
+            inputs.append(None)
+            continue
+        try:
+            inputs.append(decode(flag, Path(path).read_bytes(), MAX_PIXELS_LIMIT))
+        except OSError as e:
+            raise InvalidParamError(flag, path, f"a readable image file ({e.strerror})") from None
+        except APIError as e:
+            raise InvalidParamError(flag, path, f"a picture this command reads: {e.message}") from None
+    return tuple(inputs)
+
+
 def cmd_serve(args) -> int:
     from .app import ServeSettings
     from .server import serve
@@ -250,6 +292,7 @@ def cmd_serve(args) -> int:
     keys_file = os.path.abspath(args.api_keys_file) if args.api_keys_file else None
     settings = ServeSettings(api_key=args.api_key, api_keys_file=keys_file,
                              max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                             max_upload_bytes=args.max_upload_bytes, max_image_pixels=args.max_image_pixels,
                              max_prompt_chars=args.max_prompt_chars, file_ttl_s=args.file_ttl,
                              max_files=args.max_files, max_file_bytes=args.max_file_bytes,
                              request_timeout_s=args.request_timeout, video_dir=args.video_dir,

@@ -51,6 +51,20 @@ def resolve_model(state, requested: str | None, kind: str, check=None, accepts: 
     return ids[requested]
 
 
+# the input kinds (GET /v1/models/{id}: ``inputs``) that let a model take each request field
+FIELD_KINDS = {"image": ("image", "reference_images"), "mask": ("mask",)}
+
+
+def check_inputs(state, model: str, fields: list[str]) -> None:
+    """400 naming the first of the request's input ``fields`` (``image``, ``mask``) that ``model`` does
+    not take, checked before anything is decoded."""
+    takes = state.client.models[model].describe().get("inputs", ["text"])
+    for name in fields:
+        if not set(FIELD_KINDS[name]) & set(takes):
+            raise APIError(400, f"model {public_id(state, model)!r} takes no {name} (its inputs: {takes}; see "
+                                f"GET /v1/models/{{id}})", "invalid_request_error", name, "unsupported_input")
+
+
 def public_id(state, name: str) -> str:
     """The id clients see for the engine model ``name`` (``--model-name`` renames a single model)."""
     return next(public for public, engine_name in state.model_ids.items() if engine_name == name)

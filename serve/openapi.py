@@ -8,7 +8,8 @@ replaces ``app.openapi`` with one that post-processes FastAPI's schema:
 * every error status a route can answer (what its decorator declares, ``responses=errors(...)``, and
   what the middleware adds: serve.route_errors), each with the OpenAI error body (``ErrorResponse``);
 * the real media types of non-JSON answers (``MEDIA``);
-* request bodies of routes that read their body themselves (the video routes take JSON or a form);
+* request bodies of routes that read their body themselves (the video routes take JSON or a form; the
+  image edits route a multipart form with files);
 * the server's own limits where a field carries one (the prompt length).
 
 A route added later declares its error statuses on its decorator (tests/test_route_errors.py checks
@@ -25,7 +26,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from .route_errors import REASONS, middleware_errors
-from .routes import audio, speech
+from .routes import audio, edits, speech
 from .routes.videos import VideoCreateRequest
 
 ERROR_SCHEMA = {
@@ -52,8 +53,9 @@ MEDIA = {
     ("post", "/v1/audio/generate"): AUDIO,
     ("post", "/v1/audio/speech"): (*AUDIO, "text/event-stream"),
     ("post", "/v1/images/generations"): ("application/json", "text/event-stream"),
+    ("post", edits.PATH): ("application/json", "text/event-stream"),
 }
-GENERATION = {"/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/audio/generate", "/v1/audio/speech"}
+GENERATION = {"/v1/images/generations", edits.PATH, "/v1/videos", "/v1/videos/sync", "/v1/audio/generate", "/v1/audio/speech"}
 # (method, path) of downloads that answer Range requests (serve/file_stream.py): 206 too (416: their errors)
 RANGED = {("get", "/v1/videos/{video_id}/content")}
 # links for stateful testing and for readers: (method, path) of a creating operation -> the operations
@@ -62,6 +64,8 @@ LINKS = {("post", "/v1/videos"): [("get", "/v1/videos/{video_id}"), ("get", "/v1
                                   ("delete", "/v1/videos/{video_id}")]}
 # routes that read and validate their body themselves: path -> pydantic model of the JSON body
 MANUAL_BODIES: dict[str, type] = {"/v1/videos": VideoCreateRequest, "/v1/videos/sync": VideoCreateRequest}
+# routes that read a multipart form with files themselves: path -> its JSON Schema (a component by its title)
+FORM_BODIES = {edits.PATH: edits.form_schema}
 
 
 def _media_schema(media_type: str) -> dict:
@@ -102,6 +106,13 @@ def build_schema(app: FastAPI, open_paths: tuple = ("/health",)) -> dict:
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
+    for path, make in FORM_BODIES.items():
+        form = make()
+        components[form["title"]] = form
+        ref = {"$ref": f"#/components/schemas/{form['title']}"}
+        op = schema.get("paths", {}).get(path, {}).get("post")
+        if op is not None:
+            op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": ref}}}
     paths = schema.get("paths", {})
     for path, ops in paths.items():
         for method, op in ops.items():

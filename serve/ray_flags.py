@@ -64,6 +64,7 @@ REACH: dict[str, Reach] = {
     "api_key": _settings("api_key"), "api_keys_file": _settings("api_keys_file"),
     "max_queue": _settings("max_queue"),
     "max_body_bytes": _settings("max_body_bytes"), "max_prompt_chars": _settings("max_prompt_chars"),
+    "max_upload_bytes": _settings("max_upload_bytes"), "max_image_pixels": _settings("max_image_pixels"),
     "max_inflight_per_client": _settings("max_inflight_per_client"),
     "max_pixel_steps": _settings("max_pixel_steps"), "max_steps": _settings("max_steps"),
     "file_ttl": _settings("file_ttl_s"), "max_files": _settings("max_files"),

@@ -61,16 +61,17 @@ def json_int(ge: int, le: int):
     return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
 
 
-class ImageGenerationRequest(BaseModel):
-    """OpenAI's images.generate body, plus omnidit's extension fields. Unknown fields are errors."""
+class ImageRequestFields(BaseModel):
+    """What the image routes share: OpenAI's fields, plus omnidit's extension fields. Unknown fields are
+    errors."""
 
-    # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1)
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    size: str | None = Field(None, description='"WIDTHxHEIGHT" (e.g. "512x512") or "auto"')
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" (e.g. "512x512") or "auto"; with an input image, '
+                                               "auto is the image's size rounded down to the model's multiple")
     response_format: Literal["b64_json", "url"] = "b64_json"
     user: str | None = None
     stream: bool = False
@@ -83,6 +84,9 @@ class ImageGenerationRequest(BaseModel):
     max_sequence_length: int | None = None
     use_cache: bool = True
     lora: LoraList = None
+    strength: float | None = Field(None, gt=0, le=1, description="with an input image: the fraction of the "
+                                                                 "schedule to run (diffusers' img2img strength; "
+                                                                 "default 0.6)")
 
     def size_pixels(self) -> tuple[int | None, int | None]:
         if self.size in (None, "auto"):
@@ -92,13 +96,31 @@ class ImageGenerationRequest(BaseModel):
             raise InvalidParamError("size", self.size, '"WIDTHxHEIGHT" such as "512x512", or "auto"')
         return int(parts[0]), int(parts[1])
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, image=None, mask=None) -> SamplingParams:
+        """The engine parameters; ``image`` and ``mask``: the decoded inputs (serve.image_uploads)."""
         width, height = self.size_pixels()
         return SamplingParams(loras=lora_pairs(self.lora), height=height, width=width,
                               num_inference_steps=self.num_inference_steps,
                               guidance_scale=self.guidance_scale, true_cfg_scale=self.true_cfg_scale,
                               negative_prompt=self.negative_prompt, seed=self.seed, num_outputs=self.n,
-                              max_sequence_length=self.max_sequence_length, use_cache=self.use_cache)
+                              max_sequence_length=self.max_sequence_length, use_cache=self.use_cache,
+                              image=image, mask=mask, strength=self.strength)
+
+
+class ImageGenerationRequest(ImageRequestFields):
+    """OpenAI's images.generate body, plus omnidit's extension fields (``image``: an earlier output)."""
+
+    # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    image: str | None = Field(None, min_length=1, description="an earlier output of this server to start from "
+                                                              "(image-to-image): the file id, or the url, that "
+                                                              "response_format=url answered with")
+
+
+class ImageEditRequest(ImageRequestFields):
+    """The text fields of ``POST /v1/images/edits`` (a multipart form: values arrive as strings, so
+    not strict: "2" is 2, "true" is true). The files (image, image[], mask) are read by the route."""
 
 
 class ImageData(BaseModel):

@@ -67,6 +67,11 @@ class Family(abc.ABC):
     # SamplingParams fields this family uses beyond COMMON_PARAMS; any other field set to a
     # non-default value is rejected by ``check_fields``, naming it.
     params_used: ClassVar[frozenset[str]] = frozenset()
+    # What ``image`` is to a family that takes one ("image" in params_used): False, a start image
+    # (image-to-image, inpainting); True, reference images it edits by instruction (FLUX Kontext,
+    # Qwen-Image-Edit). ``max_images``: how many one request's ``image`` may hold.
+    reference_images: ClassVar[bool] = False
+    max_images: ClassVar[int] = 1
     supports_step_cache: ClassVar[bool] = False  # True: exposes the block loop below
     thinker_component: ClassVar[str | None] = None  # the AR language model component, if any
     faults: Faults = NO_FAULTS  # the engine's fault-injection points (dit_core/faults.py); set by Engine
@@ -175,6 +180,16 @@ class Family(abc.ABC):
     def describe(self) -> dict:
         """What a client may ask of this model: kind, defaults and limits (``GET /v1/models/{id}``)."""
         return {"kind": self.output_kind, "family": self.name, "defaults": dict(self.checkpoint_defaults)}
+
+    def input_kinds(self) -> list[str]:
+        """What a request may carry (``GET /v1/models/{id}``: ``inputs``), read off ``params_used``:
+        ``text``, then ``image`` (a start image) or ``reference_images``, then ``mask``."""
+        kinds = ["text"]
+        if "image" in self.params_used:
+            kinds.append("reference_images" if self.reference_images else "image")
+        if "mask" in self.params_used:
+            kinds.append("mask")
+        return kinds
 
     def health(self) -> str | None:
         """None while the family can serve; else why not (its AR stage's engine process died: see

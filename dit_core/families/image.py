@@ -92,7 +92,10 @@ class DiffusersFamily(Family):
         self.transformer.set_attn_processor(self.attention_processor(backends))
 
     def describe(self) -> dict:
-        return {**super().describe(), "defaults": {**self.defaults, **self.checkpoint_defaults}}
+        """Adds ``inputs`` (``input_kinds``) and, for a family that takes images, ``max_images``."""
+        images = {"max_images": self.max_images} if "image" in self.params_used else {}
+        return {**super().describe(), "defaults": {**self.defaults, **self.checkpoint_defaults},
+                "inputs": self.input_kinds(), **images}
 
     # ---- text conditioning, once per request, batched, through the prompt cache ----
 
@@ -198,7 +201,7 @@ class ImageFamily(DiffusersFamily):
         min_steps = 2 if self.scheduler.config.get("shift_terminal") else 1
         return {**super().describe(), "size_multiple": self.size_multiple, "max_side": MAX_SIDE,
                 "max_text_tokens": self.max_text_tokens, "min_steps": min_steps, "max_steps": MAX_STEPS,
-                "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param, "inputs": self.input_kinds()}
+                "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param}
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         self.check_fields(params)
@@ -249,10 +252,6 @@ class ImageFamily(DiffusersFamily):
     def image_latents(self, sample: torch.Tensor) -> torch.Tensor:
         """A sample of the encoder's distribution -> the denoiser's latent space, [1, C, h, w]."""
         return scaled_latents(self.vae, sample)
-
-    def input_kinds(self) -> list[str]:
-        """What a request may carry besides its prompt (``GET /v1/models/{id}``)."""
-        return ["text"] + [k for k in ("image", "mask") if k in self.params_used]
 
     def row_tokens(self, prompt: str, params: SamplingParams, inputs: Any = None) -> int:
         """Tokens one forward row of this request costs (image + text), for the step budget."""

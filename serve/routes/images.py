@@ -1,4 +1,5 @@
-"""POST /v1/images/generations (JSON or Server-Sent Events) and GET /v1/files/{id}."""
+"""POST /v1/images/generations (JSON or Server-Sent Events) and GET /v1/files/{id}; ``generate`` runs and
+answers the requests of the image routes (generations here, edits in serve.routes.edits)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from dit_core.request import EventKind, RequestOutput
 
 from ..auth import owner_of
 from ..errors import STAGE_UNAVAILABLE, APIError, scrub
-from ..models import resolve_model
+from ..image_uploads import stored_image
+from ..models import check_inputs, resolve_model
 from ..files import png_bound
 from ..guards import Deadline, check_model_work, check_prompts, check_queue, faults_of, until_deadline, watch
-from ..schemas import ImageData, ImageGenerationRequest, ImagesResponse
+from ..schemas import ImageData, ImageGenerationRequest, ImageRequestFields, ImagesResponse
 from ..route_errors import errors
 
 router = APIRouter()
@@ -33,10 +35,21 @@ logger = logging.getLogger("omnidit.serve")
              responses=errors(400, 404, 429, 503, 504))
 async def create_image(body: ImageGenerationRequest, request: Request):
     state = request.app.state
-    settings, client = state.settings, state.client
     model = resolve_model(state, body.model, "image")
-    check_prompts(settings, body)
-    params = body.sampling_params()
+    check_prompts(state.settings, body)
+    image = None
+    if body.image is not None:  # an earlier output of the caller's, by its file id
+        check_inputs(state, model, ["image"])
+        image = await asyncio.to_thread(stored_image, state.files, owner_of(request), body.image,
+                                        state.settings.max_image_pixels)
+    return await generate(request, body, model, body.sampling_params(image=image))
+
+
+async def generate(request: Request, body: ImageRequestFields, model: str, params):
+    """Run an image request of the image routes (generations, edits) and answer it: JSON, or Server-Sent
+    Events with ``stream``; url images go to the file store as the caller's."""
+    state = request.app.state
+    settings, client = state.settings, state.client
     check_model_work(state, model, params)
     if body.response_format == "url":
         _check_file_store_fits(client, model, params, settings)
@@ -96,7 +109,7 @@ async def _until_final(client, rid, events, request: Request, deadline: Deadline
     return event
 
 
-async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, deadline: Deadline | None = None,
+async def _sse(state, rid, events, body: ImageRequestFields, base_url: str, deadline: Deadline | None = None,
                owner: str | None = None):
     """progress events, then one event per image, then [DONE]. Disconnecting aborts the request; so does
     the server's request timeout (an error event with code request_timeout)."""
@@ -115,7 +128,7 @@ async def _sse(state, rid, events, body: ImageGenerationRequest, base_url: str, 
     yield "data: [DONE]\n\n"
 
 
-async def _sse_event(state, rid, event, body: ImageGenerationRequest, base_url: str,
+async def _sse_event(state, rid, event, body: ImageRequestFields, base_url: str,
                      owner: str | None = None) -> list[str]:
     """The SSE chunks one engine event becomes."""
     if event.kind == EventKind.STEP:
@@ -143,7 +156,7 @@ def _sse_data(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _encode(output: RequestOutput, body: ImageGenerationRequest, files, base_url: str,
+def _encode(output: RequestOutput, body: ImageRequestFields, files, base_url: str,
             faults=NO_FAULTS) -> list[ImageData]:
     data = []
     for image in output.images:
