@@ -4,6 +4,7 @@ forwards and each gets what it gets alone (<= 1e-5), with and without step cache
 bad inputs; and ``input_reference`` on POST /v1/videos through the ``openai`` client."""
 
 import functools
+import io
 
 import numpy as np
 import PIL.Image
@@ -178,3 +179,117 @@ def test_a_mismatched_checkpoint_is_refused(models, tmp_path):
     (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
     with pytest.raises(UnknownModelError, match="expand_timesteps"):
         Engine.from_pretrained(folder)
+
+
+# ---- POST /v1/videos with input_reference, through the openai client ----
+
+FAST = {"num_frames": 9, "num_inference_steps": 2, "max_sequence_length": 16, "seed": 3}
+
+
+def png(image: PIL.Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def live(models, wan_tiny, tmp_path_factory):
+    from serve.app import ServeSettings
+    from test_serve import live_server
+
+    settings = ServeSettings(video_dir=str(tmp_path_factory.mktemp("videos")))
+    with live_server({"t2v": wan_tiny, "i2v": models["tiny"]}, settings, max_batch_size=8) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    import openai
+
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+def expected_mp4_frames(engines, image) -> np.ndarray:
+    """What an engine on the same checkpoint makes for the request in Python, through the same MP4 encoding."""
+    from dit_core.video import as_uint8, decode_mp4, encode_mp4
+
+    out = engines["tiny"].generate(PROMPT, SamplingParams(image=image, height=32, width=48, **FAST))[0]
+    return decode_mp4(encode_mp4(as_uint8(out), fps=16))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the video API deprecated
+def test_openai_client_input_reference_file(client, live, engines):
+    """(This openai client sends input_reference only as a file: its object form, {image_url} or
+    {file_id}, goes as JSON, below.)"""
+    from dit_core.video import decode_mp4
+
+    image = picture(1)
+    video = client.videos.create_and_poll(model="i2v", prompt=PROMPT, size="48x32", extra_body=FAST,
+                                          input_reference=("first.png", png(image), "image/png"), poll_interval_ms=50)
+    assert video.status == "completed", video.error
+    frames = decode_mp4(client.videos.download_content(video.id).read())
+    client.videos.delete(video.id)
+    assert frames.shape == (9, 32, 48, 3)
+    assert np.array_equal(frames, expected_mp4_frames(engines, image))
+
+
+def test_json_body_and_stored_file_id_on_the_sync_route(live, engines):
+    import base64
+
+    import httpx
+    from dit_core.video import decode_mp4
+
+    image = picture(1)
+    expected = expected_mp4_frames(engines, image)
+    data_url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    file_id = live.app.state.files.put(png(image))
+    for reference in ({"image_url": data_url}, {"file_id": file_id}):
+        r = httpx.post(live.url + "/v1/videos/sync", json={"model": "i2v", "prompt": PROMPT, "size": "48x32",
+                                                            "input_reference": reference, **FAST}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert np.array_equal(decode_mp4(r.content), expected)
+
+
+def error_of(r) -> dict:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize("case", ["text-to-video model", "not an image", "missing", "http url", "bad object",
+                                  "sent twice", "unknown file id"])
+def test_bad_input_reference_is_400_naming_it(case, live):
+    import httpx
+
+    body = {"model": "i2v", "prompt": PROMPT, "size": "48x32", **{k: str(v) for k, v in FAST.items()}}
+    image = ("a.png", png(picture(1)), "image/png")
+    files, json_body = {"input_reference": image}, None
+    if case == "text-to-video model":
+        body["model"] = "t2v"
+    elif case == "not an image":
+        files = {"input_reference": ("a.png", b"this is not a picture", "image/png")}
+    elif case == "missing":
+        files = None
+    elif case == "http url":
+        files, json_body = None, {**FAST, **body, "input_reference": {"image_url": "https://example.com/cat.png"}}
+    elif case == "bad object":
+        files, json_body = None, {**FAST, **body, "input_reference": {"url": "x"}}
+    elif case == "sent twice":
+        files = [("input_reference", image), ("input_reference", image)]
+    elif case == "unknown file id":
+        files = None
+        body["input_reference[file_id]"] = "file-doesnotexist"
+    if json_body is not None:
+        json_body.update(FAST)
+        r = httpx.post(live.url + "/v1/videos", json=json_body, timeout=30)
+    else:
+        r = httpx.post(live.url + "/v1/videos", data=body, files=files, timeout=30)
+    if case == "unknown file id":
+        assert r.status_code == 404 and r.json()["error"]["param"] == "input_reference"
+        return
+    err = error_of(r)
+    assert err["param"].startswith("input_reference"), err
+    codes = {"text-to-video model": "unsupported_input", "not an image": "invalid_image",
+             "sent twice": "duplicate_field"}
+    if case in codes:
+        assert err["code"] == codes[case], err
+    assert not live.engine.engine.has_unfinished()

@@ -6,6 +6,11 @@ Beyond OpenAI's fields (prompt, model, seconds, size) a body may carry omnidit's
 fps, num_inference_steps, guidance_scale, negative_prompt, seed, max_sequence_length, use_cache, and
 ``lora`` (adapters loaded with ``POST /v1/loras``; in a form, as JSON text).
 ``seconds`` x fps becomes the nearest frame count the model can make (Wan: 4k + 1).
+``input_reference`` (image-to-video models: the video's first frame) is OpenAI's: an image file part
+of a multipart body, or an object with one of ``image_url`` (a base64 ``data:`` URL; the server fetches
+no URLs) or ``file_id`` (an earlier output's id from ``response_format=url``), in JSON or as the form
+fields ``input_reference[image_url]`` / ``input_reference[file_id]``. It is decoded as the image edits
+route decodes uploads (serve.image_uploads: formats, ``--max-image-pixels``, modes).
 Everything goes through ``app.state.client`` (an ``EngineClient``): the routes work the same on an
 in-process engine and on Ray Serve engine replicas (jobs live in the ingress; their requests in a replica).
 """
@@ -13,8 +18,11 @@ in-process engine and on Ray Serve engine replicas (jobs live in the ingress; th
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
@@ -29,6 +37,7 @@ from ..errors import APIError
 from ..models import public_id, resolve_model
 from ..file_stream import FileStreamResponse, RangeNotSatisfiable, open_stored
 from ..guards import Deadline, check_prompts, check_queue, check_work, faults_of
+from ..image_uploads import decode_image, stored_image
 from ..route_errors import errors
 from ..schemas import LoraList, lora_pairs
 from ..video_jobs import StoreFullError, run_job
@@ -37,6 +46,27 @@ from .images import _until_final
 router = APIRouter()
 logger = logging.getLogger("omnidit.serve")
 POLL_AFTER_MS = 250  # what the openai client's create_and_poll waits between polls
+REFERENCE = "input_reference"
+REFERENCE_KEYS = ("image_url", "file_id")
+MAX_PARTS = 64  # form parts Starlette parses at most (more: its own 400)
+
+
+class ImageReference(BaseModel):
+    """OpenAI's reference object: one of ``image_url`` (here: a base64 data URL) or ``file_id``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_url: str | None = Field(None, description="a data:image/...;base64,... URL (no URL is fetched)")
+    file_id: str | None = Field(None, description="an earlier output's file id (response_format=url)")
+
+
+@dataclass
+class Reference:
+    """A request's ``input_reference`` as sent, not yet decoded: a file's bytes, or the object's one key."""
+
+    data: bytes | None = None
+    image_url: str | None = None
+    file_id: str | None = None
 
 
 class VideoCreateRequest(BaseModel):
@@ -59,6 +89,8 @@ class VideoCreateRequest(BaseModel):
     max_sequence_length: int | None = None
     use_cache: bool = True
     lora: LoraList = None
+    input_reference: ImageReference | None = Field(
+        None, description="image-to-video models: the first frame; in a multipart body an image file")
 
 
 def parse_size(size: str | None) -> tuple[int | None, int | None]:
@@ -85,18 +117,36 @@ def frame_count(seconds: float, fps: int, step: int, base: int | None = None) ->
     return frames
 
 
-async def read_body(request: Request) -> VideoCreateRequest:
-    """The body as JSON, or as a form (what the openai client sends); file parts are refused."""
+async def read_body(request: Request) -> tuple[VideoCreateRequest, Reference | None]:
+    """The body as JSON, or as a form (what the openai client sends), and its ``input_reference`` (not
+    decoded). In a form every field comes once, and only ``input_reference`` may be a file."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    reference = None
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        form = await request.form()
+        form = await request.form(max_files=MAX_PARTS, max_fields=MAX_PARTS)
         data = {}
         is_form = True
-        for key, value in form.multi_items():
-            if not isinstance(value, str):
-                raise InvalidParamError(key, getattr(value, "filename", "a file"),
-                                        "no file: omnidit makes videos from text only")
-            data[key] = value
+        try:
+            for key, value in form.multi_items():
+                if key in data:
+                    raise APIError(400, f"{key} is sent more than once; send it once", "invalid_request_error",
+                                   key, "duplicate_field")
+                if not isinstance(value, str):
+                    if key != REFERENCE:
+                        raise InvalidParamError(key, getattr(value, "filename", "a file"),
+                                                f"no file: only {REFERENCE} (an image) may be one")
+                    data[key] = Reference(data=await value.read())
+                else:
+                    data[key] = value
+        finally:
+            await form.close()
+        parts = {k: data.pop(f"{REFERENCE}[{k}]") for k in REFERENCE_KEYS if f"{REFERENCE}[{k}]" in data}
+        if parts:
+            if REFERENCE in data:
+                raise APIError(400, f"{REFERENCE} is sent more than once (as {REFERENCE} and as "
+                                    f"{REFERENCE}[...]); send it once", "invalid_request_error", REFERENCE,
+                               "duplicate_field")
+            data[REFERENCE] = parts
     else:
         is_form = False
         try:
@@ -106,24 +156,73 @@ async def read_body(request: Request) -> VideoCreateRequest:
                            "invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object", "invalid_request_error", None, "invalid_json")
-    if data.get("input_reference") not in (None, ""):
-        raise InvalidParamError("input_reference", "given", "absent: omnidit makes videos from text only")
-    data.pop("input_reference", None)
+    given = data.pop(REFERENCE, None)
+    if isinstance(given, Reference):
+        reference = given
+    elif given not in (None, ""):
+        reference = reference_object(given)
     try:  # a JSON body is strict (0 is not false); a form's values are all strings, so it is not
-        return VideoCreateRequest.model_validate(data, strict=not is_form)
+        return VideoCreateRequest.model_validate(data, strict=not is_form), reference
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err.get("loc", ())) or None
         raise APIError(400, f"{param}: {err.get('msg')}", "invalid_request_error", param, err.get("type")) from None
 
 
-def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, SamplingParams, int]:
-    """Check a create body against the model: (engine model, public model, params, fps)."""
+def reference_object(value) -> Reference:
+    """``input_reference`` given as OpenAI's object: exactly one of image_url / file_id, a string."""
+    allowed = "an image file (multipart), or an object with one of image_url (a data URL) or file_id"
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in REFERENCE_KEYS:
+        shown = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise InvalidParamError(REFERENCE, shown, allowed)
+    key, text = next(iter(value.items()))
+    if not isinstance(text, str) or not text:
+        raise InvalidParamError(f"{REFERENCE}.{key}", type(text).__name__, "a non-empty string")
+    return Reference(**{key: text})
+
+
+def check_takes_image(request: Request, name: str) -> None:
+    """400 naming input_reference when the model makes videos from text only (checked before decoding)."""
+    state = request.app.state
+    takes = state.client.models[name].describe().get("inputs", ["text"])
+    if "image" not in takes:
+        raise APIError(400, f"model {public_id(state, name)!r} makes videos from text only and takes no "
+                            f"{REFERENCE} (its inputs: {takes}; see GET /v1/models/{{id}})",
+                       "invalid_request_error", REFERENCE, "unsupported_input")
+
+
+def decode_reference(request: Request, reference: Reference):
+    """The reference as the engine's image (an RGB picture): 400 naming input_reference when it is not one."""
+    state = request.app.state
+    max_pixels = state.settings.max_image_pixels
+    if reference.file_id is not None:
+        return stored_image(state.files, owner_of(request), reference.file_id, max_pixels, field=REFERENCE)
+    data = reference.data
+    if reference.image_url is not None:
+        head, _, payload = reference.image_url.partition(",")
+        if not (head.startswith("data:image/") and head.endswith(";base64")):
+            raise InvalidParamError(f"{REFERENCE}.image_url", reference.image_url[:40],
+                                    "a data:image/...;base64,... URL (this server fetches no URLs: upload the file)")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidParamError(f"{REFERENCE}.image_url", head + ",...", "valid base64 after the comma") from None
+    return decode_image(REFERENCE, data, max_pixels)
+
+
+async def plan(request: Request, body: VideoCreateRequest,
+               reference: Reference | None) -> tuple[str, str, SamplingParams, int]:
+    """Check a create body against the model: (engine model, public model, params, fps). An
+    ``input_reference`` is decoded (in a thread) once the model is known to take an image."""
     state = request.app.state
     settings, client = state.settings, state.client
     check_prompts(settings, body)
     name = resolve_model(state, body.model, "video")
     public = public_id(state, name)
+    image = None
+    if reference is not None:
+        check_takes_image(request, name)
+        image = await asyncio.to_thread(decode_reference, request, reference)
     details = client.models[name].describe()
     fps = body.fps or details.get("fps", 16)
     frames = body.num_frames
@@ -133,7 +232,7 @@ def plan(request: Request, body: VideoCreateRequest) -> tuple[str, str, Sampling
     params = SamplingParams(height=height, width=width, num_frames=frames, num_inference_steps=body.num_inference_steps,
                             guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt, seed=body.seed,
                             max_sequence_length=body.max_sequence_length, use_cache=body.use_cache,
-                            loras=lora_pairs(body.lora))
+                            loras=lora_pairs(body.lora), image=image)
     return name, public, params, fps
 
 
@@ -147,6 +246,8 @@ async def resolve(request: Request, body: VideoCreateRequest, name: str, params:
     except InvalidParamError as e:
         if e.field in ("height", "width") and body.size is not None:
             raise InvalidParamError("size", body.size, f"{e.field} {e.allowed}") from None
+        if e.field == "image":  # the engine's name for it
+            raise InvalidParamError(REFERENCE, "none" if e.value is None else e.value, e.allowed) from None
         raise
     check_work(state.settings, resolved)
     return resolved
@@ -162,8 +263,8 @@ def _mp4(fps: int, faults, prompt: str):
 @router.post("/v1/videos", responses=errors(400, 404, 429, 503))
 async def create_video(request: Request):
     state = request.app.state
-    body = await read_body(request)
-    name, public, params, fps = plan(request, body)
+    body, reference = await read_body(request)
+    name, public, params, fps = await plan(request, body, reference)
     p = await resolve(request, body, name, params)
     try:
         job = state.videos.create(model=public, prompt=body.prompt, width=p.width, height=p.height,
@@ -185,8 +286,8 @@ async def create_video(request: Request):
 async def create_video_sync(request: Request):
     """Generate and answer with the MP4 bytes (no job is stored); a disconnect aborts the request."""
     state = request.app.state
-    body = await read_body(request)
-    name, _, params, fps = plan(request, body)
+    body, reference = await read_body(request)
+    name, _, params, fps = await plan(request, body, reference)
     p = await resolve(request, body, name, params)
     deadline = Deadline.of(state.settings)  # the server's request timeout: 504, and the request is aborted
     rid, events = await state.client.submit(body.prompt, p, model=name, progress=False)
