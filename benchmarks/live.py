@@ -49,7 +49,7 @@ def build_models(root: str | Path, policy: bool = False) -> dict[str, Path]:
 def reliability_settings(**overrides) -> ServeSettings:
     """Bounds small enough that a fuzzer's largest valid request is answered fast (400 or quickly made)."""
     base = dict(max_pixel_steps=64 * 64 * 8 * 4, max_steps=8, request_timeout_s=30.0, max_prompt_chars=500,
-                max_videos=16, max_files=32)
+                max_videos=16, max_files=32, max_upload_bytes=4 << 20)
     base.update(overrides)
     return ServeSettings(**base)
 

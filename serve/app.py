@@ -40,7 +40,7 @@ class ServeSettings:
     api_keys_file: str | None = None
     max_queue: int = 64  # waiting (not yet admitted) requests before 429
     max_body_bytes: int = 1 << 20
-    # the upload routes (UPLOAD_PATHS: multipart image files) take bodies up to this instead of max_body_bytes
+    # the upload routes (UPLOAD_PATHS: image edits and videos, which carry image files) take bodies up to this instead of max_body_bytes
     max_upload_bytes: int = 32 << 20
     max_image_pixels: int = DEFAULT_MAX_PIXELS  # an uploaded image's pixels (header-checked before decode)
     max_prompt_chars: int = 4000
@@ -146,7 +146,9 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     return app
 
 
-UPLOAD_PATHS = (edits.PATH,)  # routes that take image files: their bodies are bounded by max_upload_bytes
+# routes that take image files (edits: multipart; videos: input_reference as a file or a data URL): their
+# bodies are bounded by max_upload_bytes
+UPLOAD_PATHS = (edits.PATH, "/v1/videos", "/v1/videos/sync")
 
 
 class BodyLimitMiddleware:

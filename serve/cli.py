@@ -109,10 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests waiting for admission before 429 + Retry-After; a robot observation then gets a "
                           "'queue_full' error frame and its session stays open (default 64)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                     help="larger bodies get 413 (default 1 MiB); the image upload route has its own limit, "
+                     help="larger bodies get 413 (default 1 MiB); the routes that take image files have their own limit, "
                           "--max-upload-bytes")
     srv.add_argument("--max-upload-bytes", type=int, default=32 << 20,
-                     help="larger bodies of POST /v1/images/edits (multipart image files) get 413 (default 32 MiB)")
+                     help="larger bodies of POST /v1/images/edits and /v1/videos(/sync) (they carry image files) get 413 "
+                          "(default 32 MiB)")
     srv.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
                      help="an input image (upload, or an earlier output named by its file id) of more pixels is a "
                           "400 naming the field, checked from the file's header before it is decoded: a "

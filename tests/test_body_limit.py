@@ -9,6 +9,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from serve.app import UPLOAD_PATHS
+
 JSON_POSTS = ["/v1/images/generations", "/v1/audio/generate", "/v1/audio/speech", "/v1/videos", "/v1/videos/sync"]
 
 
@@ -40,7 +42,9 @@ def error_counts(live) -> dict[str, float]:
 
 @pytest.mark.parametrize("path", JSON_POSTS)
 def test_a_chunked_body_over_the_limit_is_413(reliability_server, path):
-    limit = reliability_server.app.state.settings.max_body_bytes
+    settings = reliability_server.app.state.settings
+    # the routes that take image files (input_reference on videos) are bounded by --max-upload-bytes
+    limit = settings.max_upload_bytes if path in UPLOAD_PATHS else settings.max_body_bytes
     before = error_counts(reliability_server)
     status, answer = chunked_post(reliability_server.url, path, limit + 32768)
     assert status == 413, answer

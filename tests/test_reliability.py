@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from benchmarks.fuzz import run_fuzz
 from serve import auth as auth_module
-from serve.app import ServeSettings, create_app
+from serve.app import UPLOAD_PATHS, ServeSettings, create_app
 from serve.files import FileStore
 from serve.video_jobs import VideoJobStore
 from serve_helpers import assert_error
@@ -161,8 +161,11 @@ def test_prompt_work_and_step_bounds(reliability_server, path, body, param, code
 
 
 def test_body_size_is_bounded_on_every_post(reliability_server):
+    settings = reliability_server.app.state.settings
     for path in GENERATION:
-        r = httpx.post(f"{reliability_server.url}{path}", content=b"{" + b" " * (2 << 20) + b"}",
+        # the routes that take image files (serve.app.UPLOAD_PATHS) are bounded by --max-upload-bytes
+        limit = settings.max_upload_bytes if path in UPLOAD_PATHS else settings.max_body_bytes
+        r = httpx.post(f"{reliability_server.url}{path}", content=b"{" + b" " * (limit + 1) + b"}",
                        headers={"content-type": "application/json"}, timeout=30)
         assert_error(r, 413, code="body_too_large")
 
