@@ -105,6 +105,12 @@ HEADLINES = [
     ("warm start with persisted compile artefacts: second warm-up over the first", "warm_start",
      "warm_start_compile_ratio"),
     ("video (Wan) engine vs WanPipeline one at a time: throughput", "video_throughput", "throughput_ratio"),
+    ("image-input requests (img2img, inpainting, Kontext edits; small FLUX Kontext, 64x64) vs diffusers' "
+     "pipelines one request at a time: throughput",
+     "edits", "edit_throughput_ratio"),
+    ("16 requests over 8 LoRA adapters in one batch vs FluxPipeline + set_adapters one request at a time "
+     "(small FLUX, 64x64): throughput", "lora",
+     "lora_vs_diffusers_throughput"),
     ("embedded digits model: prompt adherence (200 images)", "quality", "adherence"),
     ("embedded reaching policy: success rate (100 episodes)", "policy_eval", "success_rate"),
     ("embedded TTS model: digits read back correctly", "tts_quality", "digit_accuracy"),
