@@ -23,7 +23,8 @@ EXAMPLES = ROOT / "examples"
 IN_PROCESS = {"first_image.py": ["seven.png", "three.png"], "python_api.py": [], "async_stream.py": ["six.png"],
               "multi_model.py": [],
               "first_video.py": ["three.mp4"], "robot_infer.py": []}
-OVER_HTTP = {"openai_images.py": ["7_0.png", "7_1.png"], "first_speech.py": ["314.wav"],
+OVER_HTTP = {"openai_images.py": ["7_0.png", "7_1.png"],
+             "openai_edits.py": ["seven.png", "one.png", "inpainted.png"], "first_speech.py": ["314.wav"],
              "openai_videos.py": ["five.mp4"], "openpi_client.py": [], "quickstart.sh": ["7.png", "seven.png"]}
 # run by another test module against its own policy server
 ELSEWHERE = {"robot_loop.py": "tests/test_openpi_socket.py::test_the_robot_loop_example_runs_against_the_server"}
