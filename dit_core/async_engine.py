@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from .engine import Engine, actions_result, require_policy
-from .errors import EngineDeadError, RequestAbortedError, failed_error
+from .errors import EngineDeadError, InvalidParamError, RequestAbortedError, failed_error
 from .params import SamplingParams
 from .request import EventKind, RequestEvent, RequestOutput
 
@@ -208,6 +208,9 @@ class AsyncEngine:
             req = cmd[1]
             try:
                 self.engine.add_request(req)
+            except InvalidParamError as e:  # the request's own field (an adapter unloaded since it was checked)
+                self._dispatch([RequestEvent(req.id, EventKind.FAILED, error=str(e),
+                                             invalid=(e.field, e.value, e.allowed))])
             except Exception as e:  # noqa: BLE001 - reported to that request's stream only
                 self._dispatch([RequestEvent(req.id, EventKind.FAILED, error=f"{type(e).__name__}: {e}")])
         else:
@@ -249,7 +252,7 @@ async def until_final(rid: str, events: AsyncIterator[RequestEvent]) -> RequestE
         if event.kind == EventKind.FINISHED:
             return event
         if event.kind == EventKind.FAILED:
-            raise failed_error(rid, event.error, event.retry_after_s)
+            raise failed_error(rid, event.error, event.retry_after_s, event.invalid)
         if event.kind == EventKind.ABORTED:
             raise RequestAbortedError(rid, event.error)
     raise EngineDeadError("the request's event stream ended without a final event")

@@ -230,8 +230,7 @@ class Engine:
         if req.id in self._live:
             raise InvalidParamError("request_id", req.id, "an id not used by a live request")
         if req.params.loras:  # held until the request's final event: never evicted while it runs
-            check_loras(self.models[req.model], req.model, req.params.loras)
-            self.models[req.model].adapters.pin(req.params.loras)
+            pin_loras(self.models[req.model], req.model, req.params.loras)
         self._live[req.id] = req
         self.scheduler.add(req)
         self._pending.append(RequestEvent(req.id, EventKind.QUEUED, 0, req.total_steps))
@@ -457,6 +456,20 @@ def adapter_store(family: Family, name: str):
                else f"LoRA adapters are supported for {sorted(LOADERS)} models so far")
         raise InvalidParamError("loras", name, f"a model that takes LoRA adapters (model {name!r}: {why})")
     return store
+
+
+def pin_loras(family: Family, name: str, loras) -> None:
+    """Check and hold a request's adapters at once (under the store's lock). An adapter unloaded since the
+    request was checked (``make_request``, in another thread) is the request's ``InvalidParamError``."""
+    from .adapters import AdapterNotLoadedError
+
+    store = adapter_store(family, name)
+    try:
+        store.pin(loras)
+    except AdapterNotLoadedError as e:
+        raise InvalidParamError("loras", e.name, f"an adapter loaded for model {name!r}: "
+                                                 f"{sorted(d['name'] for d in store.describe()) or 'none loaded'}"
+                                ) from e
 
 
 def check_loras(family: Family, name: str, loras) -> None:

@@ -42,9 +42,14 @@ class StageUnavailableError(RequestFailedError):
         self.retry_after_s = retry_after_s
 
 
-def failed_error(request_id: str, message: str, retry_after_s: float | None = None) -> RequestFailedError:
+def failed_error(request_id: str, message: str, retry_after_s: float | None = None,
+                 invalid: tuple | None = None) -> RequestFailedError | InvalidParamError:
     """The error of a request that ended FAILED with ``message``; ``retry_after_s`` (the failed event's)
-    set means the failure was temporary: a ``StageUnavailableError``."""
+    set means the failure was temporary: a ``StageUnavailableError``; ``invalid`` (the event's (field,
+    value, allowed)) means the engine refused the request's own parameter at admission: that
+    ``InvalidParamError`` again."""
+    if invalid is not None:
+        return InvalidParamError(*invalid)
     if retry_after_s is not None:
         return StageUnavailableError(request_id, message, retry_after_s)
     return RequestFailedError(request_id, message)

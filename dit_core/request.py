@@ -162,3 +162,7 @@ class RequestEvent:
     # FAILED because a stage the request needs was down (an AR engine process died): not its fault, and it
     # may succeed if sent again after this many seconds (0: no estimate). None: an ordinary failure.
     retry_after_s: float | None = None
+    # FAILED at admission for the request's own parameter: the (field, value, allowed) of the engine's
+    # InvalidParamError, raised as that again by whoever waits (a 400), e.g. an adapter unloaded between the
+    # caller's check and the engine thread's pin. None: any other failure.
+    invalid: tuple | None = None

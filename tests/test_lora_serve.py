@@ -271,6 +271,29 @@ def test_unload_never_slips_between_a_requests_check_and_its_pin(tiny_models, lo
     assert store.describe()[0]["in_use"] == 1
 
 
+def test_an_adapter_unloaded_after_the_routes_check_is_a_400_naming_lora(server, monkeypatch):
+    """DELETE /v1/loras/{name} lands after a request's check (make_request, in a worker thread) and before
+    the engine thread admits and pins it: the request is a 400 naming lora (not a 500), holds nothing."""
+    assert load(server, "gone", "a/pytorch_lora_weights.safetensors").status_code == 200
+    engine = server.engine.engine
+    make_request = engine.make_request
+
+    def checked_then_unloaded(*args, **kw):
+        req = make_request(*args, **kw)  # the adapter is resident: the check passes
+        if req.params.loras:
+            assert unload(server, "gone").status_code == 200  # (nothing holds it yet)
+        return req
+
+    monkeypatch.setattr(engine, "make_request", checked_then_unloaded)
+    r = httpx.post(f"{server.url}/v1/images/generations", timeout=60,
+                   json={"prompt": PROMPT, **EXTRA, "lora": [{"name": "gone"}]})
+    err = assert_error(r, 400, "lora", "invalid_value")
+    assert "gone" in err["message"] and "loaded" in err["message"]
+    monkeypatch.undo()
+    assert ("flux", "gone") not in listed(server)
+    assert not engine.models["flux"].adapters.pins
+
+
 def keyed(server, lora_dir, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text(f"{ALICE} alice\n{BOB} bob\n")

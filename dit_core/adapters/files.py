@@ -32,7 +32,11 @@ class AdapterExistsError(AdapterError):
 
 
 class AdapterNotLoadedError(AdapterError):
-    """An unload of a name that is not loaded."""
+    """An unload of a name that is not loaded, or a request's adapter that is not (``name``)."""
+
+    def __init__(self, message: str, name: str | None = None):
+        super().__init__(message)
+        self.name = name
 
 
 class AdapterInUseError(AdapterError):

@@ -74,7 +74,7 @@ class AdapterStore:
     def unload(self, name: str) -> None:
         with self._lock:
             if name not in self.adapters:
-                raise AdapterNotLoadedError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+                raise AdapterNotLoadedError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}", name)
             if self.pins[name]:
                 raise AdapterInUseError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
             del self.adapters[name]
@@ -92,7 +92,7 @@ class AdapterStore:
             for name, _ in loras:
                 if name not in self.adapters:
                     raise AdapterNotLoadedError(f"loras: adapter {name!r} is not loaded; loaded: "
-                                                f"{sorted(self.adapters)}")
+                                                f"{sorted(self.adapters)}", name)
 
     def pin(self, loras) -> None:
         """Hold the request's adapters (not evicted or unloaded while held); marks them recently used."""

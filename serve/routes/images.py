@@ -102,8 +102,9 @@ async def _until_final(client, rid, events, request: Request, deadline: Deadline
     event = await watch(consume(), rid, request, deadline, abort=lambda reason: client.abort(rid, reason))
     if event.kind == EventKind.FAILED and client.died is not None:
         raise EngineDeadError(event.error)  # not this request's fault: 503, like any unavailable engine
-    if event.kind == EventKind.FAILED:  # a stage that was down: StageUnavailableError (503 + Retry-After)
-        raise failed_error(rid, event.error, event.retry_after_s)
+    if event.kind == EventKind.FAILED:  # a stage that was down: StageUnavailableError (503 + Retry-After);
+        # a field the engine refused at admission (an adapter unloaded meanwhile): InvalidParamError (400)
+        raise failed_error(rid, event.error, event.retry_after_s, event.invalid)
     if event.kind == EventKind.ABORTED:
         raise RequestAbortedError(rid, event.error)
     return event
