@@ -44,9 +44,13 @@ out["kept_with_0"] = rss()  # idle_s=0: kept until a miss needs the room (the be
 out["said_again"] = reuse.install(idle_s=0.3)  # a new bound applies to what is kept already
 time.sleep(1.5)
 out["after_setting"], out["after_setting_stats"] = rss(), reuse.installed()
+# the second large request runs under a 2 s bound: one of its matmuls takes ~0.4 s here (more on a loaded
+# machine), so at 0.3 s a buffer freed by the first layer is idle long enough to be unmapped while the
+# request still runs, and what is held after it depends on the machine's load (seen: 127 of 128 MiB)
+reuse.install(idle_s=2.0)
 large_request()
 out["held_again"] = rss()
-time.sleep(1.5)
+time.sleep(3.0)
 out["after_again"], out["after_again_stats"] = rss(), reuse.installed()
 small_request()  # a steady stream, each request within idle_s of the last, keeps reusing its mappings
 start, before = time.monotonic(), reuse.installed()
@@ -85,7 +89,7 @@ def test_kept_buffers_go_back_to_the_system_once_idle():
         stats = got[f"{phase}_stats"]
         assert got[phase] - idle <= 8 * MIB, (phase, got)
         assert stats["cached"] == 0 and stats["mapped"] == stats["live"] and stats["idle_unmaps"] > 0, (phase, got)
-        assert stats["idle_ms"] == 300
+        assert stats["idle_ms"] == (300 if phase == "after_setting" else 2000)
     assert got["held_again"] - idle >= 128 * MIB, got  # the second large request was kept too, then given back
     steady = got["steady"]
     assert steady["hits"] > 0 and steady["misses"] == steady["resizes"] == steady["idle_unmaps"] == 0, got
