@@ -19,7 +19,7 @@ from ..loading import load_component, load_components
 from ..params import MAX_OUTPUTS, MAX_SIDE, MAX_STEPS, SamplingParams
 from ..request import Request
 from .base import Family, TextCond, split_rows
-from .image_inputs import (ImageInputs, blend_inpaint, check_strength, encode_images, preprocess,
+from .image_inputs import (ImageInputs, blend_inpaint, check_strength, encode_images, pixel_chunks, preprocess,
                            resolve_image_params, scaled_latents)
 
 
@@ -55,16 +55,8 @@ class DiffusersFamily(Family):
         """Consecutive groups whose outputs fit ``decode_pixel_budget`` together (outputs x frames x
         height x width; a request alone always fits): the VAE decoder's activations grow with rows x
         pixels, so this bounds a decode's memory whatever the batch."""
-        chunks, current, used = [], [], 0
-        for req in requests:
-            p = req.params
-            cost = p.num_outputs * (p.num_frames or 1) * p.height * p.width
-            if current and used + cost > self.decode_pixel_budget:
-                chunks.append(current)
-                current, used = [], 0
-            current.append(req)
-            used += cost
-        return chunks + [current] if current else chunks
+        return pixel_chunks(requests, self.decode_pixel_budget,
+                            lambda p: p.num_outputs * (p.num_frames or 1) * p.height * p.width)
 
     @classmethod
     def load(cls, path, index, dtype, device, thinker="auto", thinker_options=None) -> "DiffusersFamily":

@@ -122,11 +122,12 @@ def preprocess(params: SamplingParams, processor: VaeImageProcessor, family: str
     return ImageInputs(pixels.to(torch.float32), mask)
 
 
-def pixel_chunks(requests: list[Request], budget: int) -> list[list[Request]]:
-    """Consecutive groups of at most ``budget`` input pixels (a request alone always fits)."""
+def pixel_chunks(requests: list[Request], budget: int, pixels=None) -> list[list[Request]]:
+    """Consecutive groups of at most ``budget`` pixels (a request alone always fits); ``pixels(params)``
+    counts a request's (default: its input image's, height x width)."""
     chunks, current, used = [], [], 0
     for req in requests:
-        cost = req.params.height * req.params.width
+        cost = pixels(req.params) if pixels else req.params.height * req.params.width
         if current and used + cost > budget:
             chunks.append(current)
             current, used = [], 0

@@ -41,7 +41,7 @@ import torch
 from ..errors import InvalidParamError, UnknownModelError
 from ..params import SamplingParams
 from ..request import Request
-from .image_inputs import first_image, image_size
+from .image_inputs import first_image, image_size, pixel_chunks
 from .processors.wan import WanProcessor
 from .wan import WanFamily
 
@@ -160,16 +160,7 @@ class WanI2VFamily(WanFamily):
 
     def encode_chunks(self, requests: list[Request]) -> list[list[Request]]:
         """Consecutive groups of at most ``decode_pixel_budget`` condition pixels (frames x height x width)."""
-        chunks, current, used = [], [], 0
-        for req in requests:
-            p = req.params
-            cost = p.num_frames * p.height * p.width
-            if current and used + cost > self.decode_pixel_budget:
-                chunks.append(current)
-                current, used = [], 0
-            current.append(req)
-            used += cost
-        return chunks + [current] if current else chunks
+        return pixel_chunks(requests, self.decode_pixel_budget, lambda p: p.num_frames * p.height * p.width)
 
     @torch.no_grad()
     def encode_image_tokens(self, requests: list[Request]) -> None:
