@@ -1,5 +1,6 @@
 """The command line and the random checkpoint builder."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,31 @@ def omnidit(*args, cwd=None):
                           text=True, cwd=cwd, timeout=300)
 
 
+CALLS = """
+import contextlib, io, json, sys
+from serve.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def omnidit_calls(*calls):
+    """Several ``omnidit`` command lines through ``serve.cli.main`` in ONE fresh process (each start of a
+    process pays the torch / diffusers imports): per call, (exit code, stderr)."""
+    r = subprocess.run([sys.executable, "-c", CALLS, json.dumps([list(map(str, c)) for c in calls])],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return [tuple(x) for x in json.loads(r.stdout.strip().splitlines()[-1])]
+
+
 def test_make_random_then_generate_with_progress_bar(tmp_path):
     model = tmp_path / "flux"
     r = omnidit("make-random", "flux", "tiny", model)
@@ -28,12 +54,12 @@ def test_make_random_then_generate_with_progress_bar(tmp_path):
 
 
 def test_cli_errors_are_clear(tmp_path):
-    r = omnidit("generate", "-m", tmp_path / "missing", "a cat")
-    assert r.returncode == 2 and "does not exist" in r.stderr
-    r = omnidit("generate", "a cat", "--size", "12x")
-    assert r.returncode == 2 and "size" in r.stderr
-    r = omnidit("make-random", "sdxl", "tiny", tmp_path / "x")
-    assert r.returncode == 2 and "flux" in r.stderr
+    missing, size, family = omnidit_calls(("generate", "-m", tmp_path / "missing", "a cat"),
+                                          ("generate", "a cat", "--size", "12x"),
+                                          ("make-random", "sdxl", "tiny", tmp_path / "x"))
+    assert missing[0] == 2 and "does not exist" in missing[1]
+    assert size[0] == 2 and "size" in size[1]
+    assert family[0] == 2 and "flux" in family[1]
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3", "qwenimage"])
@@ -67,7 +93,8 @@ def test_generate_from_an_image_and_a_mask(tmp_path, tiny_models, engines):
                                                                num_inference_steps=3, seed=5))
     assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(want))
     (tmp_path / "junk.png").write_bytes(b"not a picture")
-    r = omnidit("generate", tiny_models["flux"], "a cat", "--image", tmp_path / "junk.png")
-    assert r.returncode == 2 and "--image" in r.stderr and "not an image" in r.stderr, r.stderr
-    r = omnidit("generate", tiny_models["flux"], "a cat", "--strength", "0.5", "--steps", "2", "-o", out)
-    assert r.returncode == 2 and "strength" in r.stderr and "image" in r.stderr, r.stderr
+    junk, no_image = omnidit_calls(("generate", tiny_models["flux"], "a cat", "--image", tmp_path / "junk.png"),
+                                   ("generate", tiny_models["flux"], "a cat", "--strength", "0.5", "--steps", "2",
+                                    "-o", out))
+    assert junk[0] == 2 and "--image" in junk[1] and "not an image" in junk[1], junk[1]
+    assert no_image[0] == 2 and "strength" in no_image[1] and "image" in no_image[1], no_image[1]
