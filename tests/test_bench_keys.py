@@ -88,3 +88,52 @@ def test_lora_summary_has_every_issue_key_and_judges_both_sizes():
     assert bad["mixed_equals_solo"] is False and bad["outputs_match_diffusers"] is True  # one size off says so
     quick = lora.summarize({"64x64": _lora_case()}, digits)
     assert not any(k.endswith("_256") for k in quick)
+
+
+def _mixed_model(throughput: float, p95: float, diff: float = 2e-6) -> dict:
+    return {"packed_over_per_shape_throughput": throughput, "packed_over_per_shape_p95": p95,
+            "packed_over_diffusers_throughput": 2 * throughput, "outputs_identical": diff <= 1e-5,
+            "max_abs_diff": {"packed_vs_per_shape": diff}, "per_shape_over_diffusers_throughput": 1.5}
+
+
+def test_mixed_traffic_summary_has_every_issue_key_and_nulls_what_it_could_not_measure():
+    from benchmarks import mixed_traffic as mt
+
+    audio = {"throughput_ratio": 1.1, "throughput_ratio_spread": 0.02, "outputs_identical": True,
+             "learned_batch_limits": True}
+    big = {"throughput_ratio": 1.4, "throughput_ratio_spread": 0.05, "outputs_identical": True}
+    warm = {"ratio": 0.25, "ratio_spread": 0.0, "first_request_after_ready_s": 0.02, "outputs_identical": True}
+    models = {"flux-small": _mixed_model(1.6, 0.7), "digits": _mixed_model(1.4, 0.9, diff=3e-5)}
+    summary = mt.summarize(models, audio, big, warm)
+    assert set(mt.KEYS) <= set(summary) and summary["missing"] == {}
+    # over the two models the worse figure: lowest throughput ratio, highest p95 ratio, identical on both
+    assert summary["packed_over_per_shape_throughput"] == 1.4 and summary["packed_over_per_shape_p95"] == 0.9
+    assert summary["packed_over_diffusers_throughput"] == 2.8 and summary["outputs_identical"] is False
+    assert summary["audio_throughput_ratio"] == 1.1 and summary["warm_start_compile_ratio"] == 0.25
+    assert summary["targets"]["warm_start_compile_ratio <= 0.3"] is True
+    # no packed side (EngineConfig without mixed_sizes) and no learned limits: null, with the reason
+    today = {m: {k: v for k, v in r.items() if not k.startswith(("packed", "outputs"))} for m, r in models.items()}
+    summary = mt.summarize(today, {**audio, "learned_batch_limits": False}, big, None, {"warm": "left out"})
+    for key in ("packed_over_per_shape_throughput", "packed_over_per_shape_p95", "packed_over_diffusers_throughput",
+                "outputs_identical", "audio_throughput_ratio", "warm_start_compile_ratio",
+                "first_request_after_ready_s"):
+        assert summary[key] is None and summary["missing"][key], key
+    assert "mixed_sizes" in summary["missing"]["outputs_identical"]
+    assert "x1.10" in summary["missing"]["audio_throughput_ratio"]  # the figure without them is named
+    assert summary["throughput_ratio_256"] == 1.4 and summary["targets"]["audio_throughput_ratio >= 1.0"] is None
+
+
+def test_mixed_traffic_draws_every_size_seeded():
+    from benchmarks import mixed_traffic as mt
+
+    work = mt.WORKLOADS["flux-small"]
+    reqs = mt.traffic(work, 200, 4, seed=3, tag="t")
+    shapes = {(p.height, p.width) for _, p in reqs}
+    assert shapes == set(mt.SIZES) and {(64, 32), (32, 96)} <= shapes  # both non-square sizes come up
+    assert {p.max_sequence_length for _, p in reqs} == set(work.texts)
+    assert len({len(words.split()) for words, _ in reqs}) >= 3  # prompt lengths mixed
+    again = mt.traffic(work, 200, 4, seed=3, tag="t")
+    assert [(w, p.height, p.width, p.seed) for w, p in reqs] == [(w, p.height, p.width, p.seed) for w, p in again]
+    arrivals = mt.poisson(50, 4.0, seed=1)
+    assert arrivals[0] == 0.0 and arrivals == mt.poisson(50, 4.0, seed=1) and arrivals == sorted(arrivals)
+    assert 50 / 4.0 * 0.5 < arrivals[-1] < 50 / 4.0 * 1.5

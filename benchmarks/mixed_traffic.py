@@ -1,0 +1,514 @@
+"""Mixed traffic (issue 39): requests of many sizes in packed batches, against today's per-shape
+batches and diffusers one request at a time; plus the audio, 256x256 and warm-start figures the
+issue's targets name, each measured by the benchmark that owns it.
+
+    python -m benchmarks.mixed_traffic [--quick] [--repeats 3] [--load 2.0]
+
+Traffic: Poisson arrivals (seeded, a new draw per round) of image requests whose (height, width) are
+drawn uniformly from {32, 48, 64, 96, 128} squared plus 64x32 and 32x96, with text lengths mixed:
+prompts of three lengths, and on FLUX a T5 ``max_sequence_length`` drawn from {32, 64, 128} (part of
+today's batch key). Two models: the random-weight ``small`` FLUX (``omnidit make-random flux small``,
+built here) and the embedded digits model (``dit_core/zoo/digits``, Qwen-Image layout, CFG on with
+``true_cfg_scale`` 2 and an empty negative prompt, its defaults). The arrival rate is ``--load`` times
+diffusers' capacity on this traffic, measured once per model after the warm-up and before the rounds
+(one request of every size, arriving together).
+
+Sides, per model (benchmarks.common.interleaved: every side once per round, the order rotated every
+round, after the same warm-up, one request of every size, for each):
+
+* ``packed``: ``Engine`` with ``EngineConfig(mixed_sizes=True)``: rows of different sizes and text
+  lengths share one forward (issue 39 part 1);
+* ``per-shape``: ``Engine`` with ``mixed_sizes=False``: today's batch key (height, width, and FLUX's
+  text length), so mixed traffic fragments into small batches;
+* ``diffusers``: the stock pipeline (``FluxPipeline`` / ``QwenImagePipeline``), one request at a time,
+  in arrival order.
+
+Both engines run with every other ``EngineConfig`` field at its default (``batch_limits`` too: fixed
+unless ``max_step_ms`` is set), ``--max-batch-size`` and the prompt cache off; every round sends fresh
+prompts. Per side: throughput (requests / seconds until the last finished) and p95 latency (finish -
+arrival). Every request's output is compared across the three sides (max abs diff): ``outputs_identical``
+holds when packed and per-shape agree within 1e-5 (issue 39's fidelity bound) and both agree with
+diffusers within 1e-4 (every benchmark's bound against diffusers), on every request of every round.
+
+The other keys reuse the benchmark that owns the measurement:
+
+* ``audio_throughput_ratio``: ``benchmarks.audio.part_a`` (the Stable Audio engine over sequential
+  ``StableAudioPipeline`` calls), run with the engine's learned batch limits (issue 39 part 2); null
+  while ``EngineConfig`` has no ``batch_gain_threshold`` (the figure measured without them is kept under
+  ``audio``);
+* ``throughput_ratio_256``: ``benchmarks.engine_throughput``'s "together" scenario at 256x256, 64
+  text tokens: the engine with learned batch limits (``batch_limits="learn"``) over ``FluxPipeline``
+  one at a time, with the default engine (fixed limits, today's figure) as one more side in the same
+  rounds (``throughput_ratio_256_default_engine``); the default engine alone where there are no
+  learned limits;
+* ``warm_start_compile_ratio`` and ``first_request_after_ready_s``: ``benchmarks.warm_start``'s child
+  process, a first start (compile + warm-up) then a second start over the same cache folder; the ratio
+  is the second warm-up's seconds over the first's.
+
+Summary keys that hold for both models are the worse of the two (lowest throughput ratio, highest p95
+ratio); ``*_by_model`` gives each. A key whose feature is missing is null, with the reason in
+``missing``. Writes results/mixed_traffic.json (``--quick``: results/mixed_traffic_quick.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+from argparse import Namespace
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from benchmarks.common import interleaved, machine, percentiles, scratch_dir, spread, write_json
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SIZES = ((32, 32), (48, 48), (64, 64), (96, 96), (128, 128), (64, 32), (32, 96))  # (height, width)
+SUBJECTS = ["cat", "dog", "red car", "house by the sea", "tree", "bird", "city at night", "mountain"]
+DETAIL = "with soft morning light, seen from a low angle, in muted colors, with a lot of fine detail"
+SAME_ENGINE_TOL = 1e-5  # packed vs per-shape: issue 39's fidelity bound for a mixed batch against solo
+DIFFUSERS_TOL = 1e-4  # an engine vs the stock pipeline, as in every benchmark
+KEYS = ("packed_over_per_shape_throughput", "packed_over_per_shape_p95", "packed_over_diffusers_throughput",
+        "outputs_identical", "audio_throughput_ratio", "throughput_ratio_256", "warm_start_compile_ratio",
+        "first_request_after_ready_s")
+
+
+def engine_fields() -> set[str]:
+    from dit_core.config import EngineConfig
+
+    return {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+# ---- the traffic ----
+
+
+def prompt(subject: str, length: int, tag: str) -> str:
+    """A prompt of one of three lengths (0 short, 1 medium, 2 long); ``tag`` makes it new."""
+    text = [f"{subject}", f"a photo of a {subject} {DETAIL}", f"a photo of a {subject} {DETAIL}, {DETAIL}, {DETAIL}"]
+    return f"{text[length]}, {tag}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model of the benchmark: how to get it, its requests, and the pipeline's call for one."""
+
+    name: str
+    pipeline: str  # diffusers class
+    texts: tuple  # T5 lengths drawn per request (None: the model's own, prompt length varies anyway)
+    folder: Callable[[], Path]
+    params: Callable[..., dict]  # (height, width, steps, seed, text) -> SamplingParams fields
+    call: Callable[..., dict]  # SamplingParams -> pipeline kwargs besides the prompt
+    engine_options: dict
+    subjects: tuple = tuple(SUBJECTS)
+
+
+def _flux_params(h, w, steps, seed, text):
+    return dict(height=h, width=w, num_inference_steps=steps, guidance_scale=3.5, seed=seed, output_type="pt",
+                max_sequence_length=text)
+
+
+def _flux_call(p):
+    return dict(height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
+                guidance_scale=p.guidance_scale, max_sequence_length=p.max_sequence_length)
+
+
+def _digits_params(h, w, steps, seed, _text):
+    return dict(height=h, width=w, num_inference_steps=steps, seed=seed, output_type="pt", negative_prompt="",
+                true_cfg_scale=2.0)
+
+
+def _digits_call(p):
+    return dict(height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
+                negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _flux_folder():  # one build per run: the mixed traffic and the 256x256 scenario share it
+    from dit_core.random_models import build
+
+    return build("flux", "small", scratch_dir() / "flux-small")
+
+
+def _digits_folder():
+    from dit_core.zoo import default_model
+
+    return default_model()
+
+
+WORKLOADS = {
+    "flux-small": Workload("flux-small", "FluxPipeline", (32, 64, 128), _flux_folder, _flux_params, _flux_call, {}),
+    "digits": Workload("digits", "QwenImagePipeline", (None,), _digits_folder, _digits_params, _digits_call,
+                       {"thinker": "hf"}, tuple(f"handwritten {d}" for d in range(10))),
+}
+
+
+def traffic(work: Workload, n: int, steps: int, seed: int, tag: str, sizes=SIZES):
+    """``n`` (prompt, SamplingParams) with sizes, text lengths and prompt lengths drawn uniformly
+    (seeded by ``seed``); prompts carry ``tag``, so no side has seen them before."""
+    from dit_core import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        h, w = sizes[rng.integers(len(sizes))]
+        text = work.texts[rng.integers(len(work.texts))]
+        words = prompt(work.subjects[rng.integers(len(work.subjects))], int(rng.integers(3)), f"{tag} #{i}")
+        out.append((words, SamplingParams(**work.params(h, w, steps, seed * 100 + i, text))))
+    return out
+
+
+def one_of_each(work: Workload, steps: int, tag: str, sizes=SIZES):
+    """One request per size (text lengths in turn): the warm-up, and the capacity measurement."""
+    from dit_core import SamplingParams
+
+    return [(prompt(work.subjects[i % len(work.subjects)], i % 3, f"{tag} #{i}"),
+             SamplingParams(**work.params(h, w, steps, 7 + i, work.texts[i % len(work.texts)])))
+            for i, (h, w) in enumerate(sizes)]
+
+
+def poisson(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival times (s) of ``n`` requests at ``rate`` per second, the first at 0."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, n)
+    gaps[0] = 0.0
+    return [float(t) for t in np.cumsum(gaps)]
+
+
+# ---- the sides ----
+
+
+def run_pipeline(pipe, work: Workload, reqs, arrivals):
+    """One request at a time, in arrival order (waiting for each to arrive), as a diffusers user would."""
+    t0 = time.perf_counter()
+    done, outputs = [], []
+    for (words, p), arrival in zip(reqs, arrivals):
+        wait = arrival - (time.perf_counter() - t0)
+        if wait > 0:
+            time.sleep(wait)
+        outputs.append(pipe(words, generator=torch.Generator().manual_seed(p.seed), output_type="pt",
+                            **work.call(p)).images)
+        done.append(time.perf_counter() - t0)
+    return done, outputs, {}
+
+
+def run_engine(engine, _work, reqs, arrivals):
+    from benchmarks.engine_throughput import run_engine as feed
+
+    done, outputs, timer, info = feed(engine, reqs, arrivals)  # arrivals honoured, stepped until all finish
+    return done, outputs, {"mean_batch_size": info["mean_batch_size"], "max_batch_size": info["max_batch_size"],
+                           "transformer_s": timer.seconds}
+
+
+class Mixed:
+    """One model's three sides for ``interleaved``; keeps every round's outputs to compare them."""
+
+    def __init__(self, work: Workload, args, rate: float):
+        self.work, self.args, self.rate = work, args, rate
+        self.outputs: dict[str, dict[int, list]] = {}
+        self.shapes: dict[int, list] = {}
+
+    def round_traffic(self, rnd: int):
+        if rnd < 0:
+            return one_of_each(self.work, 2, f"warm-up {rnd}"), [0.0] * len(SIZES)
+        seed = 1000 + rnd
+        reqs = traffic(self.work, self.args.requests, self.args.steps, seed, f"round {rnd}")
+        return reqs, poisson(len(reqs), self.rate, seed)
+
+    def side(self, name: str, run, target):
+        def call(rnd: int) -> dict:
+            reqs, arrivals = self.round_traffic(rnd)
+            done, outputs, info = run(target, self.work, reqs, arrivals)
+            if rnd >= 0:
+                self.outputs.setdefault(name, {})[rnd] = outputs
+                self.shapes[rnd] = [(p.height, p.width, p.max_sequence_length) for _, p in reqs]
+            lat = percentiles([d - a for d, a in zip(done, arrivals)])
+            return {"throughput_img_s": len(reqs) / max(done), "wall_s": max(done), "p50_s": lat["p50"],
+                    "p95_s": lat["p95"], **info}
+
+        return call
+
+    def max_diff(self, a: str, b: str) -> float | None:
+        if a not in self.outputs or b not in self.outputs:
+            return None
+        return max(float((x.reshape(y.shape) - y).abs().max()) for r in self.outputs[a]
+                   for x, y in zip(self.outputs[a][r], self.outputs[b][r]))
+
+
+def capacity(pipe, work: Workload, steps: int) -> float:
+    """Diffusers' requests per second on this traffic (one request of every size, arriving together;
+    run after the warm-up, in the process the engines already set up: their allocator is process-wide)."""
+    done, _, _ = run_pipeline(pipe, work, one_of_each(work, steps, "capacity"), [0.0] * len(SIZES))
+    return len(SIZES) / max(done)
+
+
+def measure_model(work: Workload, args) -> dict:
+    import diffusers
+
+    from dit_core import Engine
+
+    folder = work.folder()
+    pipe = getattr(diffusers, work.pipeline).from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    mixed = Mixed(work, args, rate=0.0)  # the rate is set once diffusers' capacity is measured, below
+    sides = {}
+    common = dict(max_batch_size=args.max_batch_size, prompt_cache_bytes=0, **work.engine_options)
+    packable = "mixed_sizes" in engine_fields()
+    engines = {}
+    if packable:
+        engines["packed"] = Engine.from_pretrained(folder, mixed_sizes=True, **common)
+        engines["per-shape"] = Engine.from_pretrained(folder, mixed_sizes=False, **common)
+    else:  # today's engine: the per-shape side only; the packed figures stay null
+        engines["per-shape"] = Engine.from_pretrained(folder, **common)
+    for name, engine in engines.items():
+        sides[name] = mixed.side(name, run_engine, engine)
+    packs = bool(getattr(engines.get("packed") and engines["packed"].family, "mixed_sizes", False))
+    if packable and not packs:
+        from dit_core.mixed_sizes import why_not
+
+        print(f"{work.name}: the packed engine keeps sizes apart: "
+              f"{why_not(engines['packed'].family, engines['packed'].config)}", flush=True)
+    sides["diffusers"] = mixed.side("diffusers", run_pipeline, pipe)
+    for side in sides.values():  # interleaved's warm-up, done here so that the capacity is measured warm
+        side(-1)
+    cap = capacity(pipe, work, args.steps)
+    mixed.rate = rate = args.load * cap
+    cmp = interleaved(sides, args.repeats, warmup=0)
+    diffs = {"packed_vs_per_shape": mixed.max_diff("packed", "per-shape"),
+             "packed_vs_diffusers": mixed.max_diff("packed", "diffusers"),
+             "per_shape_vs_diffusers": mixed.max_diff("per-shape", "diffusers")}
+    result = {"model": work.name, "folder": str(folder), "requests": args.requests, "steps": args.steps,
+              "repeats": args.repeats, "packs": packs, "diffusers_capacity_img_s": cap, "arrival_rate_per_s": rate,
+              "round_orders": cmp.order, "round_shapes": mixed.shapes,
+              "sides": {s: cmp.stats(s) for s in cmp.sides}, "max_abs_diff": diffs,
+              "per_shape_over_diffusers_throughput": cmp.ratio("per-shape", "diffusers", "throughput_img_s")}
+    if packable:
+        for key, (num, den, metric) in {
+                "packed_over_per_shape_throughput": ("packed", "per-shape", "throughput_img_s"),
+                "packed_over_per_shape_p95": ("packed", "per-shape", "p95_s"),
+                "packed_over_diffusers_throughput": ("packed", "diffusers", "throughput_img_s")}.items():
+            result[key] = cmp.ratio(num, den, metric)
+            result[key + "_spread"] = cmp.ratio_spread(num, den, metric)
+        result["outputs_identical"] = (diffs["packed_vs_per_shape"] <= SAME_ENGINE_TOL
+                                       and diffs["packed_vs_diffusers"] <= DIFFUSERS_TOL
+                                       and diffs["per_shape_vs_diffusers"] <= DIFFUSERS_TOL)
+    med = lambda s, m: cmp.median(s, m)  # noqa: E731
+    print(f"{work.name}: rate {rate:.2f}/s (x{args.load} diffusers' {cap:.2f}/s) | " + " | ".join(
+        f"{s} {med(s, 'throughput_img_s'):.2f} img/s p95 {med(s, 'p95_s'):.2f}s"
+        + (f" batch {med(s, 'mean_batch_size'):.2f}" if s != "diffusers" else "") for s in cmp.sides)
+        + " | max diffs " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if v is not None), flush=True)
+    if packable:
+        print(f"{work.name}: packed / per-shape throughput x{result['packed_over_per_shape_throughput']:.2f} "
+              f"(spread {result['packed_over_per_shape_throughput_spread']:.0%}), p95 "
+              f"x{result['packed_over_per_shape_p95']:.2f}; packed / diffusers "
+              f"x{result['packed_over_diffusers_throughput']:.2f}", flush=True)
+    return result
+
+
+# ---- the figures other benchmarks own ----
+
+
+def audio_part(quick: bool) -> dict:
+    from benchmarks import audio
+
+    learned = "batch_gain_threshold" in engine_fields()
+    a = audio.part_a(Namespace(model=None, requests=8, steps=6 if quick else 20, repeats=1 if quick else 3,
+                               batch_limits="learn" if learned else "fixed"))
+    return {**a, "learned_batch_limits": learned}
+
+
+def ratio_256(quick: bool) -> dict:
+    """engine_throughput's together scenario at 256x256, 64 text tokens, on the small FLUX: the engine as
+    configured by default ("engine b=8") and, where present, with learned batch limits ("... learned")."""
+    from diffusers import FluxPipeline
+
+    from benchmarks import engine_throughput as et
+    from benchmarks.common import mm_gflops
+    from dit_core import Engine
+
+    model = _flux_folder()
+    args = Namespace(requests=4 if quick else 16, steps=4 if quick else 8)
+    pipe = FluxPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    engines = {"engine b=8": Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0)}
+    if "batch_limits" in engine_fields():
+        engines["engine b=8 learned"] = Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0,
+                                                               batch_limits="learn")
+    flops = et.transformer_flops_per_row(engines["engine b=8"], 256, 64)
+    scenario = et.Scenario("256x256 64 tokens together", 256, 64, args, [0.0] * args.requests, flops,
+                           mm_gflops(seconds=0.3))
+    result = {**et.measure(scenario, pipe, engines, 1 if quick else 3), "steps": args.steps}
+    result["default_engine_ratio"] = result["throughput_ratio"]
+    if "engine b=8 learned" in engines:  # per round, learned engine over diffusers (they ran back to back)
+        tput = lambda side: result["sides"][side]["throughput_img_s"]["samples"]  # noqa: E731
+        ratios = [a / b for a, b in zip(tput("engine b=8 learned"), tput("diffusers"))]
+        result["learned_engine_ratio"] = statistics.median(ratios)
+        result["learned_engine_ratio_spread"] = spread(ratios)
+        result["learned_over_default"] = statistics.median(
+            a / b for a, b in zip(tput("engine b=8 learned"), tput("engine b=8")))
+        result["batch_limits"] = engines["engine b=8 learned"].batch_limits.snapshot()
+        print(f"256x256: learned limits x{result['learned_engine_ratio']:.2f} over diffusers "
+              f"(default engine x{result['default_engine_ratio']:.2f})", flush=True)
+    return result
+
+
+def warm_start_part(quick: bool) -> dict:
+    """benchmarks.warm_start's child process: a first start, then a second over the same cache folder."""
+    from benchmarks import warm_start
+    from dit_core.random_models import build
+
+    size, sizes, repeats = ("tiny", "32x32", 1) if quick else ("small", "64x64", 2)
+    model = str(build("flux", size, scratch_dir() / f"flux-{size}"))
+    tmp = scratch_dir()
+    rounds, identical = [], True
+    for r in range(repeats):
+        got = {side: warm_start.run_child(model, sizes, tmp / f"cache-{r}", tmp / f"{r}-{side}.pt")
+               for side in ("cold", "warm")}
+        identical &= torch.equal(torch.load(tmp / f"{r}-cold.pt"), torch.load(tmp / f"{r}-warm.pt"))
+        rounds.append(got)
+        print(f"warm start round {r}: first start's warm-up {got['cold']['warmup_s']:.2f} s, second "
+              f"{got['warm']['warmup_s']:.2f} s (cache {got['warm']['cache']}), first request after ready "
+              f"{got['warm']['first_request_s'] * 1e3:.0f} ms", flush=True)
+    ratios = [x["warm"]["warmup_s"] / x["cold"]["warmup_s"] for x in rounds]
+    return {"model": f"flux {size}", "sizes": sizes, "rounds": rounds, "ratio": statistics.median(ratios),
+            "ratio_spread": spread(ratios),
+            "first_request_after_ready_s": statistics.median(x["warm"]["first_request_s"] for x in rounds),
+            "outputs_identical": identical}
+
+
+# ---- the summary ----
+
+
+def summarize(models: dict[str, dict], audio: dict | None, big: dict | None, warm: dict | None,
+              failed: dict[str, str] | None = None) -> dict:
+    """Every key of issue 39's benchmark; one that was not measured is None with the reason in ``missing``.
+    Over models: the lowest throughput ratio, the highest p95 ratio, outputs identical on all."""
+    failed = dict(failed or {})
+    summary: dict = {k: None for k in KEYS}
+    missing: dict[str, str] = {}
+    packed = {m: r for m, r in models.items() if "packed_over_per_shape_throughput" in r}
+    if models and len(packed) == len(models):
+        for key, pick in (("packed_over_per_shape_throughput", min), ("packed_over_per_shape_p95", max),
+                          ("packed_over_diffusers_throughput", min)):
+            summary[key + "_by_model"] = {m: r[key] for m, r in packed.items()}
+            summary[key] = pick(summary[key + "_by_model"].values())
+        summary["outputs_identical"] = all(r["outputs_identical"] for r in packed.values())
+    else:
+        why = failed.get("models") or ("EngineConfig has no mixed_sizes field (issue 39 part 1 not in this "
+                                       "checkout): no packed side to measure" if models else "not run")
+        for key in KEYS[:4]:
+            missing[key] = why
+    if models:
+        summary["packs_by_model"] = {m: r.get("packs", False) for m, r in models.items()}
+        summary["max_abs_diff_by_model"] = {m: r["max_abs_diff"] for m, r in models.items()}
+        summary["per_shape_over_diffusers_throughput_by_model"] = {
+            m: r["per_shape_over_diffusers_throughput"] for m, r in models.items()}
+    if audio is None:
+        missing["audio_throughput_ratio"] = failed.get("audio", "not run")
+    elif not audio["learned_batch_limits"]:
+        missing["audio_throughput_ratio"] = (
+            "EngineConfig has no batch_gain_threshold field (issue 39 part 2, learned batch limits, not in this "
+            f"checkout); without them the engine measured x{audio['throughput_ratio']:.2f} (under 'audio')")
+    else:
+        summary["audio_throughput_ratio"] = audio["throughput_ratio"]
+        summary["audio_throughput_ratio_spread"] = audio["throughput_ratio_spread"]
+        summary["audio_outputs_identical"] = audio["outputs_identical"]
+    if big is None:
+        missing["throughput_ratio_256"] = failed.get("256", "not run")
+    else:  # the engine with learned batch limits where there are any, else the default engine
+        learned = "learned_engine_ratio" in big
+        summary["throughput_ratio_256"] = big["learned_engine_ratio"] if learned else big["throughput_ratio"]
+        summary["throughput_ratio_256_spread"] = (big["learned_engine_ratio_spread"] if learned
+                                                  else big["throughput_ratio_spread"])
+        summary["throughput_ratio_256_engine"] = "batch_limits=learn" if learned else "EngineConfig defaults"
+        summary["throughput_ratio_256_default_engine"] = big["throughput_ratio"]
+        summary["outputs_identical_256"] = big["outputs_identical"]
+    if warm is None:
+        for key in ("warm_start_compile_ratio", "first_request_after_ready_s"):
+            missing[key] = failed.get("warm", "not run")
+    else:
+        summary["warm_start_compile_ratio"] = warm["ratio"]
+        summary["warm_start_compile_ratio_spread"] = warm["ratio_spread"]
+        summary["first_request_after_ready_s"] = warm["first_request_after_ready_s"]
+        summary["warm_start_outputs_identical"] = warm["outputs_identical"]
+    summary["targets"] = {
+        "packed_over_per_shape_throughput >= 1.3": _at_least(summary["packed_over_per_shape_throughput"], 1.3),
+        "packed_over_per_shape_p95 <= 1.0": _at_least(summary["packed_over_per_shape_p95"], 1.0, below=True),
+        "outputs_identical": summary["outputs_identical"],
+        "audio_throughput_ratio >= 1.0": _at_least(summary["audio_throughput_ratio"], 1.0),
+        "warm_start_compile_ratio <= 0.3": _at_least(summary["warm_start_compile_ratio"], 0.3, below=True)}
+    summary["missing"] = missing
+    return summary
+
+
+def _at_least(value, bound, below=False):
+    if value is None:
+        return None
+    return value <= bound if below else value >= bound
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="12 requests, 4 steps, 3 rounds per model; audio 6 steps, 1 round; 256x256 with 4 requests "
+                         "and 4 steps; warm start on the tiny FLUX at 32x32 (every summary key, under 5 minutes; "
+                         "writes mixed_traffic_quick.json)")
+    ap.add_argument("--requests", type=int, default=24, help="requests per round and model (default 24)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per model (default 3)")
+    ap.add_argument("--load", type=float, default=2.0,
+                    help="Poisson arrival rate as a multiple of diffusers' measured capacity (default 2)")
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--models", default=",".join(WORKLOADS), help=f"of {list(WORKLOADS)}")
+    ap.add_argument("--skip", default="", help="comma-separated parts left out: audio, 256, warm (their keys null)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.steps, args.repeats = 12, 4, 3
+    started = time.perf_counter()
+    fields = engine_fields()
+    print(f"EngineConfig.mixed_sizes: {'present' if 'mixed_sizes' in fields else 'MISSING (no packed side)'}; "
+          f"learned batch limits (batch_gain_threshold): "
+          f"{'present' if 'batch_gain_threshold' in fields else 'MISSING (audio_throughput_ratio null)'}", flush=True)
+    skip = {s for s in args.skip.split(",") if s}
+    failed: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+
+    def timed_part(label, fn, *a):
+        t = time.perf_counter()
+        value = fn(*a)
+        seconds[label] = time.perf_counter() - t
+        print(f"[{label}: {seconds[label]:.0f} s]", flush=True)
+        return value
+
+    models = {name: timed_part(name, measure_model, WORKLOADS[name], args)
+              for name in (m for m in args.models.split(",") if m)}
+    parts = {"audio": audio_part, "256": ratio_256, "warm": warm_start_part}
+    got = {}
+    for label, fn in parts.items():
+        if label in skip:
+            failed[label] = f"left out (--skip {label})"
+        else:
+            got[label] = timed_part(label, fn, args.quick)
+    audio, big, warm = (got.get(k) for k in parts)
+    summary = summarize(models, audio, big, warm, failed)
+    summary["engine_fields_present"] = {f: f in fields for f in ("mixed_sizes", "batch_gain_threshold", "max_step_ms")}
+    summary["run_seconds"] = time.perf_counter() - started
+    summary["part_seconds"] = seconds
+    summary["method"] = ("interleaved rounds (order rotated), the same warm-up per side, fresh prompts every round, "
+                         "engine prompt cache off; median of per-round ratios; over models the worse figure")
+    payload = {"benchmark": "mixed_traffic", "machine": machine(), "args": vars(args), "summary": summary,
+               "models": models, "audio": audio, "throughput_256": big, "warm_start": warm}
+    path = write_json("mixed_traffic_quick" if args.quick else "mixed_traffic", payload)
+    print(json.dumps({k: v for k, v in summary.items() if k != "method"}, indent=1, default=str))
+    print(f"-> {path} ({summary['run_seconds']:.0f} s)")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
