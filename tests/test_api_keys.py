@@ -7,8 +7,6 @@ compared in constant time and never reach a log, an error message or a repr.
 """
 
 import logging
-import subprocess
-import sys
 
 import httpx
 import openai
@@ -19,6 +17,7 @@ from websockets.exceptions import InvalidStatus
 from serve import auth as auth_module
 from serve.app import ServeSettings, create_app
 from serve.auth import ApiKeyConfigError, KeyRing, read_keys_file
+from serve.cli import main as cli_main
 from serve.server import free_port
 from serve_helpers import assert_error, serve_app
 
@@ -184,13 +183,23 @@ def test_a_bad_keys_file_names_the_file_and_line_never_the_key(tmp_path, text, m
         assert secret not in str(e.value)
 
 
-def test_the_cli_refuses_a_bad_keys_file_before_loading_a_model(tmp_path):
+def test_the_cli_refuses_a_bad_keys_file_before_loading_a_model(tmp_path, capsys, monkeypatch):
     path = tmp_path / "keys"
     path.write_text("ok-key-1 a\nok-key-1 b\n")
-    done = subprocess.run([sys.executable, "-m", "serve.cli", "serve", "--port", str(free_port()), "--api-keys-file",
-                           str(path), "--replicas", "1"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stdout == ""  # before Ray or an engine started
-    assert done.stderr == f"omnidit: error: --api-keys-file {path} line 2: the same key as line 1 (one key, one line)\n"
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("an engine or Ray started before the keys file was checked")
+
+    for name in ("dit_core.dtype_auto", "dit_core.compile"):  # main() sets up the CLI's loggers: undo after
+        logger = logging.getLogger(name)
+        for attr in ("handlers", "propagate", "level"):
+            monkeypatch.setattr(logger, attr, list(logger.handlers) if attr == "handlers" else getattr(logger, attr))
+    monkeypatch.setattr("serve.server.serve", no_start)
+    monkeypatch.setattr("serve.ray_flags.serve_on_ray", no_start)
+    code = cli_main(["serve", "--port", str(free_port()), "--api-keys-file", str(path), "--replicas", "1"])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert out.err == f"omnidit: error: --api-keys-file {path} line 2: the same key as line 1 (one key, one line)\n"
 
 
 def test_a_missing_keys_file_is_an_error(tmp_path):

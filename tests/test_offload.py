@@ -215,8 +215,8 @@ def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_p
     falls back and says why, and an explicit "reuse" fails the engine's start naming
     ``cpu_allocator``. All three run aten linears (``cpu_linear`` packs resident weights only), so
     the images must agree bit for bit."""
-    script = ("import sys, torch\n"
-              "from dit_core import Engine, SamplingParams\n"
+    script = ("import json, sys, torch\n"
+              "from dit_core import Engine, InvalidParamError, SamplingParams\n"
               "from offload import reuse\n"
               "e = Engine.from_pretrained(sys.argv[1], offload=sys.argv[4], cpu_allocator=sys.argv[3],"
               " cpu_linear='aten')\n"
@@ -224,32 +224,34 @@ def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_p
               " output_type='pt')\n"
               "torch.save(torch.stack(e.generate(['a cat', 'a dog'], p)), sys.argv[2])\n"
               "assert (reuse.installed() or {}).get('hits', 0) > 0 if sys.argv[3] == 'auto' else "
-              "reuse.installed() is None\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+              "reuse.installed() is None\n"
+              # the system-allocator process (no compiler on its PATH) also checks the fallback: "auto" says
+              # why it falls back, an explicit "reuse" fails the engine's start naming cpu_allocator
+              "if sys.argv[3] == 'system':\n"
+              "    said = reuse.choose('auto', on_cpu=True)\n"
+              "    try:\n"
+              "        Engine.from_pretrained(sys.argv[1], malloc_mmap_threshold=0, cpu_allocator='reuse')\n"
+              "        field = message = None\n"
+              "    except InvalidParamError as err:\n"
+              "        field, message = err.field, str(err)\n"
+              "    print(json.dumps({'said': said, 'field': field, 'message': message,"
+              " 'installed': reuse.installed()}))\n")
     runs = (("auto", "disk:1"), ("system", "disk:1"), ("auto", "none"))
+    outputs = {}
     for allocator, offload in runs:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        if allocator == "system":
+            env.update(CXX=str(tmp_path / "no-such-compiler"), OMNIDIT_CACHE_DIR=str(tmp_path / "empty-cache"))
         out = subprocess.run([sys.executable, "-c", script, str(small_flux), str(tmp_path / f"{allocator}-{offload}.pt"),
                               allocator, offload], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
+        outputs[allocator] = out.stdout
     images = [torch.load(tmp_path / f"{allocator}-{offload}.pt") for allocator, offload in runs]
     assert torch.equal(images[0], images[1]) and torch.equal(images[0], images[2])
-    fallback = ("import json\n"
-                "from dit_core import Engine, InvalidParamError\n"
-                "from offload import reuse\n"
-                "said = reuse.choose('auto', on_cpu=True)\n"
-                "try:\n"
-                "    Engine.from_pretrained(__import__('sys').argv[1], malloc_mmap_threshold=0, cpu_allocator='reuse')\n"
-                "    field = None\n"
-                "except InvalidParamError as e:\n"
-                "    field = e.field\n"
-                "print(json.dumps({'said': said, 'field': field, 'installed': reuse.installed()}))\n")
-    env.update(CXX=str(tmp_path / "no-such-compiler"), OMNIDIT_CACHE_DIR=str(tmp_path / "empty-cache"))
-    out = subprocess.run([sys.executable, "-c", fallback, str(small_flux)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(outputs["system"].strip().splitlines()[-1])
     assert got["said"].startswith("system allocator (the reuse allocator is unavailable"), got
     assert "no-such-compiler" in got["said"] and got["field"] == "cpu_allocator" and got["installed"] is None
+    assert "no-such-compiler" in got["message"], got  # refused for the missing compiler, nothing else
 
 
 PEAK_SCRIPT = """
