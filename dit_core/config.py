@@ -29,6 +29,9 @@ class EngineConfig:
         ``num_outputs``, doubled when it uses CFG).
     max_tokens_per_step: rows x (image + text tokens) per forward. A request that
         alone exceeds it is rejected when added.
+    mixed_sizes: requests of different sizes (and text lengths) share one forward, each row's tokens
+        packed variable-length (default True; FLUX so far, see ``dit_core.mixed_sizes`` for what keeps
+        sizes apart); False: one batch per size, as before.
     policy: which batch key each step serves and the admission order: ``fifo`` (oldest first) or
         ``edf`` (earliest ``deadline_ms`` first, bulk work after); see ``dit_core.policies``.
     edf_bulk_every: under ``edf``, a step for the oldest request without a deadline is due after
@@ -129,6 +132,7 @@ class EngineConfig:
     device: str = "cpu"
     max_batch_size: int = 8
     max_tokens_per_step: int = 65536
+    mixed_sizes: bool = True
     policy: str = "fifo"
     edf_bulk_every: int = 10
     edf_bulk_limit: int = 30
@@ -208,6 +212,8 @@ class EngineConfig:
             raise InvalidParamError("max_batch_size", self.max_batch_size, "an integer >= 1")
         if not isinstance(self.max_tokens_per_step, int) or self.max_tokens_per_step < 1:
             raise InvalidParamError("max_tokens_per_step", self.max_tokens_per_step, "an integer >= 1")
+        if not isinstance(self.mixed_sizes, bool):
+            raise InvalidParamError("mixed_sizes", self.mixed_sizes, "True or False")
         self.parallel  # noqa: B018  (validates the parallel degrees, naming the flag)
         from .policies import POLICIES
 

@@ -124,6 +124,9 @@ class Engine:
             from .parallel import launch
 
             self.parallel = launch(self.models, config.parallel, config.device, config.dtype, self.attention_by_model)
+        from .mixed_sizes import enable
+
+        enable(self.models, config)  # which models leave sizes out of their batch keys (after LoRA, parallel)
         self.stats = EngineStats()
         for family in self.models.values():
             family.on_encode = self.stats.record_encode

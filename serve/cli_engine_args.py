@@ -27,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward (default 8)")
     p.add_argument("--max-tokens-per-step", type=int, default=65536,
                    help="rows x tokens per forward, CFG rows counted (default 65536)")
+    p.add_argument("--no-mixed-sizes", dest="mixed_sizes", action="store_false",
+                   help="one batch per image size and text length, as before; by default requests of "
+                        "different sizes share one forward, each row's tokens packed (FLUX; not with "
+                        "--compile, parallel degrees, block offload or LoRA adapters)")
     p.add_argument("--attention", default=None,
                    help="attention backend: auto, sdpa, math, flex, flash, xformers or sage; may carry "
                         "role overrides, e.g. 'sdpa,joint=flex' (default: $OMNIDIT_ATTENTION or auto)")
@@ -131,6 +135,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+                mixed_sizes=args.mixed_sizes,
                 max_tokens_per_step=args.max_tokens_per_step, attention=args.attention,
                 attention_per_role=args.attention_per_role, cache=args.cache, thinker=args.thinker,
                 thinker_kv_cache_gb=args.thinker_kv_cache_gb,

@@ -17,7 +17,8 @@ DOCS = "docs/reference/cli.md (or `make docs`: site/reference/cli/)"
 # first words (e.g. "LoRA adapters") joins that group
 ENGINE_GROUPS = {
     "engine": ["verbose", "dtype", "device", "max_batch_size", "max_tokens_per_step", "policy", "edf_forecast"],
-    "speed": ["compile", "compile_warmup", "attention", "attention_per_role", "cache", "cpu_linear", "quant"],
+    "speed": ["compile", "compile_warmup", "attention", "attention_per_role", "cache", "cpu_linear", "quant",
+              "mixed_sizes"],
     "memory": ["offload", "max_resident_gb", "malloc_mmap_threshold", "cpu_allocator", "cpu_allocator_idle_s",
                "prompt_cache_bytes"],
     "AR stages (thinkers, talkers)": ["thinker", "thinker_kv_cache_gb", "thinker_memory_utilization",

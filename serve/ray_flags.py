@@ -86,6 +86,7 @@ REACH: dict[str, Reach] = {
         "cpu_allocator_idle_s", "cpu_linear", "policy", "edf_forecast", "quant", "attention_per_role", "ulysses",
         "ring", "row_parallel", "world_size", "parallel_threads", "max_loras", "max_lora_rank")},
     "parallel_timeout": _engine("parallel_timeout_s"),
+    "mixed_sizes": _engine("mixed_sizes"),
     # Ray Serve only (serve.ray_app.ScaleOutConfig)
     "replicas": _scale_out("replicas"), "max_replicas": _scale_out("max_replicas"),
     "target_ongoing_requests": _scale_out("target_ongoing_requests"), "autoscaling": _scale_out("autoscaling"),

@@ -34,16 +34,17 @@ class FirstBlockCache(StepCache):
         img, txt = run_blocks(family, x, 0, self.fn)
         first = img - x.img
         eligible = eligible_rows(requests, self.key)
-        prev = gather_state(requests, self.key, "prev", first)
-        skip = eligible & (rel_l1(first, prev) < self.threshold)
+        rows = x.rows_of("img")
+        prev = gather_state(requests, self.key, "prev", first, rows)
+        skip = eligible & (rel_l1(first, prev, rows) < self.threshold)
         compute = ~skip
         # compare against the first-block residual of the step each row last computed
-        prev = torch.where(skip[:, None, None], prev, first)
+        prev = rows.where(skip, prev, first)
         y = x.with_streams(img, txt)
         img, txt = cached_blocks(family, y, self.fn, n - self.bn, compute, requests, self.key,
                                  keep_text=self.bn > 0)
         for req, sl in row_slices(requests):  # committed once the blocks ran (a failed batch retries clean)
-            req.state[self.key]["prev"] = prev[sl]
+            req.state[self.key]["prev"] = rows.part(prev, sl)
         img, txt = run_blocks(family, y.with_streams(img, txt), n - self.bn, n) if self.bn else (img, txt)
         skip_counts(compute, requests)
         middle = n - self.fn - self.bn

@@ -41,13 +41,16 @@ class Recorder(StepCache):
         signal = family.cache_signal(x)
         img, _ = run_blocks(family, x, 0, family.num_blocks)
         out = family.head(x.with_streams(img, None))
+        rows = x.rows_of("img")
         for req, sl in row_slices(requests):
             state = req.state.setdefault(self.key, {})
+            # a request's rows, one per line, whatever the layout (packed: its tokens, rows after rows)
+            signal_r, out_r = rows.part(signal, sl).reshape(req.rows, -1), rows.part(out, sl).reshape(req.rows, -1)
             if "signal" in state:
-                xs = rel_l1(signal[sl], state["signal"]).tolist()
-                ys = rel_l1(out[sl], state["out"]).tolist()
+                xs = rel_l1(signal_r, state["signal"]).tolist()
+                ys = rel_l1(out_r, state["out"]).tolist()
                 self.pairs.extend(zip(xs, ys))
-            state["signal"], state["out"] = signal[sl], out[sl]
+            state["signal"], state["out"] = signal_r, out_r
         return out
 
 

@@ -9,6 +9,7 @@ import contextlib
 import torch
 
 from ..families.base import BlockInputs, Family
+from ..families.packed_rows import DENSE, DenseRows
 from ..request import Request
 
 
@@ -32,21 +33,27 @@ def eligible_rows(requests: list[Request], key: str) -> torch.Tensor:
                       for req in requests])
 
 
-def rel_l1(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """Per-row relative L1 change: mean |current - previous| / mean |previous|."""
-    return (current - previous).abs().flatten(1).mean(1) / previous.abs().flatten(1).mean(1)
+def rel_l1(current: torch.Tensor, previous: torch.Tensor, rows: DenseRows = DENSE) -> torch.Tensor:
+    """Per-row relative L1 change: mean |current - previous| / mean |previous| (``rows``: how the rows
+    lie along dim 0, ``BlockInputs.rows_of``)."""
+    return rows.rel_l1(current, previous)
 
 
 def run_blocks(family: Family, x: BlockInputs, start: int, stop: int):
     return family.run_blocks(x, start, stop)
 
 
-def gather_state(requests: list[Request], key: str, name: str, fallback: torch.Tensor) -> torch.Tensor:
-    """One [rows, ...] tensor of every request's ``state[key][name]``; ``fallback`` rows where missing."""
+def gather_state(requests: list[Request], key: str, name: str, fallback: torch.Tensor,
+                 rows: DenseRows = DENSE) -> torch.Tensor:
+    """One tensor laid out as ``fallback`` (rows along dim 0 as ``rows`` says) of every request's
+    ``state[key][name]``; ``fallback``'s part where missing. A request's part kept from a step of the
+    other layout (dense [n, L, D] vs packed [n * L, D], same numbers in the same order) is reshaped."""
     parts = []
     for req, sl in row_slices(requests):
-        value = req.state.get(key, {}).get(name)
-        parts.append(fallback[sl] if value is None else fit_length(value, fallback))
+        value, part = req.state.get(key, {}).get(name), rows.part(fallback, sl)
+        if value is not None and value.shape != part.shape and value.numel() == part.numel():
+            value = value.reshape(part.shape)
+        parts.append(part if value is None else fit_length(value, fallback))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -78,18 +85,19 @@ def cached_blocks(family: Family, x: BlockInputs, start: int, stop: int, compute
         with adapters.subset(idx) if adapters is not None else contextlib.nullcontext():
             computed = run_blocks(family, x.select(idx), start, stop) if len(idx) else None
         for j, (name, base) in enumerate(streams):
-            cached = gather_state(requests, key, "res_" + name, torch.zeros_like(base))
+            cached = gather_state(requests, key, "res_" + name, torch.zeros_like(base), x.rows_of(name))
             merged = base + cached
             residual[name] = cached
             if computed is not None:
-                merged[idx] = computed[j]
-                residual[name] = cached.index_copy(0, idx, computed[j] - base[idx])
+                pos = x.rows_of(name).positions(idx)  # the computing rows' rows (dense) or tokens (packed)
+                merged[pos] = computed[j]
+                residual[name] = cached.index_copy(0, pos, computed[j] - base[pos])
             out[name] = merged
         out.setdefault("txt", x.txt)
     for req, sl in row_slices(requests):  # every row's residual, fresh or carried over
         state = req.state.setdefault(key, {})
         for name, _ in streams:
-            state["res_" + name] = residual[name][sl]
+            state["res_" + name] = x.rows_of(name).part(residual[name], sl)
     return out["img"], out["txt"]
 
 

@@ -38,15 +38,16 @@ class TeaCache(StepCache):
         x = family.block_inputs(inputs)
         signal = family.cache_signal(x)
         eligible = eligible_rows(requests, self.key)
-        prev = gather_state(requests, self.key, "prev", signal)
+        rows = x.rows_of("img")
+        prev = gather_state(requests, self.key, "prev", signal, rows)
         acc = gather_state(requests, self.key, "acc", torch.zeros(len(eligible)))
-        acc = acc + polyval(self.coefficients, rel_l1(signal, prev).float())
+        acc = acc + polyval(self.coefficients, rel_l1(signal, prev, rows).float())
         skip = eligible & (acc < self.threshold)
         compute = ~skip
         acc = torch.where(skip, acc, torch.zeros_like(acc))
         img, _ = cached_blocks(family, x, 0, family.num_blocks, compute, requests, self.key, keep_text=False)
         for req, sl in row_slices(requests):  # committed once the blocks ran (a failed batch retries clean)
-            req.state[self.key].update(prev=signal[sl], acc=acc[sl])
+            req.state[self.key].update(prev=rows.part(signal, sl), acc=acc[sl])
         skip_counts(compute, requests)
         n = family.num_blocks
         self.last = {"rows": len(compute), "rows_skipped": int((~compute).sum()),

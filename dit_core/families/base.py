@@ -24,6 +24,7 @@ from ..errors import InvalidParamError
 from ..params import SamplingParams
 from ..request import Request
 from ..faults import NO_FAULTS, Faults
+from .packed_rows import DENSE, DenseRows, PackedRows
 
 # SamplingParams fields every family accepts.
 COMMON_PARAMS = frozenset({"num_inference_steps", "seed", "num_outputs", "output_type", "use_cache",
@@ -39,13 +40,24 @@ class BlockInputs:
     txt: torch.Tensor | None
     rows: dict[str, torch.Tensor | None]
     shared: dict
+    # None: streams are [rows, L, D]; a ``packed_rows.PackedRows``: rows of different sizes, each stream
+    # packed variable-length [T, D] (``rows`` tensors stay one per row)
+    layout: PackedRows | None = None
+
+    def rows_of(self, stream: str) -> DenseRows:
+        """How the rows of stream ``img`` / ``txt`` lie along dim 0 (``packed_rows``)."""
+        return DENSE if self.layout is None else self.layout.streams[stream]
 
     def select(self, idx: torch.Tensor) -> "BlockInputs":
         pick = (lambda t: None if t is None else t[idx])
-        return BlockInputs(self.img[idx], pick(self.txt), {k: pick(v) for k, v in self.rows.items()}, self.shared)
+        rows = {k: pick(v) for k, v in self.rows.items()}
+        if self.layout is None:
+            return BlockInputs(self.img[idx], pick(self.txt), rows, self.shared)
+        take = (lambda t, s: None if t is None else t.index_select(0, self.rows_of(s).positions(idx)))
+        return BlockInputs(take(self.img, "img"), take(self.txt, "txt"), rows, self.shared, self.layout.select(idx))
 
     def with_streams(self, img: torch.Tensor, txt: torch.Tensor | None) -> "BlockInputs":
-        return BlockInputs(img, txt, self.rows, self.shared)
+        return BlockInputs(img, txt, self.rows, self.shared, self.layout)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """FLUX.1 (CLIP-L pooled + T5 tokens, packed 2x2 latents, optional distilled guidance).
 
 Matches diffusers' FluxPipeline: T5 is padded to ``max_sequence_length`` with
-no mask, so text length is part of the batch key.
+no mask, so text length is part of a dense batch's shape. With ``mixed_sizes`` (the engine's
+default) neither size nor text length is in the batch key: a step whose rows differ in either runs
+packed (``flux_packed``: each row its own tokens, positions and modulation, one forward).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 
 from ..params import SamplingParams
 from ..request import Request
+from . import flux_packed
 from .base import BlockInputs, TextCond, gather_rows
 from .packed import PackedFlowFamily
 from .processors.flux import FluxProcessor
@@ -23,6 +26,7 @@ class FluxFamily(PackedFlowFamily):
     attention_processor = FluxProcessor
     defaults = dict(num_inference_steps=28, guidance_scale=3.5, true_cfg_scale=1.0, max_sequence_length=512)
     max_text_tokens = 512
+    packable = True
     # TeaCache paper, FLUX.1: rescaling polynomial, highest power first
     teacache_coefficients = [4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01]
 
@@ -30,7 +34,10 @@ class FluxFamily(PackedFlowFamily):
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     def batch_key(self, params: SamplingParams) -> tuple:
-        return super().batch_key(params) + (params.max_sequence_length,)
+        return super().batch_key(params) + (() if self.mixed_sizes else (params.max_sequence_length,))
+
+    def row_shape(self, req: Request) -> tuple:
+        return super().row_shape(req) + (req.params.max_sequence_length,)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
@@ -51,6 +58,8 @@ class FluxFamily(PackedFlowFamily):
         req.state["img_ids"] = image_ids(h, w).to(self.device, self.dtype)
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
+        if self.packs(requests):
+            return flux_packed.packed_inputs(self, requests)
         latents, timesteps, conds, owners = gather_rows(requests)
         guidance = self.guidance(owners)
         embeds = torch.stack([c.embeds for c in conds])
@@ -66,6 +75,8 @@ class FluxFamily(PackedFlowFamily):
         return len(self.transformer.transformer_blocks) + len(self.transformer.single_transformer_blocks)
 
     def block_inputs(self, inputs: dict) -> BlockInputs:
+        if "layout" in inputs:
+            return flux_packed.block_inputs(self, inputs)
         tr = self.transformer
         img = tr.x_embedder(inputs["hidden_states"])
         timestep = inputs["timestep"].to(img.dtype) * 1000
@@ -82,12 +93,20 @@ class FluxFamily(PackedFlowFamily):
         tr = self.transformer
         n_double = len(tr.transformer_blocks)
         block = tr.transformer_blocks[index] if index < n_double else tr.single_transformer_blocks[index - n_double]
+        if x.layout is not None:
+            run = flux_packed.double_block if index < n_double else flux_packed.single_block
+            return run(block, x, self.attention_backends["joint"])
         txt, img = block(hidden_states=x.img, encoder_hidden_states=x.txt, temb=x.rows["temb"],
                          image_rotary_emb=x.shared["image_rotary_emb"])
         return img, txt
 
     def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        if x.layout is not None:
+            return flux_packed.cache_signal(self, x)
         return self.transformer.transformer_blocks[0].norm1(x.img, emb=x.rows["temb"])[0]
+
+    def head(self, x: BlockInputs) -> torch.Tensor:
+        return flux_packed.head(self, x) if x.layout is not None else super().head(x)
 
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         latents = self.unpack(latents, params) / self.vae.config.scaling_factor + self.vae.config.shift_factor

@@ -38,6 +38,10 @@ class DiffusersFamily(Family):
     # VAE) are 64 MiB per fp32 tensor for 2 x 256 x 256, and 8 x 1024 x 1024 in one call would need
     # 4 GB per tensor. (On the tiny random checkpoints, 16 channels wide, it changes little.)
     decode_pixel_budget: ClassVar[int] = 2 * 256 * 256
+    # rows of different sizes can share one forward, packed (``packed_rows``; the family's
+    # ``transformer_inputs`` packs them); the engine turns it on per model (``dit_core.mixed_sizes``)
+    packable: ClassVar[bool] = False
+    mixed_sizes: bool = False  # set by the engine: sizes left out of the batch key, mixed batches packed
 
     def __init__(self, components: dict[str, Any], dtype: torch.dtype, device: torch.device,
                  checkpoint: dict | None = None):
@@ -81,6 +85,7 @@ class DiffusersFamily(Family):
         return {self.transformer.config.attention_head_dim}
 
     def set_attention(self, backends: dict) -> None:
+        self.attention_backends = backends  # the packed forward calls attention itself
         self.transformer.set_attn_processor(self.attention_processor(backends))
 
     def describe(self) -> dict:
@@ -99,17 +104,25 @@ class DiffusersFamily(Family):
         text encoding is a small part of a request's cost. A transformers thinker is local too (padding
         a batch changes its numerics). A vLLM thinker gets all missing prompts in one call: batching is
         what that stage is for, and its engine batches them with whatever else it runs anyway."""
-        params = requests[0].params
-        prompts = [r.prompt for r in requests] + [r.params.negative_prompt or "" for r in requests if r.cfg]
-        keys = [self.prompt_key(p, params) for p in prompts]
+        # each prompt with its own request's params: requests of different text lengths may be admitted together
+        prompts = [(r.prompt, r.params) for r in requests] + [(r.params.negative_prompt or "", r.params)
+                                                              for r in requests if r.cfg]
+        keys = [self.prompt_key(p, params) for p, params in prompts]
+        params_of = dict(zip(keys, (params for _, params in prompts)))
         cache = self.prompt_cache
         found = {k: cache.get(k) for k in dict.fromkeys(keys)} if cache is not None else {}
         missing = [k for k in dict.fromkeys(keys) if found.get(k) is None]
         if missing:
-            if getattr(self.thinker, "kind", None) == "vllm":  # a vLLM stage batches by design: one call
-                fresh = self.encode_prompts([k[-2] for k in missing], params)
+            if getattr(self.thinker, "kind", None) == "vllm":  # a vLLM stage batches by design: one call per length
+                by_length: dict = {}
+                for k in missing:
+                    by_length.setdefault(params_of[k].max_sequence_length, []).append(k)
+                encoded = {}
+                for group in by_length.values():
+                    encoded.update(zip(group, self.encode_prompts([k[-2] for k in group], params_of[group[0]])))
+                fresh = [encoded[k] for k in missing]
             else:
-                fresh = [self.encode_prompts([k[-2]], params)[0] for k in missing]
+                fresh = [self.encode_prompts([k[-2]], params_of[k])[0] for k in missing]
             for key, cond in zip(missing, fresh):
                 found[key] = cond
                 if cache is not None:
@@ -136,13 +149,26 @@ class DiffusersFamily(Family):
         With a step cache, the cache runs the blocks (and may skip them for some rows); under
         parallelism the forward (or the cache's blocks) runs across processes."""
         inputs = self.transformer_inputs(requests)
+        layout = inputs.get("layout")  # rows of different sizes, packed (``packed_rows``)
         if self.step_cache is not None:
             out = self.step_cache.forward(self, inputs, requests)
+        elif layout is not None:
+            x = self.block_inputs(inputs)
+            img, _ = self.run_blocks(x, 0, self.num_blocks)
+            out = self.head(x.with_streams(img, None))
         elif self.parallel is not None:
             out = self.parallel.forward(inputs)
         else:
             out = self.transformer(**inputs, return_dict=False)[0]
-        return split_rows(out, requests)
+        return split_rows(out, requests) if layout is None else layout.split(out, requests)
+
+    def row_shape(self, req: Request) -> tuple:
+        """What rows must share to run as one dense batch (else, with ``mixed_sizes``, they run packed)."""
+        return req.params.height, req.params.width, req.params.num_frames or 1
+
+    def packs(self, requests: list[Request]) -> bool:
+        """Whether this forward runs packed: sizes mixed (``mixed_sizes``) and more than one row shape."""
+        return self.mixed_sizes and len({self.row_shape(r) for r in requests}) > 1
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
         """The transformer's keyword arguments for every row of ``requests`` (see ``gather_rows``)."""
@@ -250,15 +276,20 @@ class ImageFamily(DiffusersFamily):
         return self.latent_tokens(params) + params.max_sequence_length
 
     def batch_key(self, params: SamplingParams) -> tuple:
+        if self.mixed_sizes:  # any sizes share a forward, packed (``dit_core.mixed_sizes``)
+            return (self.name, str(self.dtype))
         return (self.name, params.height, params.width, params.num_frames or 1, str(self.dtype))
 
     def decode(self, requests: list[Request]) -> list[list]:
-        """Decode ``requests`` (one latent shape) in VAE calls of at most ``decode_pixel_budget``
-        output pixels (``decode_chunks``); per request its list of outputs.
-        ``output_type="latent"`` returns the final latents as the pipeline does."""
-        pixel = [r for r in requests if r.params.output_type != "latent"]
+        """Decode ``requests`` in VAE calls of one size each (a step of mixed sizes finishes several)
+        and at most ``decode_pixel_budget`` output pixels (``decode_chunks``); per request its list of
+        outputs. ``output_type="latent"`` returns the final latents as the pipeline does."""
+        by_size: dict[tuple, list[Request]] = {}
+        for r in requests:
+            if r.params.output_type != "latent":
+                by_size.setdefault((r.params.height, r.params.width, r.params.num_frames or 1), []).append(r)
         decoded = {}
-        for chunk in self.decode_chunks(pixel):
+        for chunk in (c for group in by_size.values() for c in self.decode_chunks(group)):
             with torch.no_grad():
                 images = self.decode_chunk(chunk)
             for req, outputs in zip(chunk, self.postprocess(images, chunk)):

@@ -1,0 +1,153 @@
+"""FLUX's block loop over packed rows of different sizes (``packed_rows``): what
+``FluxTransformer2DModel`` computes, for a batch whose rows differ in image size and text length.
+
+Written from the blocks' own submodules (their weights, norms and attention projections): per block,
+the modulation (shift, scale, gate) is computed once per row from that row's timestep embedding and
+expanded to its tokens; every linear runs once over all tokens of a stream; attention runs per row
+over [its text tokens; its image tokens] with its own rotary table (positions of its own token grid).
+Every operation is the dense one's, token for token, so a row gets what it gets alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention import attend_packed
+
+from ..request import Request
+from .base import BlockInputs
+from .packed_rows import PackedRows, RowTokens, modulate, unjoint
+from .processors.flux import _project
+
+
+def packed_inputs(family, requests: list[Request]) -> dict:
+    """The rows of ``requests`` (``gather_rows``' order) as packed streams and per-row tensors."""
+    latents, texts, pooled, timesteps, owners, img_counts, txt_counts = [], [], [], [], [], [], []
+    rope = {"img": {"cos": [], "sin": []}, "txt": {"cos": [], "sin": []}}
+    for req in requests:
+        tables = rotary_tables(family, req)
+        n, length = req.latents.shape[:2]
+        for cond in (req.cond, req.uncond) if req.cfg else (req.cond,):
+            latents.append(req.latents.reshape(n * length, -1))
+            for _ in range(n):
+                texts.append(cond.embeds)
+                pooled.append(cond.pooled)
+                img_counts.append(length)
+                txt_counts.append(cond.embeds.shape[0])
+                owners.append(req)
+                for stream in ("img", "txt"):
+                    for part in ("cos", "sin"):
+                        rope[stream][part].append(tables[stream][part])
+            timesteps.append(req.timestep.expand(n))
+    device = family.device
+    layout = PackedRows({"img": RowTokens(img_counts, device), "txt": RowTokens(txt_counts, device)},
+                        {s: {k: torch.cat(v) for k, v in parts.items()} for s, parts in rope.items()})
+    hidden = torch.cat(latents)
+    return dict(hidden_states=hidden, timestep=torch.cat(timesteps).to(hidden.dtype) / 1000,
+                guidance=family.guidance(owners), pooled_projections=torch.stack(pooled),
+                encoder_hidden_states=torch.cat(texts), layout=layout)
+
+
+def rotary_tables(family, req: Request) -> dict:
+    """A request's rotary cos/sin for its text tokens (ids 0) and its image grid, made once (``req.state``).
+    The tables are elementwise in the ids, so these equal the parts of the dense forward's joint table."""
+    if "packed_rope" not in req.state:
+        length = req.cond.embeds.shape[0]
+        text_ids = torch.zeros(length, 3, device=family.device, dtype=family.components["text_encoder"].dtype)
+        cos, sin = family.transformer.pos_embed(torch.cat((text_ids, req.state["img_ids"]), dim=0))
+        req.state["packed_rope"] = {"txt": {"cos": cos[:length], "sin": sin[:length]},
+                                    "img": {"cos": cos[length:], "sin": sin[length:]}}
+    return req.state["packed_rope"]
+
+
+def block_inputs(family, inputs: dict) -> BlockInputs:
+    tr = family.transformer
+    img = tr.x_embedder(inputs["hidden_states"])
+    timestep = inputs["timestep"].to(img.dtype) * 1000
+    pooled, guidance = inputs["pooled_projections"], inputs["guidance"]
+    if guidance is None:
+        temb = tr.time_text_embed(timestep, pooled)
+    else:
+        temb = tr.time_text_embed(timestep, guidance.to(img.dtype) * 1000, pooled)
+    txt = tr.context_embedder(inputs["encoder_hidden_states"])
+    return BlockInputs(img, txt, {"temb": temb}, {}, inputs["layout"])
+
+
+def double_block(block, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``FluxTransformerBlock`` on packed streams; returns (image, text)."""
+    ri, rt = x.rows_of("img"), x.rows_of("txt")
+    ii, it = ri.row_index, rt.row_index
+    temb = x.rows["temb"]
+    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = block.norm1.linear(block.norm1.silu(temb)).chunk(6, dim=1)
+    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context.linear(
+        block.norm1_context.silu(temb)).chunk(6, dim=1)
+    img_in = modulate(block.norm1.norm(x.img), ii, shift, scale)
+    txt_in = modulate(block.norm1_context.norm(x.txt), it, c_shift, c_scale)
+    attn = block.attn
+    q, k, v = _heads(attn, _project(attn, img_in, fused="to_qkv"), attn.norm_q, attn.norm_k)
+    eq, ek, ev = _heads(attn, _project(attn, txt_in, fused="to_added_qkv",
+                                       names=("add_q_proj", "add_k_proj", "add_v_proj")),
+                        attn.norm_added_q, attn.norm_added_k)
+    out = joint_attention(x.layout, torch.cat([eq, q]), torch.cat([ek, k]), torch.cat([ev, v]), backend)
+    txt_out, img_out = out[:rt.total], out[rt.total:]
+    img = x.img + ri.expand(gate) * attn.to_out[1](attn.to_out[0](img_out))
+    img = img + ri.expand(gate_mlp) * block.ff(modulate(block.norm2(img), ii, shift_mlp, scale_mlp))
+    txt = x.txt + rt.expand(c_gate) * attn.to_add_out(txt_out)
+    txt = txt + rt.expand(c_gate_mlp) * block.ff_context(modulate(block.norm2_context(txt), it, c_shift_mlp,
+                                                                   c_scale_mlp))
+    if txt.dtype == torch.float16:
+        txt = txt.clip(-65504, 65504)
+    return img, txt
+
+
+def single_block(block, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``FluxSingleTransformerBlock`` on packed streams (text then image, streams' order); returns
+    (image, text)."""
+    ri, rt = x.rows_of("img"), x.rows_of("txt")
+    both = torch.cat([rt.row_index, ri.row_index])  # each token's row, text stream then image stream
+    hidden = torch.cat([x.txt, x.img])
+    shift, scale, gate = block.norm.linear(block.norm.silu(x.rows["temb"])).chunk(3, dim=1)
+    normed = modulate(block.norm.norm(hidden), both, shift, scale)
+    mlp = block.act_mlp(block.proj_mlp(normed))
+    attn = block.attn
+    q, k, v = _heads(attn, _project(attn, normed, fused="to_qkv"), attn.norm_q, attn.norm_k)
+    out = joint_attention(x.layout, q, k, v, backend)
+    hidden = hidden + gate.index_select(0, both) * block.proj_out(torch.cat([out, mlp], dim=1))
+    if hidden.dtype == torch.float16:
+        hidden = hidden.clip(-65504, 65504)
+    return hidden[rt.total:], hidden[:rt.total]
+
+
+def joint_attention(layout: PackedRows, q, k, v, backend) -> torch.Tensor:
+    """Attention of each row over [its text; its image] tokens; q/k/v [T, H, D] in the streams' order
+    (all text tokens, then all image tokens); returns [T, H * D] in that order."""
+    perm, cu = layout.joint("txt", "img")
+    cos, sin = layout.joint_tokens("txt", "img", "cos"), layout.joint_tokens("txt", "img", "sin")
+    q, k, v = q.index_select(0, perm), k.index_select(0, perm), v.index_select(0, perm)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    out = attend_packed(q, k, v, cu, cu, backend).flatten(1).to(q.dtype)
+    return unjoint(out, perm)
+
+
+def head(family, x: BlockInputs) -> torch.Tensor:
+    norm = family.transformer.norm_out
+    scale, shift = norm.linear(norm.silu(x.rows["temb"]).to(x.img.dtype)).chunk(2, dim=1)
+    return family.transformer.proj_out(modulate(norm.norm(x.img), x.rows_of("img").row_index, shift, scale))
+
+
+def cache_signal(family, x: BlockInputs) -> torch.Tensor:
+    norm1 = family.transformer.transformer_blocks[0].norm1
+    shift, scale = norm1.linear(norm1.silu(x.rows["temb"])).chunk(6, dim=1)[:2]
+    return modulate(norm1.norm(x.img), x.rows_of("img").row_index, shift, scale)
+
+
+def _heads(attn, qkv, norm_q, norm_k):
+    q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv)
+    return norm_q(q), norm_k(k), v
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb`` (real form, FLUX's pairing) with one table row per token: x [T, H, D]."""
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)

@@ -1,0 +1,158 @@
+"""Rows of different sizes in ONE forward: each token stream packed variable-length, no padding.
+
+A packed batch keeps every row's tokens of one stream (the image tokens; the text tokens) back to
+back along dim 0, ``[T, D]``; ``RowTokens`` knows which tokens are whose. Per-row tensors (the
+timestep embedding and the modulation each block computes from it) stay ``[rows, ...]`` and reach
+the tokens through ``expand`` (an index_select by token -> row), so a block's linears and norms run
+once over all T tokens, and attention runs per row over that row's own tokens
+(``attention.attend_packed``). ``DenseRows`` is the same interface over an ordinary ``[rows, L, ...]``
+batch, so the per-row step caches (``dit_core.cache.rows``) treat both layouts alike.
+
+Row order is ``gather_rows``' (per request its cond rows, then its uncond rows), so a request's
+tokens are one contiguous span of each stream, rows after rows: its part of a packed tensor and of
+a dense one hold the same numbers in the same order (``reshape`` turns one into the other).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from itertools import accumulate
+
+import torch
+
+
+class DenseRows:
+    """Rows along dim 0 of a [rows, L, ...] tensor."""
+
+    def part(self, t: torch.Tensor, rows: slice) -> torch.Tensor:
+        return t[rows]
+
+    def positions(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx
+
+    def where(self, mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Per row: ``a`` where ``mask`` [rows] is True, else ``b``."""
+        return torch.where(mask.view(-1, *[1] * (a.dim() - 1)), a, b)
+
+    def rel_l1(self, current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """Per row: mean |current - previous| / mean |previous|."""
+        return (current - previous).abs().flatten(1).mean(1) / previous.abs().flatten(1).mean(1)
+
+
+DENSE = DenseRows()
+
+
+class RowTokens(DenseRows):
+    """One stream of a packed batch: row i's tokens are ``t[starts[i]:starts[i + 1]]`` of a [T, ...] tensor."""
+
+    def __init__(self, counts: list[int], device: torch.device):
+        self.counts = [int(c) for c in counts]
+        self.starts = list(accumulate(self.counts, initial=0))
+        self.device = device
+
+    @property
+    def total(self) -> int:
+        return self.starts[-1]
+
+    @cached_property
+    def row_index(self) -> torch.Tensor:
+        """Token -> its row, [T] (long)."""
+        return torch.repeat_interleave(torch.arange(len(self.counts), device=self.device),
+                                       torch.tensor(self.counts, device=self.device))
+
+    def expand(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[rows, ...] -> [T, ...]: each token gets its row's value."""
+        return per_row.index_select(0, self.row_index)
+
+    def span(self, rows: slice) -> slice:
+        return slice(self.starts[rows.start], self.starts[rows.stop])
+
+    def part(self, t: torch.Tensor, rows: slice) -> torch.Tensor:
+        return t[self.span(rows)]
+
+    def positions(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token positions of rows ``idx`` (in that order)."""
+        return torch.cat([torch.arange(self.starts[i], self.starts[i + 1], device=self.device)
+                          for i in idx.tolist()])
+
+    def select(self, idx: torch.Tensor) -> "RowTokens":
+        return RowTokens([self.counts[i] for i in idx.tolist()], self.device)
+
+    def where(self, mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.expand(mask.to(self.device)).view(-1, *[1] * (a.dim() - 1)), a, b)
+
+    def rel_l1(self, current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        # row by row, each a contiguous [1, L x D] reduction as in the dense form
+        diff, prev = (current - previous).abs(), previous.abs()
+        rows = [slice(a, b) for a, b in zip(self.starts, self.starts[1:])]
+        return torch.stack([diff[r].reshape(1, -1).mean(1)[0] / prev[r].reshape(1, -1).mean(1)[0] for r in rows])
+
+    def cu_seqlens(self) -> torch.Tensor:
+        return torch.tensor(self.starts, dtype=torch.int32, device=self.device)
+
+
+class PackedRows:
+    """A packed batch's layout: per stream its ``RowTokens``, and per stream the per-token tensors
+    that follow the tokens (e.g. each token's rotary cos/sin), so ``select`` keeps them together."""
+
+    def __init__(self, streams: dict[str, RowTokens], tokens: dict[str, dict[str, torch.Tensor]] | None = None):
+        self.streams = streams
+        self.tokens = tokens or {name: {} for name in streams}
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.streams.values())).counts)
+
+    def select(self, idx: torch.Tensor) -> "PackedRows":
+        """The layout of rows ``idx`` alone (a step cache's computing rows)."""
+        out = {}
+        for name, stream in self.streams.items():
+            pos = stream.positions(idx) if len(idx) else None
+            out[name] = {k: v.index_select(0, pos) for k, v in self.tokens[name].items()} if pos is not None else {}
+        return PackedRows({name: s.select(idx) for name, s in self.streams.items()}, out)
+
+    def joint(self, first: str, second: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(perm, cu): ``torch.cat([first stream, second stream])[perm]`` lays each row's
+        [first tokens; second tokens] back to back; ``cu`` their cumulative lengths [rows + 1]."""
+        key = ("joint", first, second)
+        if key not in self.__dict__:
+            a, b = self.streams[first], self.streams[second]
+            parts = []
+            for i in range(self.rows):
+                parts.append(torch.arange(a.starts[i], a.starts[i + 1], device=a.device))
+                parts.append(torch.arange(a.total + b.starts[i], a.total + b.starts[i + 1], device=a.device))
+            lengths = [x + y for x, y in zip(a.counts, b.counts)]
+            cu = torch.tensor(list(accumulate(lengths, initial=0)), dtype=torch.int32, device=a.device)
+            self.__dict__[key] = (torch.cat(parts), cu)
+        return self.__dict__[key]
+
+    def joint_tokens(self, first: str, second: str, name: str) -> torch.Tensor:
+        """Per-token tensor ``name`` of both streams in joint order (see ``joint``), made once."""
+        key = ("joint_tokens", first, second, name)
+        if key not in self.__dict__:
+            perm, _ = self.joint(first, second)
+            both = torch.cat([self.tokens[first][name], self.tokens[second][name]])
+            self.__dict__[key] = both.index_select(0, perm)
+        return self.__dict__[key]
+
+    def split(self, out: torch.Tensor, requests) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The packed image-stream output -> per request (cond [n, L, C], uncond or None), as ``split_rows``."""
+        stream, result, row = self.streams["img"], [], 0
+        for req in requests:
+            n = req.latents.shape[0]
+            cond = stream.part(out, slice(row, row + n)).reshape(n, -1, out.shape[-1])
+            uncond = stream.part(out, slice(row + n, row + 2 * n)).reshape(n, -1, out.shape[-1]) if req.cfg else None
+            row += 2 * n if req.cfg else n
+            result.append((cond, uncond))
+        return result
+
+
+def unjoint(out: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``x.index_select(0, perm)``: back to the streams' order."""
+    return torch.empty_like(out).index_copy_(0, perm, out)
+
+
+def modulate(x: torch.Tensor, row_index: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN on packed tokens: ``x * (1 + scale) + shift`` with each token's row's values of the [rows, D]
+    ``shift`` / ``scale`` (``row_index``: token -> row, ``RowTokens.row_index``)."""
+    return x * (1 + scale).index_select(0, row_index) + shift.index_select(0, row_index)
