@@ -9,61 +9,75 @@ from dit_core import Engine, EngineConfig
 from dit_core.mixed_sizes import why_not
 from helpers import CFG, assert_finished, params, run_staggered
 
-CACHES = ["none", "fbcache:0.3", "teacache:0.6"]
+# per family: no cache, and thresholds at which the tiny models skip rows (as tests/test_step_cache.py)
+CASES = [("flux", "none"), ("flux", "fbcache:0.3"), ("flux", "teacache:0.6"),
+         ("qwenimage", "none"), ("qwenimage", "fbcache:1.0"), ("qwenimage", "teacache:0.6")]
 
 
 @pytest.fixture(scope="module")
-def flux_engines(tiny_models):
+def mixed_engines(tiny_models):
     made = {}
 
-    def get(cache: str = "none", **kw) -> Engine:
-        key = (cache, tuple(sorted(kw.items())))
+    def get(family: str = "flux", cache: str = "none", **kw) -> Engine:
+        key = (family, cache, tuple(sorted(kw.items())))
         if key not in made:
-            made[key] = Engine.from_pretrained(tiny_models["flux"], max_batch_size=8, cache=cache, **kw)
+            made[key] = Engine.from_pretrained(tiny_models[family], max_batch_size=8, cache=cache, **kw)
         assert not made[key].has_unfinished()
         return made[key]
 
     return get
 
 
-def flux_specs():
-    """Three sizes, three text lengths, CFG on two of them, two outputs on one."""
+@pytest.fixture(scope="module")
+def flux_engines(mixed_engines):
+    return lambda cache="none", **kw: mixed_engines("flux", cache, **kw)
+
+
+def mixed_specs(family: str = "flux"):
+    """Four sizes, text lengths of their own (FLUX: max_sequence_length; Qwen-Image: the prompts'), CFG on
+    two of them, two outputs on one."""
+    text = (lambda n: {"max_sequence_length": n}) if family == "flux" else (lambda n: {})
+    cfg = CFG[family]
     return [
-        ("a cat", params(height=32, width=32, num_inference_steps=5, seed=1, max_sequence_length=32, **CFG["flux"])),
+        ("a cat", params(height=32, width=32, num_inference_steps=5, seed=1, **text(32), **cfg)),
         ("a photo of a dog running in a big green field", params(height=48, width=48, num_inference_steps=4, seed=2,
-                                                                 max_sequence_length=64)),
-        ("x", params(height=64, width=32, num_inference_steps=6, seed=3, max_sequence_length=48, num_outputs=2,
-                     **{**CFG["flux"], "guidance_scale": 6.5})),
-        ("a red car on the street", params(height=32, width=64, num_inference_steps=5, seed=4,
-                                           max_sequence_length=32)),
+                                                                 **text(64))),
+        ("x", params(height=64, width=32, num_inference_steps=6, seed=3, num_outputs=2, **text(48),
+                     **{**cfg, "guidance_scale": 6.5})),
+        ("a red car on the street", params(height=32, width=64, num_inference_steps=5, seed=4, **text(32))),
     ]
+
+
+def flux_specs():
+    return mixed_specs("flux")
 
 
 class Forwards:
     """Counts transformer forwards (the image embedding runs once per forward, dense or packed)."""
 
-    def __init__(self, transformer):
+    def __init__(self, transformer, embedder: str):
         self.count = 0
-        transformer.x_embedder.register_forward_hook(self._hit)
+        self.handle = getattr(transformer, embedder).register_forward_hook(self._hit)
 
     def _hit(self, *_):
         self.count += 1
 
 
-@pytest.mark.parametrize("cache", CACHES)
-def test_mixed_sizes_share_one_forward_and_each_row_equals_its_solo_run(cache, flux_engines):
-    engine = flux_engines(cache)
-    specs = flux_specs()
+@pytest.mark.parametrize("family,cache", CASES)
+def test_mixed_sizes_share_one_forward_and_each_row_equals_its_solo_run(family, cache, mixed_engines):
+    engine = mixed_engines(family, cache)
+    specs = mixed_specs(family)
     assert len({engine.make_request(p, sp).key for p, sp in specs}) == 1  # sizes left out of the key
     alone, skipped_alone = [], 0
     for prompt, p in specs:
         finals, _ = run_staggered(engine, [(prompt, p)], arrivals=[0])
         alone.append(assert_finished(finals[0]))
         skipped_alone += finals[0].output.metrics["cache_skipped_rows"]
-    forwards = Forwards(engine.family.transformer)
+    forwards = Forwards(engine.family.transformer, "x_embedder" if family == "flux" else "img_in")
     first = engine.stats.steps
     finals, sizes = run_staggered(engine, specs, arrivals=[0, 0, 1, 2])
     steps = engine.stats.steps - first
+    forwards.handle.remove()
     assert forwards.count == steps  # one forward per engine step, whatever the sizes in it
     assert max(sizes) == len(specs) and steps == 7  # all four in one forward from step 2 on
     for i in range(len(specs)):

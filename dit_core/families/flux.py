@@ -105,9 +105,6 @@ class FluxFamily(PackedFlowFamily):
             return flux_packed.cache_signal(self, x)
         return self.transformer.transformer_blocks[0].norm1(x.img, emb=x.rows["temb"])[0]
 
-    def head(self, x: BlockInputs) -> torch.Tensor:
-        return flux_packed.head(self, x) if x.layout is not None else super().head(x)
-
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         latents = self.unpack(latents, params) / self.vae.config.scaling_factor + self.vae.config.shift_factor
         return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]

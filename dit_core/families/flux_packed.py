@@ -129,12 +129,6 @@ def joint_attention(layout: PackedRows, q, k, v, backend) -> torch.Tensor:
     return unjoint(out, perm)
 
 
-def head(family, x: BlockInputs) -> torch.Tensor:
-    norm = family.transformer.norm_out
-    scale, shift = norm.linear(norm.silu(x.rows["temb"]).to(x.img.dtype)).chunk(2, dim=1)
-    return family.transformer.proj_out(modulate(norm.norm(x.img), x.rows_of("img").row_index, shift, scale))
-
-
 def cache_signal(family, x: BlockInputs) -> torch.Tensor:
     norm1 = family.transformer.transformer_blocks[0].norm1
     shift, scale = norm1.linear(norm1.silu(x.rows["temb"])).chunk(6, dim=1)[:2]

@@ -4,7 +4,8 @@ Matches diffusers' QwenImagePipeline: the prompt goes through the chat
 template, the language model's last-layer hidden states of the valid tokens
 are kept and the template prefix (34 tokens) is dropped. Prompts keep their own
 length; a batch pads them and passes the text mask, so prompt length is not
-part of the batch key.
+part of the batch key. With ``mixed_sizes`` (the engine's default) the image size is not either: a
+step whose rows differ in size runs packed (``qwen_packed``; text without padding there).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ar_adapters import PromptError
 from ..errors import InvalidParamError
 from ..params import SamplingParams
 from ..request import Request
+from . import qwen_packed
 from .base import BlockInputs, TextCond, gather_rows
 from .latents import pad_stack
 from .packed import PackedFlowFamily
@@ -48,6 +50,12 @@ class QwenImageFamily(PackedFlowFamily):
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
         self.tokenizer = components["tokenizer"]
+
+    @property
+    def packable(self) -> bool:
+        """Rows of different sizes in one packed forward (``qwen_packed``); not zero_cond_t checkpoints,
+        whose blocks modulate by a per-token index the packed loop does not carry."""
+        return not self.transformer.zero_cond_t
 
     def vae_scale_factor(self) -> int:
         return 2 ** len(self.vae.config.temperal_downsample)
@@ -98,6 +106,8 @@ class QwenImageFamily(PackedFlowFamily):
         req.state["img_shape"] = (1, h, w)
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
+        if self.packs(requests):
+            return qwen_packed.packed_inputs(self, requests)
         latents, timesteps, conds, owners = gather_rows(requests)
         embeds, mask = pad_stack([c.embeds for c in conds])
         guidance = self.guidance(owners)
@@ -112,6 +122,8 @@ class QwenImageFamily(PackedFlowFamily):
         return len(self.transformer.transformer_blocks)
 
     def block_inputs(self, inputs: dict) -> BlockInputs:
+        if "layout" in inputs:
+            return qwen_packed.block_inputs(self, inputs)
         tr = self.transformer
         if tr.zero_cond_t:
             raise ValueError("step caching does not support zero_cond_t Qwen-Image checkpoints")
@@ -128,12 +140,16 @@ class QwenImageFamily(PackedFlowFamily):
         return BlockInputs(img, txt, {"temb": temb, "mask": mask}, {"image_rotary_emb": rotary})
 
     def run_block(self, index: int, x: BlockInputs):
+        if x.layout is not None:
+            return qwen_packed.block(self.transformer.transformer_blocks[index], x, self.attention_backends["joint"])
         txt, img = self.transformer.transformer_blocks[index](
             hidden_states=x.img, encoder_hidden_states=x.txt, encoder_hidden_states_mask=x.rows["mask"],
             temb=x.rows["temb"], image_rotary_emb=x.shared["image_rotary_emb"])
         return img, txt
 
     def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        if x.layout is not None:
+            return qwen_packed.cache_signal(self, x)
         block = self.transformer.transformer_blocks[0]
         modulation = block.img_mod(x.rows["temb"]).chunk(2, dim=-1)[0]
         return block._modulate(block.img_norm1(x.img), modulation)[0]

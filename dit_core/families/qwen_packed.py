@@ -1,0 +1,122 @@
+"""Qwen-Image's block loop over packed rows of different sizes (``packed_rows``): what
+``QwenImageTransformer2DModel`` computes (zero_cond_t checkpoints excluded), for a batch whose rows
+differ in image size.
+
+Written from the blocks' own submodules: per block, each stream's modulation (``img_mod`` /
+``txt_mod`` of the row's timestep embedding) once per row, expanded to its tokens; the linears once
+over all tokens of a stream; each row's rotary frequencies for its own image grid and its own text
+(text token j at ``max(h, w) + j``, as the dense forward's table gives it); attention per row over
+[its valid text tokens; its image tokens]. Text is packed without padding, so the text mask of the
+dense batch has nothing left to mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+from attention import attend_packed
+
+from ..request import Request
+from .base import BlockInputs
+from .packed_rows import PackedRows, RowTokens, modulate, unjoint
+
+
+def packed_inputs(family, requests: list[Request]) -> dict:
+    """The rows of ``requests`` (``gather_rows``' order) as packed streams and per-row tensors."""
+    latents, texts, timesteps, owners, img_counts, txt_counts = [], [], [], [], [], []
+    freqs = {"img": [], "txt": []}
+    for req in requests:
+        vid, txt = rotary_tables(family, req)
+        n, length = req.latents.shape[:2]
+        for cond in (req.cond, req.uncond) if req.cfg else (req.cond,):
+            latents.append(req.latents.reshape(n * length, -1))
+            for _ in range(n):
+                texts.append(cond.embeds)
+                img_counts.append(length)
+                txt_counts.append(cond.embeds.shape[0])
+                owners.append(req)
+                freqs["img"].append(vid)
+                freqs["txt"].append(txt[:cond.embeds.shape[0]])
+            timesteps.append(req.timestep.expand(n))
+    device = family.device
+    layout = PackedRows({"img": RowTokens(img_counts, device), "txt": RowTokens(txt_counts, device)},
+                        {s: {"freqs": torch.cat(v)} for s, v in freqs.items()})
+    hidden = torch.cat(latents)
+    return dict(hidden_states=hidden, timestep=torch.cat(timesteps).to(hidden.dtype) / 1000,
+                guidance=family.guidance(owners), encoder_hidden_states=torch.cat(texts), layout=layout)
+
+
+def rotary_tables(family, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's rotary frequencies: its image grid's, and its text's (as long as its longer prompt)."""
+    if "packed_rope" not in req.state:
+        length = max(c.embeds.shape[0] for c in ((req.cond, req.uncond) if req.cfg else (req.cond,)))
+        req.state["packed_rope"] = family.transformer.pos_embed([req.state["img_shape"]], max_txt_seq_len=length,
+                                                                device=family.device)
+    return req.state["packed_rope"]
+
+
+def block_inputs(family, inputs: dict) -> BlockInputs:
+    tr = family.transformer
+    img = tr.img_in(inputs["hidden_states"])
+    timestep = inputs["timestep"].to(img.dtype)
+    txt = tr.txt_in(tr.txt_norm(inputs["encoder_hidden_states"]))
+    guidance = inputs["guidance"]
+    if guidance is None:
+        temb = tr.time_text_embed(timestep, img, None)
+    else:
+        temb = tr.time_text_embed(timestep, guidance.to(img.dtype) * 1000, img, None)
+    return BlockInputs(img, txt, {"temb": temb}, {}, inputs["layout"])
+
+
+def block(blk, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``QwenImageTransformerBlock`` on packed streams; returns (image, text)."""
+    ri, rt = x.rows_of("img"), x.rows_of("txt")
+    ii, it = ri.row_index, rt.row_index
+    img_mod1, img_mod2 = blk.img_mod(x.rows["temb"]).chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = blk.txt_mod(x.rows["temb"]).chunk(2, dim=-1)
+    shift, scale, gate = img_mod1.chunk(3, dim=-1)
+    t_shift, t_scale, t_gate = txt_mod1.chunk(3, dim=-1)
+    img_attn, txt_attn = attention(blk.attn, modulate(blk.img_norm1(x.img), ii, shift, scale),
+                                   modulate(blk.txt_norm1(x.txt), it, t_shift, t_scale), x.layout, backend)
+    img = x.img + ri.expand(gate) * img_attn
+    txt = x.txt + rt.expand(t_gate) * txt_attn
+    shift, scale, gate = img_mod2.chunk(3, dim=-1)
+    img = img + ri.expand(gate) * blk.img_mlp(modulate(blk.img_norm2(img), ii, shift, scale))
+    shift, scale, gate = txt_mod2.chunk(3, dim=-1)
+    txt = txt + rt.expand(gate) * blk.txt_mlp(modulate(blk.txt_norm2(txt), it, shift, scale))
+    if txt.dtype == torch.float16:
+        txt = txt.clip(-65504, 65504)
+    if img.dtype == torch.float16:
+        img = img.clip(-65504, 65504)
+    return img, txt
+
+
+def attention(attn, img: torch.Tensor, txt: torch.Tensor, layout: PackedRows, backend):
+    """The joint attention of ``processors.qwenimage`` on packed streams; returns (image, text) outputs."""
+    head_dim = attn.inner_dim // attn.heads
+    qi = [p(img).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
+    qt = [p(txt).unflatten(-1, (-1, head_dim)) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
+    for stream, qn, kn in ((qi, attn.norm_q, attn.norm_k), (qt, attn.norm_added_q, attn.norm_added_k)):
+        if qn is not None:
+            stream[0] = qn(stream[0])
+        if kn is not None:
+            stream[1] = kn(stream[1])
+    for stream, name in ((qi, "img"), (qt, "txt")):
+        freqs = layout.tokens[name]["freqs"]
+        for i in (0, 1):  # [T, H, D] as one row of T tokens
+            stream[i] = apply_rotary_emb_qwen(stream[i][None], freqs, use_real=False)[0]
+    perm, cu = layout.joint("txt", "img")
+    q, k, v = (torch.cat([t, i]).index_select(0, perm) for t, i in zip(qt, qi))
+    out = unjoint(attend_packed(q, k, v, cu, cu, backend).flatten(1).to(q.dtype), perm)
+    n_txt = layout.streams["txt"].total
+    img_out = attn.to_out[0](out[n_txt:])
+    if len(attn.to_out) > 1:
+        img_out = attn.to_out[1](img_out)
+    return img_out, attn.to_add_out(out[:n_txt])
+
+
+def cache_signal(family, x: BlockInputs) -> torch.Tensor:
+    blk = family.transformer.transformer_blocks[0]
+    shift, scale, _ = blk.img_mod(x.rows["temb"]).chunk(2, dim=-1)[0].chunk(3, dim=-1)
+    return modulate(blk.img_norm1(x.img), x.rows_of("img").row_index, shift, scale)
