@@ -30,6 +30,9 @@ class EngineConfig:
     max_tokens_per_step: rows x (image + text tokens) per forward. A request that
         alone exceeds it is rejected when added.
     mixed_sizes: requests of different sizes (and text lengths) share one forward, each row's tokens
+        packed variable-length (default True; FLUX so far, see ``dit_core.mixed_sizes`` for what keeps
+        sizes apart); False: one batch per size, as before.
+    mixed_sizes: requests of different sizes (and text lengths) share one forward, each row's tokens
         packed variable-length (default True; FLUX and Qwen-Image, see ``dit_core.mixed_sizes`` for what
         keeps sizes apart); False: one batch per size, as before.
     policy: which batch key each step serves and the admission order: ``fifo`` (oldest first) or

@@ -3,6 +3,12 @@
 Matches diffusers' StableDiffusion3Pipeline: CLIP tokens are padded to 77 and
 T5 to ``max_sequence_length`` with no mask, so text length is part of the key.
 CFG runs when ``guidance_scale`` > 1 (negative prompt defaults to "").
+
+SD3 is not ``packable`` (``EngineConfig.mixed_sizes`` leaves its key as it is: size and text length
+in it): its latents enter through a Conv2d patch embedding on each [C, H, W] grid plus a learned
+position table cropped to that grid's center, and leave through an unpatchify per grid, so a packed
+forward would need per-size groups around the blocks, and SD3.5's blocks (a second, image-only
+attention and qk-norm) their own packed loop too. Not written yet; its sizes batch apart.
 """
 
 from __future__ import annotations
