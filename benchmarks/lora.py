@@ -25,9 +25,17 @@ Ratios are medians of the per-round ratios, spreads (max - min) / median:
 = engine_grouped / engine_mixed; ``lora_overhead`` = engine_mixed / engine_none transformer time
 per step (forward hooks included; the text encoders and VAE are outside it). Correctness: every
 request's image from ``engine_mixed`` against diffusers' (``outputs_match_diffusers``: <= 1e-4, as
-tests/test_lora.py) and against the engine running it alone (``mixed_equals_solo``: <= 1e-5; at 256x256
-the engine's own batch of 16 differs from a request alone by up to 1.0e-5 with no adapter at all,
-GEMMs blocked by batch size, so that size sits at the floor of the tolerance: 1.4e-5 there). Then the
+tests/test_lora.py) and against the engine running it alone (``mixed_equals_solo``: <= 1e-5), images
+and, before the VAE, final latents (``max_abs_diff_vs_solo_latents``, ``mixed_latents_equal_solo``).
+Measured (2 cores): the transformer's rows are bitwise equal batched and alone, with and without
+adapters, every step; at 256x256 the images are not (up to 1.2e-5 with no adapter at all): the
+engine decodes the batch's latents two at a time (``decode_pixel_budget``) and a request alone one at
+a time, and the VAE decoder's layers are not batch-size independent: hooked layer by layer (a batch
+of 2 against each image alone, same input), 20 of its 53 conv / norm layers differ, the largest (up to
+4.5e-5) GroupNorms; torch's CPU GroupNorm alone differs 2.4e-5 batch of 2 vs one at a time on
+channels-last [2, 128, 256, 256] input (0 on contiguous NCHW), a oneDNN conv ~1e-6 (0 with oneDNN off).
+Decoding one image at a time would fix it at +17% decode time
+(156 -> 182 ms for two 256x256 images). Then the
 shipped digits adapter (dit_core/zoo/digits_lora) on the digits model: ``digits_lora_style_shift``
 (ink fraction with / without) and ``digits_lora_adherence`` (dit_core.eval.digits_style).
 Writes results/lora.json (``--quick``: results/lora_quick.json, 64x64 only, 4 steps).
@@ -36,6 +44,7 @@ Writes results/lora.json (``--quick``: results/lora_quick.json, 64x64 only, 4 st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -159,6 +168,35 @@ def side(run, target, size: int, steps: int, name: str, outputs: dict, transform
     return call
 
 
+def strategy() -> str:
+    from dit_core.adapters import apply
+
+    return apply.STRATEGY
+
+
+def other_strategies() -> list[str]:
+    from dit_core.adapters import apply
+
+    return [s for s in apply.STRATEGIES if s != apply.STRATEGY]
+
+
+def stack_cache_bytes() -> int:
+    from dit_core.adapters import apply
+
+    return apply.STACK_CACHE_BYTES
+
+
+def with_strategy(name: str, fn, *args):
+    """``fn(*args)`` with the rows' deltas added the ``name`` way (apply.STRATEGY), then the default again."""
+    from dit_core.adapters import apply
+
+    default, apply.STRATEGY = apply.STRATEGY, name
+    try:
+        return fn(*args)
+    finally:
+        apply.STRATEGY = default
+
+
 def size_case(model, files: dict, size: int, steps: int, repeats: int) -> dict:
     from diffusers import FluxPipeline
 
@@ -182,6 +220,9 @@ def size_case(model, files: dict, size: int, steps: int, repeats: int) -> dict:
                             "engine_none", outputs, without_loras),
         "engine_hooks_idle": side(lambda r: run_engine(lora_engine, r), tr, size, steps, "engine_hooks_idle", outputs,
                                   without_loras),
+        # the same mixed batch with the other way of adding the rows' deltas (dit_core.adapters.apply.STRATEGIES)
+        **{f"engine_mixed_{other}": side(lambda r, o=other: with_strategy(o, run_engine, lora_engine, r), tr, size,
+                                         steps, f"engine_mixed_{other}", outputs) for other in other_strategies()},
     }
     cmp = interleaved(sides, repeats)
     # correctness, on round 0's requests: against diffusers, and each request alone in the engine
@@ -190,6 +231,12 @@ def size_case(model, files: dict, size: int, steps: int, repeats: int) -> dict:
     diff_grouped = max(float((a - b).abs().max()) for a, b in zip(mixed, outputs["engine_grouped"]))
     reqs = requests(size, steps, "round 0")
     diff_solo = max(float((mixed[i] - run_engine(lora_engine, [reqs[i]])[0]).abs().max()) for i in range(len(reqs)))
+    # the same before the VAE: each request's final latents, batched against alone (the decoder's GroupNorm on
+    # channels-last activations sums in an order that depends on the decode's batch size; see the docstring)
+    latent = [(prompt, dataclasses.replace(p, output_type="latent")) for prompt, p in reqs]
+    mixed_latents = run_engine(lora_engine, latent)
+    diff_solo_latents = max(float((mixed_latents[i] - run_engine(lora_engine, [latent[i]])[0]).abs().max())
+                            for i in range(len(latent)))
     adapter_effect = min(float((a - b).abs().max()) for a, b, (_, p) in
                          zip(mixed, run_engine(plain_engine, without_loras(reqs)), reqs) if p.loras)
     metric = "transformer_seconds_per_step"
@@ -202,9 +249,13 @@ def size_case(model, files: dict, size: int, steps: int, repeats: int) -> dict:
         "lora_overhead": cmp.ratio("engine_mixed", "engine_none", metric),
         "lora_overhead_spread": cmp.ratio_spread("engine_mixed", "engine_none", metric),
         "lora_overhead_wall": cmp.ratio("engine_mixed", "engine_none"),
+        **{f"lora_overhead_{other}": cmp.ratio(f"engine_mixed_{other}", "engine_none", metric)
+           for other in other_strategies()},
+        "strategy": strategy(),
         "idle_hooks_overhead": cmp.ratio("engine_hooks_idle", "engine_none", metric),
         "idle_hooks_overhead_spread": cmp.ratio_spread("engine_hooks_idle", "engine_none", metric),
         "max_abs_diff_vs_diffusers": diff_diffusers, "max_abs_diff_vs_solo": diff_solo,
+        "max_abs_diff_vs_solo_latents": diff_solo_latents,
         "max_abs_diff_mixed_vs_grouped": diff_grouped, "min_adapter_effect": adapter_effect,
         "sides": {name: cmp.stats(name) for name in cmp.sides}, "order": cmp.order,
     }
@@ -227,14 +278,21 @@ def summarize(cases: dict, digits: dict) -> dict:
                                     "mixed_vs_grouped_throughput", "mixed_vs_grouped_throughput_spread",
                                     "lora_overhead", "lora_overhead_spread", "idle_hooks_overhead")}
     summary["main_size"] = "64x64"
+    extra = sorted(k for k in main if k.startswith("lora_overhead_") and not k.endswith(("_spread", "_wall")))
+    summary.update({k: main[k] for k in extra})  # the other strategies' overhead
+    if "strategy" in main:
+        summary["strategy"] = main["strategy"]
     for label, case in cases.items():
         if label != "64x64":
-            for k in ("lora_vs_diffusers_throughput", "mixed_vs_grouped_throughput", "lora_overhead"):
+            for k in ("lora_vs_diffusers_throughput", "mixed_vs_grouped_throughput", "lora_overhead", *extra):
                 summary[f"{k}_{label.split('x')[0]}"] = case[k]
     summary["outputs_match_diffusers"] = all(c["max_abs_diff_vs_diffusers"] <= MATCH_DIFFUSERS for c in cases.values())
     summary["mixed_equals_solo"] = all(c["max_abs_diff_vs_solo"] <= MATCH_SOLO for c in cases.values())
     summary["max_abs_diff_vs_diffusers"] = max(c["max_abs_diff_vs_diffusers"] for c in cases.values())
     summary["max_abs_diff_vs_solo"] = max(c["max_abs_diff_vs_solo"] for c in cases.values())
+    if all("max_abs_diff_vs_solo_latents" in c for c in cases.values()):  # the transformer's rows, before the VAE
+        summary["max_abs_diff_vs_solo_latents"] = max(c["max_abs_diff_vs_solo_latents"] for c in cases.values())
+        summary["mixed_latents_equal_solo"] = summary["max_abs_diff_vs_solo_latents"] <= MATCH_SOLO
     summary["digits_lora_style_shift"] = digits["style_shift"]
     summary["digits_lora_adherence"] = digits["adherence_lora"]
     summary["method"] = "interleaved rounds, median of per-round ratios"
@@ -261,11 +319,15 @@ def main(argv=None):
     for size in sizes:
         t = time.perf_counter()
         cases[f"{size}x{size}"] = case = size_case(model, files, size, steps, repeats)
+        others = ", ".join(f"{k} x{v:.3f}" for k, v in case.items()
+                           if k.startswith("lora_overhead_") and not k.endswith(("_spread", "_wall")))
         print(f"{size}x{size} ({time.perf_counter() - t:.0f} s): vs diffusers x{case['lora_vs_diffusers_throughput']:.2f} "
               f"(spread {case['lora_vs_diffusers_throughput_spread']:.0%}), mixed vs grouped "
               f"x{case['mixed_vs_grouped_throughput']:.2f}, overhead x{case['lora_overhead']:.3f} "
               f"(spread {case['lora_overhead_spread']:.0%}; idle hooks x{case['idle_hooks_overhead']:.3f}), "
-              f"diff vs diffusers {case['max_abs_diff_vs_diffusers']:.1e}, vs solo {case['max_abs_diff_vs_solo']:.1e}",
+              f"{others}, "
+              f"diff vs diffusers {case['max_abs_diff_vs_diffusers']:.1e}, vs solo {case['max_abs_diff_vs_solo']:.1e} "
+              f"(latents {case['max_abs_diff_vs_solo_latents']:.1e})",
               flush=True)
     digits = digits_case(per_digit=2 if args.quick else 5)
     print(f"digits adapter: ink fraction x{digits['style_shift']:.3f}, adherence {digits['adherence_lora']:.3f} "
@@ -273,7 +335,8 @@ def main(argv=None):
     summary = summarize(cases, digits)
     payload = {"benchmark": "lora", "machine": machine(), "args": vars(args),
                "config": {"adapters": N_ADAPTERS, "rank": RANK, "requests": N_REQUESTS, "without_adapter": N_PLAIN,
-                          "targets": TARGETS, "steps": steps, "repeats": repeats, "text_tokens": 64},
+                          "targets": TARGETS, "steps": steps, "repeats": repeats, "text_tokens": 64,
+                          "strategy": strategy(), "stack_cache_bytes": stack_cache_bytes()},
                "summary": summary, "cases": cases, "digits": digits}
     path = write_json("lora_quick" if args.quick else "lora", payload)
     print("summary:", {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in summary.items()}, "->", path)

@@ -59,7 +59,7 @@ class AdapterStore:
                     raise AdapterInUseError(f"{path}: cannot load adapter {name!r}: max_loras={self.max_loras} "
                                             f"adapters are resident and every one is in use by a live request")
                 logger.info("LoRA: evicting %r (least recently used) to load %r", victim, name)
-                del self.adapters[victim]
+                apply.forget(self.adapters.pop(victim))
             self.adapters[name] = adapter
         logger.info("LoRA: loaded %r from %s (%d layers, rank %d, %.1f MB)", name, path, len(adapter.layers),
                     adapter.rank, adapter.nbytes / 1e6)
@@ -77,7 +77,7 @@ class AdapterStore:
                 raise AdapterNotLoadedError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}", name)
             if self.pins[name]:
                 raise AdapterInUseError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
-            del self.adapters[name]
+            apply.forget(self.adapters.pop(name))
 
     def describe(self) -> list[dict]:
         with self._lock:
