@@ -54,6 +54,14 @@ class EngineConfig:
     edf_forecast: under ``edf``, learn when each periodic client (``SamplingParams.client_id``, e.g.
         a robot connection) will ask next, and keep bulk steps (and decodes) short enough to end
         before then (default True; see ``dit_core.policies``).
+    batch_limits: ``"fixed"`` (``max_batch_size`` and ``max_tokens_per_step`` alone bound a step) or ``"learn"``:
+        per model and shape bucket, the engine learns from its own step times how a forward's time grows with
+        its rows and admits rows only while one more row still pays (``dit_core.batch_limits``); None (default):
+        ``learn`` when ``max_step_ms`` is set, else ``fixed``.
+    batch_gain_threshold: with ``batch_limits="learn"``, the least gain one more row must bring: the share
+        of a row's own throughput it adds (1: a free row, 0: rows per second unchanged); default 0.05.
+    max_step_ms: with ``batch_limits="learn"``, rows are not added past a step of this many milliseconds
+        (measured; a step always holds one request); None (default): no bound.
     attention: attention backend for every role (``auto``, ``sdpa``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``), optionally with overrides: ``"sdpa,joint=flex"``
         or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
@@ -143,6 +151,9 @@ class EngineConfig:
     edf_recent_s: float = 2.0
     edf_defer_decode: bool = True
     edf_forecast: bool = True
+    batch_limits: str | None = None
+    batch_gain_threshold: float = 0.05
+    max_step_ms: float | None = None
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None
     cache: str | CacheConfig = "none"
@@ -232,6 +243,20 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise InvalidParamError(name, value, "a finite number >= 0")
+        if self.batch_limits is None:
+            self.batch_limits = "fixed" if self.max_step_ms is None else "learn"
+        if self.batch_limits not in ("fixed", "learn"):
+            raise InvalidParamError("batch_limits", self.batch_limits, "'fixed' or 'learn'")
+        value = self.batch_gain_threshold
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise InvalidParamError("batch_gain_threshold", value, "a number in [0, 1)")
+        value = self.max_step_ms
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise InvalidParamError("max_step_ms", value, "None or a finite number of milliseconds > 0")
+        if value is not None and self.batch_limits != "learn":
+            raise InvalidParamError("max_step_ms", value, "None unless batch_limits='learn' (the bound is kept "
+                                                          "with the learned step times)")
         for name in ("edf_defer_decode", "edf_forecast"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParamError(name, getattr(self, name), "True or False")

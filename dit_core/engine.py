@@ -114,6 +114,12 @@ class Engine:
         if len(max_batch) == len(self.models):
             config.max_batch_size = 1
         self.scheduler = StepScheduler(config, max_batch)
+        self.batch_limits = None  # learned per-shape row limits (EngineConfig.batch_limits="learn")
+        if config.batch_limits == "learn":
+            from .batch_limits import BatchLimits
+
+            self.batch_limits = BatchLimits(config.batch_gain_threshold, config.max_step_ms)
+        self.scheduler.limits = self.batch_limits
         self.faults = Faults()  # fault-injection points, armed by tests only (dit_core/faults.py)
         for family in self.models.values():
             family.faults = self.faults
@@ -292,6 +298,7 @@ class Engine:
             events += self.scheduler.postprocess(batch, out)
             self.stats.record(len(batch.requests), batch.rows, out.step_ms, out.cache, batch.model)
             self.step_times.observe(batch.key, len(batch.requests), out.step_ms)
+            self.scheduler.learn(batch, out)
         for ev in events:
             if ev.kind.final:
                 self._release(self._live.pop(ev.request_id, None))

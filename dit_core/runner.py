@@ -33,6 +33,7 @@ class Runner:
         out = RunnerOutput()
         start = time.perf_counter()
         self._isolated(self._admit, batch.new_requests, out.failed)
+        admitted = time.perf_counter()
         live = [r for r in batch.requests if r.id not in out.failed]
         pending = [r for r in live if r.decode_pending]  # deferred in an earlier step: decode only
         live = [r for r in live if not r.decode_pending]
@@ -45,6 +46,7 @@ class Runner:
         for req in (r for r in live if r.id in preds):  # one at a time: a sampler step mutates state
             stepped.update(self._isolated(self._advance, [req], out.failed, preds))
         out.step_ms = (time.perf_counter() - start) * 1e3
+        out.forward_ms = (time.perf_counter() - admitted) * 1e3 if live else 0.0
         for req in (r for r in live if r.id in stepped):
             req.metrics.step_ms.append(out.step_ms)
             req.metrics.batch_sizes.append(len(live))

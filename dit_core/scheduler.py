@@ -13,6 +13,10 @@ The rule, in full:
    pause, oldest first keep running). Waiting requests with that key are admitted in priority order while
    the budget allows (``max_batch_size`` requests, ``max_tokens_per_step`` tokens,
    CFG rows counted); waiting requests with other keys are skipped, not waited on.
+   With learned batch limits (``batch_limits="learn"``, ``dit_core.batch_limits``) a step also holds
+   no more rows than its shape bucket learned pay (or, on a step that explores, the rows it explores
+   to): running requests past them pause like those past the policy's limit, waiting ones are not
+   admitted; a step always holds at least one request.
 3. Running requests with other keys keep their state and resume when their key
    is served again.
 4. A request whose decode was deferred (``edf``, see ``dit_core.policies``) stays running under
@@ -32,12 +36,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .batch_limits import BatchLimits, Limit, bucket_of
 from .config import EngineConfig
 from .policies import POLICIES
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
 
 
 DECODE = ("decode",)  # appended to the key of a request whose decode was deferred
+NO_LIMIT = Limit(float("inf"))  # rows, when no limit is learned
 
 
 @dataclass
@@ -47,6 +53,7 @@ class StepBatch:
     key: tuple
     requests: list[Request]  # everything in this forward, new ones included
     new_requests: list[Request] = field(default_factory=list)  # admitted this step
+    bucket: tuple | None = None  # the learned batch limit's bucket (None: not learning this step)
 
     @property
     def model(self) -> str:
@@ -63,6 +70,7 @@ class RunnerOutput:
     failed: dict = field(default_factory=dict)  # request id -> error message
     deferred: list = field(default_factory=list)  # ids denoised this step, decode left to a later step
     step_ms: float = 0.0
+    forward_ms: float = 0.0  # the forward and sampler steps alone (no encode at admission, no decode)
     cache: dict | None = None  # the step cache's counters for this forward (rows skipped, block evals)
 
 
@@ -74,6 +82,7 @@ class StepScheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._aborts: dict[str, str] = {}
+        self.limits: BatchLimits | None = None  # learned per-bucket row limits (the engine sets it)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -100,17 +109,25 @@ class StepScheduler:
         if limit == 0:  # the policy holds the step back (edf: a forecast request is due first)
             return None, events  # (not reported as stepped: a held step is not counted)
         self.policy.stepped()
-        # running requests past the policy's limit pause this step (oldest first keep running)
         batch = [r for r in self.running if r.key == key]
-        if len(batch) > limit:
-            keep = set(map(id, sorted(batch, key=self.policy.priority)[:limit]))
+        waiting = sorted((r for r in self.waiting if r.key == key), key=self.policy.priority)
+        bucket, learned = self._learned(key, batch + waiting)
+        bound = learned.bound  # rows: the learned limit, or how far this step explores past it
+        # running requests past the policy's limit or the learned rows pause this step (oldest first keep running)
+        if len(batch) > limit or sum(r.rows for r in batch) > bound:
+            keep, rows = set(), 0
+            for req in sorted(batch, key=self.policy.priority):
+                if len(keep) == limit or keep and rows + req.rows > bound:
+                    break
+                keep.add(id(req))
+                rows += req.rows
             batch = [r for r in batch if id(r) in keep]
-        n, tokens = len(batch), sum(r.tokens for r in batch)
+        n, tokens, rows = len(batch), sum(r.tokens for r in batch), sum(r.rows for r in batch)
         new = []
-        for req in sorted((r for r in self.waiting if r.key == key), key=self.policy.priority):
-            if n + 1 > limit or tokens + req.tokens > self.config.max_tokens_per_step:
+        for req in waiting:
+            if n + 1 > limit or tokens + req.tokens > self.config.max_tokens_per_step or n and rows + req.rows > bound:
                 break
-            n, tokens = n + 1, tokens + req.tokens
+            n, tokens, rows = n + 1, tokens + req.tokens, rows + req.rows
             new.append(req)
         now = time.perf_counter()
         for req in new:
@@ -118,7 +135,23 @@ class StepScheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.metrics.first_scheduled = now
-        return StepBatch(key=key, requests=batch + new, new_requests=new), events
+        return StepBatch(key=key, requests=batch + new, new_requests=new, bucket=bucket), events
+
+    def _learned(self, key: tuple, requests: list[Request]) -> tuple[tuple | None, Limit]:
+        """The bucket of ``key``'s step (its model, its largest row's tokens: ``dit_core.batch_limits``)
+        and the rows it learned; decode-only steps and engines without learning have no limit."""
+        if self.limits is None or not requests or key[-len(DECODE):] == DECODE:
+            return None, NO_LIMIT
+        bucket = bucket_of(key[0], max(r.tokens // max(r.rows, 1) for r in requests))
+        return bucket, self.limits.limit(bucket, sum(r.rows for r in requests), min(r.rows for r in requests))
+
+    def learn(self, batch: StepBatch, out: RunnerOutput) -> None:
+        """Teach the learned limits this step's forward time (steps that failed a request, skipped rows in
+        a step cache or only decoded teach nothing)."""
+        skipped = out.cache.get("rows_skipped", 0) if out.cache else 0
+        if self.limits is None or batch.bucket is None or out.failed or skipped or out.forward_ms <= 0:
+            return
+        self.limits.observe(batch.bucket, batch.rows, out.forward_ms)
 
     def postprocess(self, batch: StepBatch, out: RunnerOutput) -> list[RequestEvent]:
         events = []

@@ -8,7 +8,10 @@ image model, at each size); ``None``: ``auto`` over the *compiled* models when `
 models are not warmed (their shapes are more than a height and a width).
 
 Per size the warm-up runs one request alone and two together (batch 1 is specialised by dynamo),
-each with and without the family's CFG where it has one: every graph the size needs. ``run`` does it
+each with and without the family's CFG where it has one: every graph the size needs. With learned batch
+limits (``batch_limits="learn"``) it then profiles: ``max_batch_size`` requests of ``PROFILE_STEPS`` steps
+together per size, during which the learner explores (``dit_core.batch_limits``), so the first real
+requests of a warmed size run at a learned limit; the limits are kept when the timings start afresh. ``run`` does it
 on a plain ``Engine`` (its constructor calls it), ``run_async`` through an ``AsyncEngine`` whose loop is
 already serving (the HTTP server: it listens while the warm-up runs, see ``serve.readiness``).
 Afterwards the engine's statistics and step-time estimates start afresh (``reset_timings``): compile
@@ -23,6 +26,7 @@ import time
 
 OFF, AUTO = "off", "auto"
 PROMPTS = (["warm-up"], ["warm-up a", "warm-up b"])  # one request alone, then two in one forward
+PROFILE_STEPS = 10  # steps of the learned-limits profile: room for a few explorations of two steps each
 
 
 def parse_warmup(value):
@@ -78,6 +82,19 @@ def jobs(family, shapes):
                 yield prompts, params
 
 
+def profile_jobs(engine, name: str, shapes):
+    """With learned batch limits: per size, a full batch of ``PROFILE_STEPS``-step requests (the model's
+    defaults otherwise, CFG included), run together while the learner explores."""
+    from .params import SamplingParams
+
+    if engine.batch_limits is None:
+        return
+    n = engine.scheduler.max_batch.get(name, engine.config.max_batch_size)
+    for h, w in shapes or [(None, None)]:
+        yield [f"warm-up profile {i}" for i in range(n)], SamplingParams(
+            height=h, width=w, num_inference_steps=PROFILE_STEPS, output_type="latent", seed=0)
+
+
 def shape_names(family, shapes) -> list[str]:
     """The sizes as ``HxW`` strings (``auto``: the model's resolved default)."""
     from .params import SamplingParams
@@ -103,7 +120,7 @@ def run(engine, plan: dict) -> None:
     for name, shapes in plan.items():
         family = engine.models[name]
         start = time.perf_counter()
-        for prompts, params in jobs(family, shapes):
+        for prompts, params in [*jobs(family, shapes), *profile_jobs(engine, name, shapes)]:
             engine.generate(prompts, params, model=name)
         finish(engine, name, shapes, time.perf_counter() - start)
     reset_timings(engine)
@@ -117,7 +134,7 @@ async def run_async(aengine, plan: dict) -> None:
     for name, shapes in plan.items():
         family = engine.models[name]
         start = time.perf_counter()
-        for prompts, params in jobs(family, shapes):
+        for prompts, params in [*jobs(family, shapes), *profile_jobs(engine, name, shapes)]:
             await asyncio.gather(*(aengine.generate(p, dataclasses.replace(params, seed=i), model=name)
                                    for i, p in enumerate(prompts)))
         finish(engine, name, shapes, time.perf_counter() - start)

@@ -91,6 +91,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="under edf, learn when each robot connection will ask next and keep image steps from "
                         "running into it (shorter steps, or a short wait, just before; costs image throughput) "
                         "(default on)")
+    p.add_argument("--batch-limits", default=None, choices=["fixed", "learn"],
+                   help="learn: also cap each step at the rows the engine learned still pay, per model and shape, "
+                        "from its own step times (one more row must raise rows per second by --batch-gain-threshold);"
+                        " fixed: --max-batch-size and --max-tokens-per-step alone; the limits show in "
+                        "/v1/engine/stats and /metrics (default: learn with --max-step-ms, else fixed)")
+    p.add_argument("--batch-gain-threshold", type=float, default=0.05, metavar="G",
+                   help="with --batch-limits learn, the least gain one more row must bring: the share of a row's "
+                        "own throughput it adds (1: free, 0: rows per second unchanged) (default 0.05)")
+    p.add_argument("--max-step-ms", type=float, default=None, metavar="MS",
+                   help="no rows are added past a step of this many milliseconds, as measured (a step always "
+                        "holds one request); turns --batch-limits learn on (default: no bound)")
     p.add_argument("--quant", default=None,
                    help="weight quantization of the transformer: int8-weight, int8-dynamic (CPU), fp8 or "
                         "gguf:TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); options ',kernel=NAME', "
@@ -153,6 +164,8 @@ def engine_kwargs(args) -> dict:
                 ulysses=args.ulysses, ring=args.ring,
                 row_parallel=args.row_parallel, world_size=args.world_size, parallel_threads=args.parallel_threads,
                 parallel_timeout_s=args.parallel_timeout, edf_forecast=args.edf_forecast == "on",
+                batch_limits=args.batch_limits, batch_gain_threshold=args.batch_gain_threshold,
+                max_step_ms=args.max_step_ms,
                 max_loras=lora_slots(args), max_lora_rank=args.max_lora_rank,
                 **({"policy": args.policy} if args.policy else {}))
 

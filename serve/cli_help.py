@@ -16,7 +16,8 @@ DOCS = "docs/reference/cli.md (or `make docs`: site/reference/cli/)"
 # group title -> the dests it holds, in help order; a group whose title starts with an existing group's
 # first words (e.g. "LoRA adapters") joins that group
 ENGINE_GROUPS = {
-    "engine": ["verbose", "dtype", "device", "max_batch_size", "max_tokens_per_step", "policy", "edf_forecast"],
+    "engine": ["verbose", "dtype", "device", "max_batch_size", "max_tokens_per_step", "batch_limits",
+               "batch_gain_threshold", "max_step_ms", "policy", "edf_forecast"],
     "speed": ["compile", "compile_warmup", "attention", "attention_per_role", "cache", "cpu_linear", "quant",
               "mixed_sizes"],
     "memory": ["offload", "max_resident_gb", "malloc_mmap_threshold", "cpu_allocator", "cpu_allocator_idle_s",

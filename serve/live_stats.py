@@ -95,9 +95,21 @@ class LiveStats:
             # input images (image-to-image, inpainting) VAE-encoded as their requests joined a step
             "vae_encode": {"images": totals["images_encoded"], "calls": totals["vae_encodes"],
                            "seconds": round(totals["vae_encode_s"], 4)},
+            # per model and shape bucket, the rows a step may hold as learned (EngineConfig.batch_limits)
+            "batch_limits": batch_limits(self.engine.engine),
             "requests": {"in_flight": self.engine.num_unfinished, "finished": outcomes.get("finished", 0),
                          "aborted": outcomes.get("aborted", 0), "failed": outcomes.get("failed", 0)},
             # every EngineConfig field as this engine runs it (dtype auto measured, cpu_linear and
             # cpu_allocator as applied, offload with its blocks, ...): dit_core.effective_config
             "config": effective_config(self.engine.engine),
         }
+
+
+def batch_limits(engine) -> dict:
+    """``mode`` (fixed | learn), ``gain_threshold``, ``max_step_ms`` and, when learning, ``buckets``: per model
+    and shape bucket (``row_tokens``: the power of two at or above its rows' tokens) the learned
+    ``limit_rows`` (None until a row count is measured twice), ``converged`` and the ``step_ms`` per row count
+    (``dit_core.batch_limits``)."""
+    config, learner = engine.config, getattr(engine, "batch_limits", None)
+    return {"mode": config.batch_limits, "gain_threshold": config.batch_gain_threshold,
+            "max_step_ms": config.max_step_ms, "buckets": learner.snapshot() if learner is not None else []}

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dit_core import AsyncEngine
 from dit_core.request import EventKind, RequestEvent
@@ -56,6 +56,7 @@ class Metrics:
                                  ("omnidit_prompt_cache_bytes", "bytes", "bytes held by the prompt cache")):
             Gauge(name, doc, registry=r).set_function(lambda f=field: cache.stats()[f] if cache is not None else 0)
         r.register(StageRestarts(engine.engine))
+        r.register(BatchLimitRows(engine.engine))
         engine.listeners.append(self.on_event)
         engine.step_listeners.append(self.on_step)
 
@@ -109,4 +110,23 @@ class StageRestarts:
                 supervisor = getattr(getattr(model, stage, None), "supervisor", None)
                 for outcome, count in getattr(supervisor, "outcomes", {}).items():
                     family.add_metric([name, stage, outcome], count)
+        yield family
+
+
+class BatchLimitRows:
+    """``omnidit_batch_limit_rows{model, row_tokens}``: the rows a step of that model and shape bucket may hold,
+    as learned from the engine's step times (``EngineConfig.batch_limits="learn"``, ``dit_core.batch_limits``;
+    ``row_tokens``: the power of two at or above the bucket's tokens per row). A bucket appears once a row count
+    of it is measured twice; no series with fixed limits."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        family = GaugeMetricFamily("omnidit_batch_limit_rows", "rows a step may hold, learned per model and shape "
+                                   "bucket from step times", labels=["model", "row_tokens"])
+        learner = self.engine.batch_limits
+        for bucket in learner.snapshot() if learner is not None else []:
+            if bucket["limit_rows"] is not None:
+                family.add_metric([bucket["model"], str(bucket["row_tokens"])], bucket["limit_rows"])
         yield family

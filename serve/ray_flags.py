@@ -84,7 +84,8 @@ REACH: dict[str, Reach] = {
         "cache", "thinker", "thinker_kv_cache_gb", "thinker_memory_utilization", "thinker_on_failure",
         "prompt_cache_bytes", "offload", "max_resident_gb", "malloc_mmap_threshold", "cpu_allocator",
         "cpu_allocator_idle_s", "cpu_linear", "policy", "edf_forecast", "quant", "attention_per_role", "ulysses",
-        "ring", "row_parallel", "world_size", "parallel_threads", "max_loras", "max_lora_rank")},
+        "ring", "row_parallel", "world_size", "parallel_threads", "max_loras", "max_lora_rank", "batch_limits",
+        "batch_gain_threshold", "max_step_ms")},
     "parallel_timeout": _engine("parallel_timeout_s"),
     "mixed_sizes": _engine("mixed_sizes"),
     # Ray Serve only (serve.ray_app.ScaleOutConfig)

@@ -6,7 +6,8 @@ Counts add up (queue, requests, steps, step-cache rows, prompt-cache lookups, VA
 requests in a forward right now on all replicas together and ``max_batch_size`` the largest one
 forward held in the window; ``per_second`` adds the replicas' step rates; ``last_ms`` is the most
 recent step's; ``recent`` interleaves the replicas' recent steps by age (oldest first, the newest ``HISTORY`` kept),
-each naming its replica; ``config`` is the replicas' effective engine settings when they all report the
+each naming its replica; ``batch_limits`` lists every replica's learned buckets (each naming its replica);
+``config`` is the replicas' effective engine settings when they all report the
 same (None otherwise: see each replica's).
 """
 
@@ -52,6 +53,10 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
         "vae_encode": {"images": sum(s["vae_encode"]["images"] for s in snapshots),
                        "calls": sum(s["vae_encode"]["calls"] for s in snapshots),
                        "seconds": round(sum(s["vae_encode"]["seconds"] for s in snapshots), 4)},
+        # each replica learns its own limits: every replica's buckets, each naming its replica
+        "batch_limits": None if not snapshots or "batch_limits" not in snapshots[0] else {
+            **{k: v for k, v in snapshots[0]["batch_limits"].items() if k != "buckets"},
+            "buckets": [{**b, "replica": s["replica"]} for s in snapshots for b in s["batch_limits"]["buckets"]]},
         "requests": {k: sum(s["requests"][k] for s in snapshots) for k in ("in_flight", "finished", "aborted",
                                                                           "failed")},
         # the replicas' effective engine settings when they all agree (each replica's own: under replicas)

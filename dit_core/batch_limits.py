@@ -1,0 +1,198 @@
+"""Per-shape batch limits learned from the engine's own step timings (``EngineConfig.batch_limits="learn"``).
+
+Where one row already fills the machine (the audio DiT, large images), more rows in a forward only add
+cache misses; where rows are small (64x64 images), a forward of 16 rows costs little more than one of 2.
+So the engine learns, per **bucket**, how the time of a forward grows with its rows, and admits new
+requests only while one more row still pays.
+
+Bucket: ``(model, B)`` with ``B`` the power of two at or above the per-row tokens (``Request.tokens /
+Request.rows``, image + text tokens) of the largest row among the live requests of the step's batch key.
+It survives batch keys that drop height and width (mixed-size batches): what a row costs is its tokens,
+and rows within a factor of two of each other share what was learned.
+
+What is measured: the forward and the sampler steps of each step (``RunnerOutput.forward_ms``: not the
+prompt encoding of requests joining, nor the decode of those leaving), against its rows; steps where a
+request failed, a step cache skipped rows or only decodes ran teach nothing. A row count's time is the
+minimum of its last ``window`` samples (load from other processes only ever adds time), trusted once it
+has ``samples`` of them (the first call at a new batch size often pays one-time costs).
+
+The rule, with ``t(r)`` that time at ``r`` rows: the gain of going from ``a`` to ``b`` rows is
+
+    gain(a, b) = (b * t(a) / t(b) - a) / (b - a)
+
+the share of a row's own throughput each added row brings: 1 when the added rows are free, 0 when the
+step grows in proportion (rows per second unchanged), below 0 when rows per second fall. (It equals
+``a * (rows/s at b / rows/s at a - 1) / (b - a)``: the raise in rows per second per added row, scaled by
+the rows already there, so one threshold means the same at 2 rows and at 200.) Walking up the trusted
+row counts from the smallest, the limit is the last one reached before a count whose gain is below
+``threshold`` (``EngineConfig.batch_gain_threshold``) or whose time exceeds ``max_step_ms``. It is never
+below one request: a step always admits one request of its key when none is running.
+
+Exploring, so the counts the rule needs get measured (bisection: the knee is found in a few explorations,
+not one row at a time). First, the top of the walk: when the limit was reached from the count before it
+across a gap of more than one request's rows, a step explores down to the midpoint of that gap (it holds
+that many rows, so the gain of the last rows added is measured, not their average with the first ones).
+Then above: when the walk stopped on a refused count more than one request above the limit, a step
+explores up to the midpoint; when it ended at the largest count measured, as far as admission allows
+(``max_batch_size``, ``max_tokens_per_step``). Each takes one chance in every ``explore_every``; a midpoint
+that ``tries`` chances could not measure ends that search. With neither gap left to split the bucket has
+converged (it still takes more rows than it has seen when more requests wait than ever before). With
+``max_step_ms`` an exploration up goes no further than the line through the two largest counts says stays
+within it (with one count known: twice its rows, so one exploring step may pass it, once). Counts at or
+under the limit keep being measured by the traffic, so the limit follows a machine that gets busier.
+
+Admission applies the limit to the step's running requests as well (those past it pause, keeping their
+state; the highest-priority ones keep running), so a refused exploration stops costing at once; a step
+always holds at least one request, and what a request computes never depends on its batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass
+
+DEFAULT_THRESHOLD = 0.05
+
+
+def bucket_of(model: str, row_tokens: int) -> tuple[str, int]:
+    """``(model, the power of two at or above row_tokens)``."""
+    return model, 1 << max(int(row_tokens) - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class Limit:
+    rows: int | float  # the rows a step may hold (math.inf: no limit)
+    explore_to: int | float = 0  # this step may hold up to this many rows, to measure a count above ``rows``
+
+    @property
+    def bound(self) -> int | float:
+        return max(self.rows, self.explore_to)
+
+
+class BatchLimits:
+    """The learned row limit of each bucket. ``limit(bucket)`` before a step's admission, ``observe(bucket,
+    rows, ms)`` after its forward; thread-safe (``snapshot`` is read by the server's stats and metrics)."""
+
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, max_step_ms: float | None = None,
+                 samples: int = 2, window: int = 8, explore_every: int = 1, tries: int = 8, max_buckets: int = 256):
+        self.threshold, self.max_step_ms = threshold, max_step_ms
+        self.samples, self.window, self.explore_every, self.tries = samples, window, explore_every, tries
+        self.max_buckets = max_buckets
+        self._ms: dict[tuple, dict[int, collections.deque]] = {}  # bucket -> rows -> last step times (ms)
+        self._chances: collections.Counter = collections.Counter()  # (bucket, target) -> chances to explore it
+        self._unit: dict[tuple, int] = {}  # bucket -> the rows of its smallest request, last seen
+        self._lock = threading.Lock()
+
+    # ---- learning ----
+
+    def observe(self, bucket: tuple, rows: int, ms: float) -> None:
+        if rows < 1 or not ms > 0 or not math.isfinite(ms):
+            return
+        with self._lock:
+            sizes = self._ms.get(bucket)
+            if sizes is None:
+                if len(self._ms) >= self.max_buckets:  # bounded: forget the oldest bucket
+                    oldest = next(iter(self._ms))
+                    del self._ms[oldest]
+                    self._unit.pop(oldest, None)
+                sizes = self._ms[bucket] = {}
+            sizes.setdefault(rows, collections.deque(maxlen=self.window)).append(ms)
+
+    def times(self, bucket: tuple) -> dict[int, float]:
+        """Trusted row counts of ``bucket`` -> their step time (ms), ascending."""
+        with self._lock:
+            sizes = self._ms.get(bucket, {})
+            return {r: min(d) for r, d in sorted(sizes.items()) if len(d) >= self.samples}
+
+    @staticmethod
+    def gain(a: int, ta: float, b: int, tb: float) -> float:
+        """The share of a row's own throughput each of the rows from ``a`` to ``b`` adds (see the module)."""
+        return (b * ta / tb - a) / (b - a)
+
+    def _walk(self, times: dict[int, float]) -> tuple[int, int | None, int | None]:
+        """(the limit, the count before it on the walk or None, the count above it refused or None)."""
+        counts = list(times)
+        limit, before = counts[0], None
+        for b in counts[1:]:
+            too_long = self.max_step_ms is not None and times[b] > self.max_step_ms
+            if too_long or self.gain(limit, times[limit], b, times[b]) < self.threshold:
+                return limit, before, b
+            limit, before = b, limit
+        return limit, before, None
+
+    def _within_max_step(self, times: dict[int, float], rows: int) -> int | float:
+        """The most rows a step may explore up to under ``max_step_ms``: on the line through the two largest
+        counts measured up to ``rows`` (with one: twice ``rows``)."""
+        if self.max_step_ms is None:
+            return math.inf
+        if times[rows] >= self.max_step_ms:
+            return 0
+        counts = [r for r in times if r <= rows][-2:]
+        if len(counts) < 2:
+            return 2 * rows
+        (a, b), (ta, tb) = counts, (times[counts[0]], times[counts[1]])
+        slope = (tb - ta) / (b - a)
+        return math.inf if slope <= 0 else int(b + (self.max_step_ms - tb) / slope)
+
+    @staticmethod
+    def _mid(a: int, b: int, unit: int) -> int:
+        """The midpoint of the gap (a, b) in whole ``unit`` rows above ``a``; 0 when none lies inside."""
+        mid = a + unit * ((b - a) // unit // 2)
+        return mid if a < mid < b else 0
+
+    def _targets(self, times: dict[int, float], unit: int) -> tuple[int, int, int | float]:
+        """(the limit, the rows to explore down to (0: none), the rows to explore up to (0: none))."""
+        rows, before, refused = self._walk(times)
+        down = self._mid(before, rows, unit) if before is not None else 0
+        if refused is None:
+            up = self._within_max_step(times, rows)
+            up = up if up > rows else 0
+        else:
+            up = self._mid(rows, refused, unit)
+        return rows, down, up
+
+    # ---- admission ----
+
+    def limit(self, bucket: tuple, demand: int | float = math.inf, unit: int = 1) -> Limit:
+        """The rows ``bucket``'s next step may hold, and where it explores. ``demand``: the rows of its live
+        requests (a step can explore only below them); ``unit``: the rows of its smallest live request."""
+        times = self.times(bucket)
+        unit = max(unit, 1)
+        with self._lock:
+            self._unit[bucket] = unit
+        if not times:  # nothing measured: one request per step until a count is trusted
+            return Limit(1)
+        rows, down, up = self._targets(times, unit)
+        with self._lock:
+            for target in (down if demand > down else 0, up if demand > rows else 0):
+                if not target or (target != math.inf and self._chances[bucket, target] >= self.tries):
+                    continue  # nothing there, or a midpoint no request could measure: that search ends
+                chances = self._chances[bucket, target] = self._chances[bucket, target] + 1
+                if len(self._chances) > 4 * self.max_buckets:  # bounded: forget the oldest
+                    del self._chances[next(iter(self._chances))]
+                if chances % self.explore_every:
+                    return Limit(rows)
+                return Limit(target) if target < rows else Limit(rows, target)
+        return Limit(rows)
+
+    def snapshot(self) -> list[dict]:
+        """Per bucket: model, row_tokens (the bucket's bound), limit_rows (None: nothing trusted yet),
+        converged (no gap between the counts measured left to split), and step_ms, the trusted time per
+        row count."""
+        with self._lock:
+            buckets = list(self._ms)
+        out = []
+        for bucket in buckets:
+            times = self.times(bucket)
+            rows, open_ = None, True
+            if times:
+                with self._lock:
+                    unit = self._unit.get(bucket, 1)
+                rows, down, up = self._targets(times, unit)
+                with self._lock:
+                    open_ = any(t and t != math.inf and self._chances[bucket, t] < self.tries for t in (down, up))
+            out.append({"model": bucket[0], "row_tokens": bucket[1], "limit_rows": rows, "converged": not open_,
+                        "step_ms": {str(r): round(ms, 3) for r, ms in times.items()}})
+        return out

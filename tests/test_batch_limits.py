@@ -1,0 +1,195 @@
+"""Per-shape batch limits learned from step times (dit_core.batch_limits, EngineConfig.batch_limits="learn").
+
+The learning logic runs the real StepScheduler on synthetic requests whose forward time comes from a
+deterministic curve (rows -> ms) injected in place of a model; one small real engine checks that the
+limits show in GET /v1/engine/stats and /metrics and that learning changes no output."""
+
+import itertools
+import math
+
+import pytest
+
+from dit_core import EngineConfig, InvalidParamError, SamplingParams
+from dit_core.batch_limits import BatchLimits, Limit, bucket_of
+from dit_core.request import Request
+from dit_core.scheduler import RunnerOutput, StepScheduler
+
+_seq = itertools.count()
+
+
+def req(model="m", steps=4, rows=2, row_tokens=80):
+    p = SamplingParams(num_inference_steps=steps, seed=0)
+    n = next(_seq)
+    return Request(id=f"r{n}", prompt="p", params=p, seq=n, key=(model, row_tokens), rows=rows,
+                   tokens=rows * row_tokens, cfg=rows > 1, model=model)
+
+
+def simulate(curve, steps=200, cap=32, rows=2, threshold=0.05, max_step_ms=None, models=("m",), row_tokens=80,
+             **learner):
+    """Keep ``cap`` requests of each model waiting, run ``steps`` scheduler steps whose forward takes
+    ``curve(bucket, rows)`` ms; returns the learner and each step's (bucket, rows)."""
+    config = EngineConfig(max_batch_size=cap, max_tokens_per_step=10**9, batch_limits="learn",
+                          batch_gain_threshold=threshold, max_step_ms=max_step_ms)
+    sched = StepScheduler(config)
+    sched.limits = BatchLimits(threshold, max_step_ms, **learner)
+    seen = []
+    for _ in range(steps):
+        for model in models:
+            while sum(r.model == model for r in sched.waiting) < cap:
+                sched.add(req(model, rows=rows, row_tokens=row_tokens if isinstance(row_tokens, int)
+                              else row_tokens[model]))
+        batch, _ = sched.schedule()
+        out = RunnerOutput()
+        for r in batch.requests:
+            r.step_index += 1
+            if r.step_index >= r.total_steps:
+                out.finished[r.id] = []
+        out.forward_ms = out.step_ms = curve(batch.bucket, batch.rows)
+        sched.postprocess(batch, out)
+        sched.learn(batch, out)
+        seen.append((batch.bucket, batch.rows))
+    return sched.limits, seen
+
+
+def knee6(bucket, rows):
+    """Free rows up to 6, then the step grows in proportion (no gain in rows per second past 6)."""
+    return 10.0 if rows <= 6 else 10.0 * rows / 6
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_the_limit_stops_at_the_knee_of_the_curve_and_converges(rows):
+    limits, seen = simulate(knee6, rows=rows)
+    (snap,) = limits.snapshot()
+    assert snap["limit_rows"] == 6 and snap["converged"], snap
+    assert any(r > 6 for _, r in seen)  # the count past the knee was tried ...
+    assert max(r for _, r in seen[-100:]) == 6  # ... and, refused, is no longer run
+    assert snap["model"] == "m" and snap["row_tokens"] == 128 and set(snap["step_ms"]) >= {str(6)}
+
+
+@pytest.mark.parametrize("threshold, knee", [(0.5, 10), (0.25, 30)])
+def test_the_threshold_sets_where_one_more_row_stops_paying(threshold, knee):
+    # t = 10 + r: going from a to b rows gains 10 / (10 + b) of a row's throughput per added row
+    limits, _ = simulate(lambda b, r: 10.0 + r, steps=300, cap=64, rows=1, threshold=threshold)
+    assert limits.snapshot()[0]["limit_rows"] == knee
+
+
+def test_a_loss_from_the_second_request_keeps_one_request_per_step():
+    # the audio DiT's case: two requests in a forward take longer than two forwards of one
+    limits, seen = simulate(lambda b, r: 10.0 * r * 1.1 ** (r / 2 - 1))
+    assert limits.snapshot()[0]["limit_rows"] == 2
+    assert [r for _, r in seen[-50:]] == [2] * 50
+
+
+def test_free_rows_grow_to_the_cap():
+    limits, seen = simulate(lambda b, r: 10.0, cap=8)
+    assert max(r for _, r in seen[-20:]) == 16  # 8 requests of 2 rows
+    assert limits.snapshot()[0]["limit_rows"] == 16
+
+
+def test_max_step_ms_bounds_the_steps():
+    limits, seen = simulate(lambda b, r: 10.0 + 0.1 * r, rows=1, max_step_ms=10.45)
+    assert limits.snapshot()[0]["limit_rows"] == 4
+    assert max(r for _, r in seen) == 4  # the line through the counts measured kept it from trying 5
+
+
+def test_the_limit_never_goes_below_one_request():
+    # every step is over max_step_ms and more rows only lose: still one request per step, every step
+    limits, seen = simulate(lambda b, r: 100.0 * r ** 2, steps=40, rows=8, max_step_ms=10)
+    assert [r for _, r in seen] == [8] * 40
+    assert limits.snapshot()[0]["limit_rows"] == 8
+    assert BatchLimits().limit(("m", 128)) == Limit(1, False)  # nothing measured: one request
+
+
+def test_exploring_once_in_every_explore_every_chances():
+    limits, b = BatchLimits(explore_every=3), ("m", 128)
+    for _ in range(2):
+        limits.observe(b, 2, 10.0)
+    assert [limits.limit(b).explore_to for _ in range(6)] == [0, 0, math.inf] * 2  # up: as far as admission allows
+    assert limits.limit(b, demand=2) == Limit(2)  # no more rows live than the limit: nothing to explore
+    limits.observe(b, 16, 20.0)  # one sample is not trusted yet: still 2
+    assert limits.limit(b).rows == 2
+    limits.observe(b, 16, 20.5)  # gain(2, 16) = (16 * 10 / 20 - 2) / 14 > 0.05: limit 16 ...
+    assert limits.snapshot()[0]["limit_rows"] == 16 and not limits.snapshot()[0]["converged"]
+    chances = [limits.limit(b, unit=2) for _ in range(3)]  # ... and a step down at 8 rows checks the top rows
+    assert chances == [Limit(16), Limit(16), Limit(8)]
+
+
+def test_separate_buckets_learn_separately():
+    def curve(bucket, rows):  # small rows: free; large rows: proportional plus a loss
+        return 10.0 if bucket[1] <= 128 else 50.0 * rows * 1.05 ** rows
+
+    limits, seen = simulate(curve, steps=300, cap=8, models=("m", "n"), row_tokens={"m": 80, "n": 1000})
+    snaps = {(s["model"], s["row_tokens"]): s["limit_rows"] for s in limits.snapshot()}
+    assert snaps == {("m", 128): 16, ("n", 1024): 2}
+    assert bucket_of("m", 80) == bucket_of("m", 128) == ("m", 128) and bucket_of("m", 129) == ("m", 256)
+    assert bucket_of("m", 1) == ("m", 1)
+
+
+def test_learning_ignores_failed_skipped_and_decode_only_steps():
+    sched = StepScheduler(EngineConfig(batch_limits="learn"))
+    sched.limits = BatchLimits()
+    sched.add(req())
+    batch, _ = sched.schedule()
+    for out in (RunnerOutput(failed={"x": "boom"}, forward_ms=5), RunnerOutput(cache={"rows_skipped": 1}, forward_ms=5),
+                RunnerOutput(forward_ms=0.0)):
+        sched.learn(batch, out)
+    assert sched.limits.snapshot() == []
+    sched.learn(batch, RunnerOutput(forward_ms=5))
+    assert sched.limits.snapshot()[0]["limit_rows"] is None  # one sample: not trusted yet
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"batch_limits": "auto"}, "batch_limits"),
+    ({"batch_limits": "learn", "batch_gain_threshold": 1.5}, "batch_gain_threshold"),
+    ({"batch_limits": "learn", "batch_gain_threshold": True}, "batch_gain_threshold"),
+    ({"batch_limits": "learn", "max_step_ms": 0}, "max_step_ms"),
+    ({"batch_limits": "learn", "max_step_ms": math.inf}, "max_step_ms"),
+    ({"batch_limits": "fixed", "max_step_ms": 100}, "max_step_ms"),  # without learning it would do nothing
+])
+def test_bad_settings_name_their_field(options, field):
+    with pytest.raises(InvalidParamError) as e:
+        EngineConfig(**options)
+    assert e.value.field == field
+
+
+def test_max_step_ms_alone_turns_learning_on():
+    assert EngineConfig().batch_limits == "fixed"
+    assert EngineConfig(max_step_ms=250).batch_limits == "learn"
+
+
+def test_a_learning_engine_shows_its_limits_in_stats_and_metrics_and_changes_no_output():
+    import httpx
+    import numpy as np
+    import openai
+
+    from dit_core import Engine
+    from dit_core.zoo import default_model
+    from serve.app import ServeSettings
+    from serve_helpers import live_server
+
+    engine = Engine.from_models({"d": default_model()}, thinker="hf", batch_limits="learn", max_batch_size=4,
+                                warmup="auto")
+    # the warm-up's profile learned a limit before any request (its prompts' text lengths make one bucket)
+    assert any(b["limit_rows"] and len(b["step_ms"]) >= 2 for b in engine.batch_limits.snapshot()), \
+        engine.batch_limits.snapshot()
+    params = [SamplingParams(num_inference_steps=3, seed=7 + i, output_type="np") for i in range(4)]
+    prompts = [f"the digit {i}" for i in range(4)]
+    together = engine.run_to_completion([engine.make_request(p, s) for p, s in zip(prompts, params)])
+    alone = [engine.run_to_completion([engine.make_request(p, s)])[0] for p, s in zip(prompts, params)]
+    for a, b in zip(together, alone):  # learning changed which rows shared a forward, never a result (within
+        # the batched-vs-alone bound of tests/test_batching.py: GEMMs of other row counts round differently)
+        assert np.abs(np.asarray(a.outputs[0]) - np.asarray(b.outputs[0])).max() <= 1e-5
+    with live_server(engine, ServeSettings()) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        assert client.images.generate(prompt="the digit 3", model="d", n=1).data[0].b64_json
+        stats = httpx.get(f"{srv.url}/v1/engine/stats", timeout=30).json()
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    limits = stats["batch_limits"]
+    assert limits["mode"] == "learn" and limits["gain_threshold"] == 0.05 and limits["max_step_ms"] is None
+    assert limits["buckets"] == engine.batch_limits.snapshot()
+    for bucket in limits["buckets"]:
+        assert bucket["model"] == "d"
+        if bucket["limit_rows"] is not None:
+            row = f'omnidit_batch_limit_rows{{model="d",row_tokens="{bucket["row_tokens"]}"}}'
+            assert f"{row} {float(bucket['limit_rows'])}" in metrics, metrics
+    assert stats["config"]["batch_limits"] == "learn"
