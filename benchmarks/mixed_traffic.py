@@ -46,7 +46,9 @@ The other keys reuse the benchmark that owns the measurement:
   is the second warm-up's seconds over the first's.
 
 Summary keys that hold for both models are the worse of the two (lowest throughput ratio, highest p95
-ratio); ``*_by_model`` gives each. A key whose feature is missing is null, with the reason in
+ratio); ``*_by_model`` gives each. A model whose family has no packed forward (``dit_core.mixed_sizes.
+why_not``) runs its ``packed`` side with sizes apart, as ``per-shape``: ``packs_by_model`` says which
+models really packed. A key whose feature is missing is null, with the reason in
 ``missing``. Writes results/mixed_traffic.json (``--quick``: results/mixed_traffic_quick.json).
 """
 
@@ -315,12 +317,14 @@ def measure_model(work: Workload, args) -> dict:
 
 
 def audio_part(quick: bool) -> dict:
+    """benchmarks.audio's part (a), its engine asked for learned batch limits; ``learned_batch_limits`` is
+    what part_a reports it ran with (False where EngineConfig or part_a has no batch_limits)."""
     from benchmarks import audio
 
-    learned = "batch_gain_threshold" in engine_fields()
+    asked = "learn" if "batch_limits" in engine_fields() else "fixed"
     a = audio.part_a(Namespace(model=None, requests=8, steps=6 if quick else 20, repeats=1 if quick else 3,
-                               batch_limits="learn" if learned else "fixed"))
-    return {**a, "learned_batch_limits": learned}
+                               batch_limits=asked))
+    return {**a, "learned_batch_limits": (a.get("batch_limits") or {}).get("mode") == "learn"}
 
 
 def ratio_256(quick: bool) -> dict:
@@ -413,8 +417,9 @@ def summarize(models: dict[str, dict], audio: dict | None, big: dict | None, war
         missing["audio_throughput_ratio"] = failed.get("audio", "not run")
     elif not audio["learned_batch_limits"]:
         missing["audio_throughput_ratio"] = (
-            "EngineConfig has no batch_gain_threshold field (issue 39 part 2, learned batch limits, not in this "
-            f"checkout); without them the engine measured x{audio['throughput_ratio']:.2f} (under 'audio')")
+            "the audio engine ran without learned batch limits (EngineConfig.batch_limits or benchmarks.audio."
+            f"part_a's batch_limits missing in this checkout); without them it measured x{audio['throughput_ratio']:.2f}"
+            " (under 'audio')")
     else:
         summary["audio_throughput_ratio"] = audio["throughput_ratio"]
         summary["audio_throughput_ratio_spread"] = audio["throughput_ratio_spread"]
