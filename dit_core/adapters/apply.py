@@ -59,6 +59,7 @@ STRATEGY = "stacked"
 _ZEROS: dict = {}
 # the stacked factors of recent row assignments (``_Stacks``), kept across forwards up to this many bytes
 STACK_CACHE_BYTES = 256 << 20
+STACK_CACHE_ENTRIES = 64
 _STACKS: "collections.OrderedDict[tuple, _Stacks]" = collections.OrderedDict()
 _STACKS_BYTES = 0
 _STACKS_LOCK = threading.Lock()
@@ -239,11 +240,14 @@ class _Stacks:
 
     @staticmethod
     def of(passes) -> "_Stacks":
+        global _STACKS_BYTES
         key = tuple((lo, tuple((id(a), s) for a, s in pairs)) for lo, _, pairs in passes)
         with _STACKS_LOCK:
             entry = _STACKS.get(key)
             if entry is None:
                 entry = _STACKS[key] = _Stacks(key, [a for _, _, pairs in passes for a, _ in pairs if a is not None])
+                while len(_STACKS) > STACK_CACHE_ENTRIES:  # (entries whose stacks did not fit hold no bytes)
+                    _STACKS_BYTES -= _STACKS.popitem(last=False)[1].bytes
             _STACKS.move_to_end(key)
         return entry
 
