@@ -29,11 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rows x tokens per forward, CFG rows counted (default 65536)")
     p.add_argument("--no-mixed-sizes", dest="mixed_sizes", action="store_false",
                    help="one batch per image size and text length, as before; by default requests of "
-                        "different sizes share one forward, each row's tokens packed (FLUX; not with "
-                        "--compile, parallel degrees, block offload or LoRA adapters)")
-    p.add_argument("--no-mixed-sizes", dest="mixed_sizes", action="store_false",
-                   help="one batch per image size and text length, as before; by default requests of "
-                        "different sizes share one forward, each row's tokens packed (FLUX, Qwen-Image; not with "
+                        "different sizes share one forward, each row's tokens packed (FLUX, Qwen-Image, Wan; "
+                        "not with "
                         "--compile, parallel degrees, block offload or LoRA adapters)")
     p.add_argument("--attention", default=None,
                    help="attention backend: auto, sdpa, math, flex, flash, xformers or sage; may carry "

@@ -126,3 +126,40 @@ def test_mixed_sizes_must_be_a_bool():
 
     with pytest.raises(InvalidParamError, match="mixed_sizes"):
         EngineConfig(mixed_sizes="yes")
+
+
+def wan_specs():
+    """Three grids and frame counts, text lengths of their own, CFG on two, two outputs on one."""
+    def v(**kw):
+        return params(output_type="pt", **kw)
+
+    return [("a cat walking on a beach", v(height=32, width=32, num_frames=9, max_sequence_length=16,
+                                           num_inference_steps=4, seed=1, guidance_scale=5.0)),
+            ("waves", v(height=48, width=32, num_frames=5, max_sequence_length=24, num_inference_steps=3, seed=2,
+                        guidance_scale=1.0)),
+            ("a red kite", v(height=32, width=64, num_frames=5, max_sequence_length=16, num_inference_steps=4,
+                             seed=3, guidance_scale=4.0, negative_prompt="blurry", num_outputs=2))]
+
+
+# the tiny Wan's timestep embedding changes a lot per step: TeaCache skips only at a large threshold
+@pytest.mark.parametrize("cache", ["none", "fbcache:0.5", "teacache:500"])
+def test_wan_mixed_sizes_and_frames_share_one_forward(cache, wan_tiny):
+    engine = Engine.from_pretrained(wan_tiny, max_batch_size=8, cache=cache)
+    specs = wan_specs()
+    assert len({engine.make_request(p, sp).key for p, sp in specs}) == 1
+    alone, skipped_alone = [], 0
+    for prompt, p in specs:
+        finals, _ = run_staggered(engine, [(prompt, p)], arrivals=[0])
+        alone.append(assert_finished(finals[0]))
+        skipped_alone += finals[0].output.metrics["cache_skipped_rows"]
+    forwards = Forwards(engine.family.transformer, "condition_embedder")
+    first = engine.stats.steps
+    finals, sizes = run_staggered(engine, specs, arrivals=[0, 0, 1])
+    forwards.handle.remove()
+    assert forwards.count == engine.stats.steps - first and max(sizes) == 3
+    for i in range(len(specs)):
+        got = assert_finished(finals[i])
+        assert got.shape == alone[i].shape
+        assert (got - alone[i]).abs().max().item() <= 1e-5, f"request {i}"
+    if cache != "none":
+        assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) == skipped_alone > 0

@@ -41,11 +41,12 @@ class Recorder(StepCache):
         signal = family.cache_signal(x)
         img, _ = run_blocks(family, x, 0, family.num_blocks)
         out = family.head(x.with_streams(img, None))
-        rows = x.rows_of("img")
+        rows, signal_rows = x.rows_of("img"), family.signal_rows(x)
         for req, sl in row_slices(requests):
             state = req.state.setdefault(self.key, {})
             # a request's rows, one per line, whatever the layout (packed: its tokens, rows after rows)
-            signal_r, out_r = rows.part(signal, sl).reshape(req.rows, -1), rows.part(out, sl).reshape(req.rows, -1)
+            signal_r = signal_rows.part(signal, sl).reshape(req.rows, -1)
+            out_r = rows.part(out, sl).reshape(req.rows, -1)
             if "signal" in state:
                 xs = rel_l1(signal_r, state["signal"]).tolist()
                 ys = rel_l1(out_r, state["out"]).tolist()

@@ -38,7 +38,7 @@ class TeaCache(StepCache):
         x = family.block_inputs(inputs)
         signal = family.cache_signal(x)
         eligible = eligible_rows(requests, self.key)
-        rows = x.rows_of("img")
+        rows = family.signal_rows(x)
         prev = gather_state(requests, self.key, "prev", signal, rows)
         acc = gather_state(requests, self.key, "acc", torch.zeros(len(eligible)))
         acc = acc + polyval(self.coefficients, rel_l1(signal, prev, rows).float())

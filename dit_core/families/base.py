@@ -245,6 +245,10 @@ class Family(abc.ABC):
         """The first block's timestep-modulated image input (TeaCache's change signal)."""
         raise NotImplementedError(f"{self.name} models do not expose a block loop")
 
+    def signal_rows(self, x: BlockInputs) -> DenseRows:
+        """How ``cache_signal``'s rows lie along dim 0 (the image stream's, unless it is one per row)."""
+        return x.rows_of("img")
+
     def head(self, x: BlockInputs) -> torch.Tensor:
         """Everything after the last block: the transformer's output for ``x.img``."""
         raise NotImplementedError(f"{self.name} models do not expose a block loop")

@@ -78,6 +78,10 @@ def is_edit(params: SamplingParams) -> bool:
 class FluxKontextFamily(FluxFamily):
     name = "flux_kontext"
     pipeline_class = "FluxKontextPipeline"
+    # not packed (``EngineConfig.mixed_sizes``): the reference tokens extend each row's image stream and
+    # the output is cut back to the generated tokens, which the packed loop (``flux_packed``) does not
+    # do yet; sizes and text lengths keep their own batches, as before
+    packable = False
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)

@@ -5,6 +5,8 @@ Matches diffusers' WanPipeline: the cleaned prompt's UMT5 states are zero-padded
 float32 noise of [C, (F - 1) / t + 1, H / s, W / s], the pipeline's scheduler steps them, and
 CFG runs when ``guidance_scale`` > 1 (negative prompt defaults to ""). ``num_frames`` must be
 t k + 1 for the VAE's temporal factor t (4 for Wan: 5, 9, ..., 81), and joins the batch key.
+With ``mixed_sizes`` (the engine's default) size, frame count and text length leave the key: a step
+whose rows differ in them runs packed (``wan_packed``; text-to-video only, not ``wan-i2v``).
 
 Decoding: the requests that finish on one step share their shape; they are decoded together
 in chunks of at most ``decode_pixel_budget`` output pixels (videos x frames x height x width,
@@ -24,7 +26,9 @@ from diffusers.video_processor import VideoProcessor
 from ..errors import InvalidParamError, UnknownModelError
 from ..params import SamplingParams
 from ..request import Request
+from . import wan_packed
 from .base import BlockInputs, TextCond, gather_rows
+from .packed_rows import DENSE, DenseRows
 from .image import DiffusersFamily
 from .processors.wan import WanProcessor
 
@@ -51,6 +55,7 @@ class WanFamily(DiffusersFamily):
     max_text_tokens = 512
     decode_pixel_budget = 1 << 24
     takes_image = False  # image-to-video (wan_i2v.py): the transformer also takes the input image
+    packable = True  # (not image-to-video: its image tokens and condition channels are not packed)
 
     def __init__(self, components: dict[str, Any], dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
@@ -147,8 +152,13 @@ class WanFamily(DiffusersFamily):
         return self.latent_tokens(params) + params.max_sequence_length
 
     def batch_key(self, params: SamplingParams) -> tuple:
+        if self.mixed_sizes:  # any sizes, frame counts and text lengths share a forward, packed
+            return (self.name, str(self.dtype))
         return (self.name, params.height, params.width, params.num_frames, params.max_sequence_length,
                 str(self.dtype))
+
+    def row_shape(self, req: Request) -> tuple:
+        return super().row_shape(req) + (req.params.max_sequence_length,)
 
     # ---- conditioning ----
 
@@ -176,11 +186,20 @@ class WanFamily(DiffusersFamily):
         req.sampler = sampler
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
+        if self.packs(requests):
+            return wan_packed.packed_inputs(self, requests)
         latents, timesteps, conds, _ = gather_rows(requests)
         length = requests[0].params.max_sequence_length
         embeds = torch.stack([torch.nn.functional.pad(c.embeds, (0, 0, 0, length - c.embeds.shape[0]))
                               for c in conds])
         return dict(hidden_states=latents.to(self.dtype), timestep=timesteps, encoder_hidden_states=embeds)
+
+    def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        out = super().predict(requests)
+        if out[0][0].dim() == 3:  # packed: each request's output tokens back to its grid
+            grid = lambda t, req: None if t is None else wan_packed.unpatchify(self, t, req)  # noqa: E731
+            out = [(grid(c, req), grid(u, req)) for (c, u), req in zip(out, requests)]
+        return out
 
     def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
         if uncond is None:
@@ -197,6 +216,8 @@ class WanFamily(DiffusersFamily):
         return len(self.transformer.blocks)
 
     def block_inputs(self, inputs: dict) -> BlockInputs:
+        if "layout" in inputs:
+            return wan_packed.block_inputs(self, inputs)
         tr = self.transformer
         latents = inputs["hidden_states"]
         rotary = tr.rope(latents)
@@ -210,6 +231,8 @@ class WanFamily(DiffusersFamily):
                            {"rotary": rotary, "grid": grid})
 
     def run_block(self, index: int, x: BlockInputs):
+        if x.layout is not None:
+            return wan_packed.block(self.transformer.blocks[index], x, self.attention_backends), x.txt
         img = self.transformer.blocks[index](x.img, x.txt, x.rows["proj"], x.shared["rotary"])
         return img, x.txt
 
@@ -217,7 +240,13 @@ class WanFamily(DiffusersFamily):
         # TeaCache4Wan2.1 watches the timestep embedding, not a modulated image input
         return x.rows["temb"]
 
+    def signal_rows(self, x: BlockInputs) -> DenseRows:
+        return DENSE  # the timestep embedding: one per row, whatever the layout
+
+
     def head(self, x: BlockInputs) -> torch.Tensor:
+        if x.layout is not None:
+            return wan_packed.head(self, x)
         tr = self.transformer
         shift, scale = (tr.scale_shift_table + x.rows["temb"].unsqueeze(1)).chunk(2, dim=1)
         out = tr.proj_out((tr.norm_out(x.img.float()) * (1 + scale) + shift).type_as(x.img))
@@ -228,12 +257,15 @@ class WanFamily(DiffusersFamily):
     # ---- output ----
 
     def decode(self, requests: list[Request]) -> list[list]:
-        """Finished requests (one shape) -> per request its ``num_outputs`` videos, decoded in chunks
+        """Finished requests (grouped by shape) -> per request its ``num_outputs`` videos, decoded in chunks
         within ``decode_pixel_budget``. ``pil``: a list of frames; ``np``: [F, H, W, 3] floats in
         [0, 1]; ``pt``: [F, 3, H, W]; ``latent``: the final latents."""
         out = {r.id: list(r.latents) for r in requests if r.params.output_type == "latent"}
-        pixel = [r for r in requests if r.id not in out]
-        for chunk in self.decode_chunks(pixel):
+        by_shape: dict[tuple, list[Request]] = {}  # a step of mixed sizes finishes several shapes
+        for r in requests:
+            if r.id not in out:
+                by_shape.setdefault(tuple(r.latents.shape[1:]), []).append(r)
+        for chunk in (c for group in by_shape.values() for c in self.decode_chunks(group)):
             with torch.no_grad():
                 videos = self.decode_latents(torch.cat([r.latents for r in chunk]))
             start = 0

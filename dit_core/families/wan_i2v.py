@@ -67,6 +67,7 @@ class WanI2VFamily(WanFamily):
     pipeline_class = "WanImageToVideoPipeline"
     params_used = WanFamily.params_used | {"image"}
     takes_image = True
+    packable = False  # its image tokens and condition channels stay dense: sizes keep their own batches
 
     def __init__(self, components: dict[str, Any], dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
