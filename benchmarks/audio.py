@@ -6,8 +6,10 @@ speech time to first audio and real-time factor, streamed against whole-utteranc
 (a) The random-weight ``small`` Stable Audio checkpoint (``omnidit make-random stable-audio small``:
 a 23 M parameter DiT, 2.97 s of 44.1 kHz stereo). 8 requests arrive together, each a different
 prompt, seed and duration, with CFG (guidance 7, the pipeline's default). Side A serves them one
-after another with ``StableAudioPipeline.__call__``; side B with ``Engine`` (all 8 share every
-forward). The sides run through ``benchmarks.common.interleaved`` (rounds alternate which side
+after another with ``StableAudioPipeline.__call__``; side B with ``Engine``, by default with learned batch
+limits (``--batch-limits learn``: the engine measures how its step grows with rows and stops adding rows
+where one more stops paying, ``dit_core.batch_limits``; the limits learned are written under
+``batch_limits``); ``--batch-limits fixed``: all 8 share every forward, as before. The sides run through ``benchmarks.common.interleaved`` (rounds alternate which side
 runs first, the same warm-up for both); the throughput ratio is the median of per-round ratios. Every engine waveform is compared with the pipeline's (max abs diff).
 
 (b) The embedded text-to-speech model: time to first audio and real-time factor, streamed against
@@ -64,7 +66,9 @@ def part_a(args) -> dict:
     folder = args.model or build("stable-audio", "small", scratch_dir(prefix="omnidit-sa-"))
     pipe = StableAudioPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
-    engine = Engine.from_pretrained(folder, max_batch_size=args.requests, prompt_cache_bytes=0)  # no cache hits the pipeline lacks
+    limits = getattr(args, "batch_limits", "learn")  # (benchmarks.mixed_traffic calls part_a without it)
+    engine = Engine.from_pretrained(folder, max_batch_size=args.requests, prompt_cache_bytes=0,  # no cache hits the pipeline lacks
+                                    batch_limits=limits)
     max_s = engine.family.max_seconds
     reqs = audio_requests(args.requests, args.steps, max_s)
     warm = audio_requests(1, 2, max_s)
@@ -93,6 +97,7 @@ def part_a(args) -> dict:
         "throughput_ratio_spread": cmp.ratio_spread("pipeline", "engine"), "order": cmp.order,
         "max_abs_diff": max_diff, "outputs_identical": max_diff <= 1e-4,
         "engine_batch_sizes": sorted(set(engine.stats.batch_sizes)),
+        "batch_limits": {"mode": limits, "buckets": engine.batch_limits.snapshot() if engine.batch_limits else []},
     }
     print(f"(a) engine / sequential pipeline throughput: {result['throughput_ratio']:.2f}x "
           f"(spread {result['throughput_ratio_spread']:.1%}); max |engine - pipeline| = {max_diff:.2e}")
@@ -107,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=8, help="(a) concurrent requests (default 8)")
     parser.add_argument("--steps", type=int, default=None, help="(a) denoising steps (default 20; quick 6)")
     parser.add_argument("--repeats", type=int, default=None, help="A B repeats (default 3; quick 1)")
+    parser.add_argument("--batch-limits", default="learn", choices=["learn", "fixed"],
+                        help="(a) the engine's EngineConfig.batch_limits (default learn)")
     parser.add_argument("--tts-model", default=None, help="(b) a text-to-speech folder (default: the embedded one)")
     parser.add_argument("--name", default="audio", help="results file name under benchmarks/results/")
     args = parser.parse_args(argv)

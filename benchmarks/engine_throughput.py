@@ -221,7 +221,8 @@ def plot(results: list[dict], main_label: str, name: str = "engine_throughput"):
     panels = []
     for r in (r for r in results if r["scenario"].endswith("together")):
         sides = r["sides"]
-        engines = sorted((int(k.split("=")[1]), k) for k in sides if k.startswith("engine"))
+        engines = sorted((int(k.split("=")[1]), k) for k in sides
+                         if k.startswith("engine") and k.split("=")[1].isdigit())  # (not "... learned")
         per_image = [sides[k]["seconds_per_image"] for _, k in engines]
         series = {"engine": ([b for b, _ in engines], [s["median"] for s in per_image],
                              [min(s["samples"]) for s in per_image], [max(s["samples"]) for s in per_image])}
@@ -258,6 +259,11 @@ def main(argv=None):
     ap.add_argument("--only-speed", action="store_true",
                     help="a targeted run: the dtype / compile comparison only (no scenarios, no prompt-cache "
                          "line); writes engine_throughput_speed.json")
+    ap.add_argument("--batch-limits", default="fixed", choices=["fixed", "learn", "both"],
+                    help="the engines' EngineConfig.batch_limits: learn: limits learned per shape from step times "
+                         "(dit_core.batch_limits); both: fixed engines plus a learning one of --max-batch-size as "
+                         "one more side ('... learned'; summary learned_over_fixed); writes *_learned.json unless "
+                         "fixed (default fixed)")
     ap.add_argument("--no-bf16", action="store_true",
                     help="leave out the bf16 sides of the dtype / compile comparison (emulated bf16 is slow "
                          "on CPUs without it); the bf16 keys come out None")
@@ -267,6 +273,8 @@ def main(argv=None):
         args.requests, args.sizes, args.text_tokens, args.sweep, args.speed_requests = 8, "64", "64", "", 4
     args.speed_sizes = args.speed_sizes or ("128" if args.quick else "64,256")
     out_name = "engine_throughput_quick" if args.quick else "engine_throughput"
+    if args.batch_limits != "fixed":
+        out_name += "_learned"
     if args.only_speed:
         if args.no_speed:
             ap.error("--only-speed and --no-speed leave nothing to measure")
@@ -281,8 +289,14 @@ def main(argv=None):
     pipe = FluxPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
     batch_sizes = [args.max_batch_size] + [int(b) for b in args.sweep.split(",") if b and int(b) != args.max_batch_size]
-    engines = {f"engine b={b}": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0)
+    limits = "learn" if args.batch_limits == "learn" else "fixed"
+    engines = {f"engine b={b}": Engine.from_pretrained(model, max_batch_size=b, prompt_cache_bytes=0,
+                                                       batch_limits=limits)
                for b in batch_sizes}
+    learned_label = f"engine b={args.max_batch_size} learned" if args.batch_limits == "both" else None
+    if learned_label:
+        engines[learned_label] = Engine.from_pretrained(model, max_batch_size=args.max_batch_size,
+                                                        prompt_cache_bytes=0, batch_limits="learn")
     main_label = f"engine b={args.max_batch_size}"
     mm = mm_gflops()
     print(f"torch.mm fp32: {mm:.0f} GFLOP/s on {machine()['cpu']} ({torch.get_num_threads()} threads)")
@@ -301,7 +315,8 @@ def main(argv=None):
             times = np.cumsum(np.random.default_rng(0).exponential(1 / rate, args.requests))
             name = f"{size}x{size} {text} tokens poisson {rate:.2f}/s"
             poisson = measure(Scenario(name, size, text, args, list(times - times[0]), flops, mm), pipe,
-                              {main_label: engines[main_label]}, args.repeats)
+                              {main_label: engines[main_label],
+                               **({learned_label: engines[learned_label]} if learned_label else {})}, args.repeats)
             poisson["arrival_rate_per_s"] = rate
             results.append(poisson)
     cache = None if args.only_speed else prompt_cache_gain(model, args, args.repeats)
@@ -346,6 +361,13 @@ def main(argv=None):
         "throughput_ratio_spread_by_scenario": {r["scenario"]: r["throughput_ratio_spread"] for r in results},
         "p95_ratio_by_scenario": {r["scenario"]: r["p95_ratio"] for r in results},
         "prompt_cache_gain": cache["speedup"],
+        **({} if learned_label is None else {
+            "learned_over_fixed_by_scenario": {r["scenario"]: r["sides"][learned_label]["throughput_img_s"]["median"]
+                                               / r["sides"][main_label]["throughput_img_s"]["median"]
+                                               for r in results if learned_label in r["sides"]},
+            "throughput_ratio_learned_by_scenario": {
+                r["scenario"]: r["sides"][learned_label]["throughput_img_s"]["median"]
+                / r["sides"]["diffusers"]["throughput_img_s"]["median"] for r in results if learned_label in r["sides"]}}),
         **(speed["summary"] if speed else {}),
         "repeats": args.repeats,
         "run_seconds": time.perf_counter() - started,
@@ -354,6 +376,7 @@ def main(argv=None):
     }
     payload = {"benchmark": "engine_throughput", "machine": machine(), "args": vars(args),
                "summary": summary, "scenarios": results, "prompt_cache": cache,
+               "batch_limits": {label: e.batch_limits.snapshot() for label, e in engines.items() if e.batch_limits},
                "dtype_compile": speed and {"by_size": speed["by_size"], "profile": speed["profile"]}}
     path = write_json(out_name, payload)
     png = plot(results, main_label, out_name)
