@@ -9,7 +9,8 @@ prompt, seed and duration, with CFG (guidance 7, the pipeline's default). Side A
 after another with ``StableAudioPipeline.__call__``; side B with ``Engine``, by default with learned batch
 limits (``--batch-limits learn``: the engine measures how its step grows with rows and stops adding rows
 where one more stops paying, ``dit_core.batch_limits``; the limits learned are written under
-``batch_limits``); ``--batch-limits fixed``: all 8 share every forward, as before. The sides run through ``benchmarks.common.interleaved`` (rounds alternate which side
+``batch_limits``); ``--batch-limits fixed``: all 8 share every forward, as before. The sides run through
+``benchmarks.common.interleaved`` (rounds alternate which side
 runs first, the same warm-up for both); the throughput ratio is the median of per-round ratios. Every engine waveform is compared with the pipeline's (max abs diff).
 
 (b) The embedded text-to-speech model: time to first audio and real-time factor, streamed against
