@@ -60,6 +60,8 @@ def _server(models: dict, **options):
         yield live
 
 
+# Kept separate on purpose (not the session vLLM thinker of tests/test_thinker.py, nor test_tts_vllm's talker):
+# this module SIGSTOPs and SIGKILLs its servers' vLLM engine cores, so nothing else may share them.
 @pytest.fixture(scope="module")
 def image_server(tiny_models):
     # no prompt cache: every request after the restart reaches the new engine's thinker

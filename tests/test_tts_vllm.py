@@ -14,6 +14,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Should have")
 
 @pytest.fixture(scope="module")
 def engines():
+    """Kept separate from tests/test_chaos.py's speech server, whose talker is killed on purpose (sharing it
+    would make these results depend on test order)."""
     hf = Engine.from_pretrained(tts_model(), thinker="hf")
     vllm = Engine.from_pretrained(tts_model(), thinker="vllm")
     yield hf, vllm
