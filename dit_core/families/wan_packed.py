@@ -18,7 +18,7 @@ from attention import attend_packed
 from ..request import Request
 from .base import BlockInputs
 from .packed_rows import PackedRows, RowTokens
-from .processors.wan import rotate
+from .processors.wan import project, rotate
 
 
 def packed_inputs(family, requests: list[Request]) -> dict:
@@ -80,16 +80,7 @@ def block(blk, x: BlockInputs, backends: dict) -> torch.Tensor:
 
 def attention(attn, hidden: torch.Tensor, context: torch.Tensor, cu_q, cu_k, backend, rotary=None):
     """``processors.wan``'s attention (text-to-video: no image tokens) on packed tokens."""
-    cross = context is not hidden
-    if attn.fused_projections:
-        if cross:
-            q = attn.to_q(hidden)
-            k, v = attn.to_kv(context).chunk(2, dim=-1)
-        else:
-            q, k, v = attn.to_qkv(hidden).chunk(3, dim=-1)
-    else:
-        q, k, v = attn.to_q(hidden), attn.to_k(context), attn.to_v(context)
-    q, k = attn.norm_q(q), attn.norm_k(k)
+    q, k, v = project(attn, hidden, context)
     q, k, v = (t.unflatten(1, (attn.heads, -1)) for t in (q, k, v))
     if rotary is not None:
         q, k = rotate(q, *rotary), rotate(k, *rotary)

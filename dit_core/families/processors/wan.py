@@ -19,6 +19,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.type_as(x)
 
 
+def project(attn, hidden: torch.Tensor, context: torch.Tensor):
+    """Wan attention's q, k, v (q and k normed, heads not split yet): self attention when ``context`` is
+    ``hidden``, cross attention to ``context`` otherwise; fused projections where the checkpoint fused them."""
+    if attn.fused_projections:
+        if context is not hidden:
+            q = attn.to_q(hidden)
+            k, v = attn.to_kv(context).chunk(2, dim=-1)
+        else:
+            q, k, v = attn.to_qkv(hidden).chunk(3, dim=-1)
+    else:
+        q, k, v = attn.to_q(hidden), attn.to_k(context), attn.to_v(context)
+    return attn.norm_q(q), attn.norm_k(k), v
+
+
 class WanProcessor:
     def __init__(self, backends: dict[str, Backend], image_tokens: int | None = None):
         self.backends = backends
@@ -35,16 +49,7 @@ class WanProcessor:
             image = encoder_hidden_states[:, :self.image_tokens]
             encoder_hidden_states = encoder_hidden_states[:, self.image_tokens:]
         cross = encoder_hidden_states is not None
-        context = encoder_hidden_states if cross else hidden_states
-        if attn.fused_projections:
-            if cross:
-                q = attn.to_q(hidden_states)
-                k, v = attn.to_kv(context).chunk(2, dim=-1)
-            else:
-                q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
-        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = project(attn, hidden_states, encoder_hidden_states if cross else hidden_states)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
             q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
