@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from attention import attend_packed
-
 from ..request import Request
 from .base import BlockInputs
-from .packed_rows import PackedRows, RowTokens, modulate, unjoint
+from .packed_rows import PackedRows, RowTokens, joint_attend, modulate
 from .processors.flux import _project
 
 
@@ -119,14 +117,9 @@ def single_block(block, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Te
 
 
 def joint_attention(layout: PackedRows, q, k, v, backend) -> torch.Tensor:
-    """Attention of each row over [its text; its image] tokens; q/k/v [T, H, D] in the streams' order
-    (all text tokens, then all image tokens); returns [T, H * D] in that order."""
-    perm, cu = layout.joint("txt", "img")
-    cos, sin = layout.joint_tokens("txt", "img", "cos"), layout.joint_tokens("txt", "img", "sin")
-    q, k, v = q.index_select(0, perm), k.index_select(0, perm), v.index_select(0, perm)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    out = attend_packed(q, k, v, cu, cu, backend).flatten(1).to(q.dtype)
-    return unjoint(out, perm)
+    """Attention of each row over [its text; its image] tokens with its rotary table; q/k/v [T, H, D] in the
+    streams' order (all text tokens, then all image tokens); returns [T, H * D] in that order."""
+    return joint_attend(layout, q, k, v, backend, rotate=_rotate)
 
 
 def cache_signal(family, x: BlockInputs) -> torch.Tensor:

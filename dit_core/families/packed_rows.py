@@ -20,6 +20,8 @@ from itertools import accumulate
 
 import torch
 
+from attention import attend_packed
+
 
 class DenseRows:
     """Rows along dim 0 of a [rows, L, ...] tensor."""
@@ -135,6 +137,28 @@ class PackedRows:
             self.__dict__[key] = both.index_select(0, perm)
         return self.__dict__[key]
 
+    def joint_groups(self, first: str, second: str) -> list[tuple[torch.Tensor, int, int]]:
+        """Rows of equal joint length together, per group ``(idx, rows, length)``: ``idx`` [rows x length]
+        the positions in ``torch.cat([first stream, second stream])`` of each row's [first; second] tokens,
+        row after row, so one gather makes the group's dense [rows, length] batch (see ``joint_attend``)."""
+        key = ("joint_groups", first, second)
+        if key not in self.__dict__:
+            perm, cu = self.joint(first, second)
+            starts, groups = cu.tolist(), {}
+            for i in range(self.rows):
+                groups.setdefault(starts[i + 1] - starts[i], []).append(i)
+            self.__dict__[key] = [(torch.cat([perm[starts[i]:starts[i + 1]] for i in rows]), len(rows), length)
+                                  for length, rows in groups.items()]
+        return self.__dict__[key]
+
+    def joint_group_tokens(self, first: str, second: str, name: str) -> list[torch.Tensor]:
+        """Per-token tensor ``name`` of both streams gathered per ``joint_groups`` group, made once."""
+        key = ("joint_group_tokens", first, second, name)
+        if key not in self.__dict__:
+            both = torch.cat([self.tokens[first][name], self.tokens[second][name]])
+            self.__dict__[key] = [both.index_select(0, idx) for idx, _, _ in self.joint_groups(first, second)]
+        return self.__dict__[key]
+
     def split(self, out: torch.Tensor, requests) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The packed image-stream output -> per request (cond [n, L, C], uncond or None), as ``split_rows``."""
         stream, result, row = self.streams["img"], [], 0
@@ -150,6 +174,38 @@ class PackedRows:
 def unjoint(out: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Inverse of ``x.index_select(0, perm)``: back to the streams' order."""
     return torch.empty_like(out).index_copy_(0, perm, out)
+
+
+def joint_attend(layout: PackedRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend,
+                 rotate=None) -> torch.Tensor:
+    """Attention of each row over [its text; its image] tokens: q/k/v [T, H, D] in the streams' order
+    (all text tokens, then all image tokens); returns [T, H * D] (q's dtype) in that order.
+
+    A backend with its own varlen kernel (flash, flex) gets the rows packed (``attend_packed``). Otherwise
+    (sdpa's varlen is itself a loop over groups of equal lengths, and a backend without varlen pads) each
+    group of equal-length rows is gathered straight from the streams' order (one index per tensor),
+    runs as one dense batch, and its output is written straight back (``index_copy_``): no joint-order
+    copy of q/k/v, no argsort, no unjoint. ``rotate``, when given, is called as ``rotate(x, cos, sin)`` on
+    the gathered q and k with the layout's per-token tables ``cos`` / ``sin`` in the same order (FLUX
+    rotates here, after the gather: the tables are gathered once per layout, not once per block)."""
+    if backend.varlen is not None and backend.name != "sdpa":
+        perm, cu = layout.joint("txt", "img")
+        q, k, v = q.index_select(0, perm), k.index_select(0, perm), v.index_select(0, perm)
+        if rotate is not None:
+            cos, sin = layout.joint_tokens("txt", "img", "cos"), layout.joint_tokens("txt", "img", "sin")
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return unjoint(attend_packed(q, k, v, cu, cu, backend).flatten(1).to(q.dtype), perm)
+    groups = layout.joint_groups("txt", "img")
+    tables = (zip(layout.joint_group_tokens("txt", "img", "cos"), layout.joint_group_tokens("txt", "img", "sin"))
+              if rotate is not None else [(None, None)] * len(groups))
+    out = q.new_empty(q.shape[0], q.shape[1] * v.shape[2])
+    for (idx, rows, length), (cos, sin) in zip(groups, tables):
+        gq, gk, gv = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)
+        if rotate is not None:
+            gq, gk = rotate(gq, cos, sin), rotate(gk, cos, sin)
+        res = backend.dense(*(t.unflatten(0, (rows, length)) for t in (gq, gk, gv)))
+        out.index_copy_(0, idx, res.flatten(0, 1).flatten(1).to(out.dtype))
+    return out
 
 
 def modulate(x: torch.Tensor, row_index: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

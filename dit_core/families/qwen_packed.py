@@ -15,11 +15,9 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
-from attention import attend_packed
-
 from ..request import Request
 from .base import BlockInputs
-from .packed_rows import PackedRows, RowTokens, modulate, unjoint
+from .packed_rows import PackedRows, RowTokens, joint_attend, modulate
 
 
 def packed_inputs(family, requests: list[Request]) -> dict:
@@ -106,9 +104,7 @@ def attention(attn, img: torch.Tensor, txt: torch.Tensor, layout: PackedRows, ba
         freqs = layout.tokens[name]["freqs"]
         for i in (0, 1):  # [T, H, D] as one row of T tokens
             stream[i] = apply_rotary_emb_qwen(stream[i][None], freqs, use_real=False)[0]
-    perm, cu = layout.joint("txt", "img")
-    q, k, v = (torch.cat([t, i]).index_select(0, perm) for t, i in zip(qt, qi))
-    out = unjoint(attend_packed(q, k, v, cu, cu, backend).flatten(1).to(q.dtype), perm)
+    out = joint_attend(layout, *(torch.cat([t, i]) for t, i in zip(qt, qi)), backend)
     n_txt = layout.streams["txt"].total
     img_out = attn.to_out[0](out[n_txt:])
     if len(attn.to_out) > 1:
