@@ -151,12 +151,11 @@ class PackedRows:
                                   for length, rows in groups.items()]
         return self.__dict__[key]
 
-    def joint_group_tokens(self, first: str, second: str, name: str) -> list[torch.Tensor]:
-        """Per-token tensor ``name`` of both streams gathered per ``joint_groups`` group, made once."""
-        key = ("joint_group_tokens", first, second, name)
+    def stream_tokens(self, first: str, second: str, name: str) -> torch.Tensor:
+        """Per-token tensor ``name`` of both streams in the streams' order (``first`` then ``second``), made once."""
+        key = ("stream_tokens", first, second, name)
         if key not in self.__dict__:
-            both = torch.cat([self.tokens[first][name], self.tokens[second][name]])
-            self.__dict__[key] = [both.index_select(0, idx) for idx, _, _ in self.joint_groups(first, second)]
+            self.__dict__[key] = torch.cat([self.tokens[first][name], self.tokens[second][name]])
         return self.__dict__[key]
 
     def split(self, out: torch.Tensor, requests) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -186,24 +185,18 @@ def joint_attend(layout: PackedRows, q: torch.Tensor, k: torch.Tensor, v: torch.
     group of equal-length rows is gathered straight from the streams' order (one index per tensor),
     runs as one dense batch, and its output is written straight back (``index_copy_``): no joint-order
     copy of q/k/v, no argsort, no unjoint. ``rotate``, when given, is called as ``rotate(x, cos, sin)`` on
-    the gathered q and k with the layout's per-token tables ``cos`` / ``sin`` in the same order (FLUX
-    rotates here, after the gather: the tables are gathered once per layout, not once per block)."""
+    q and k with the layout's per-token tables ``cos`` / ``sin`` in the streams' order, once over all
+    tokens before any gather (a rotary table is per token, so where the tokens go after does not matter)."""
+    if rotate is not None:
+        cos, sin = layout.stream_tokens("txt", "img", "cos"), layout.stream_tokens("txt", "img", "sin")
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     if backend.varlen is not None and backend.name != "sdpa":
         perm, cu = layout.joint("txt", "img")
         q, k, v = q.index_select(0, perm), k.index_select(0, perm), v.index_select(0, perm)
-        if rotate is not None:
-            cos, sin = layout.joint_tokens("txt", "img", "cos"), layout.joint_tokens("txt", "img", "sin")
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return unjoint(attend_packed(q, k, v, cu, cu, backend).flatten(1).to(q.dtype), perm)
-    groups = layout.joint_groups("txt", "img")
-    tables = (zip(layout.joint_group_tokens("txt", "img", "cos"), layout.joint_group_tokens("txt", "img", "sin"))
-              if rotate is not None else [(None, None)] * len(groups))
     out = q.new_empty(q.shape[0], q.shape[1] * v.shape[2])
-    for (idx, rows, length), (cos, sin) in zip(groups, tables):
-        gq, gk, gv = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)
-        if rotate is not None:
-            gq, gk = rotate(gq, cos, sin), rotate(gk, cos, sin)
-        res = backend.dense(*(t.unflatten(0, (rows, length)) for t in (gq, gk, gv)))
+    for idx, rows, length in layout.joint_groups("txt", "img"):
+        res = backend.dense(*(t.index_select(0, idx).unflatten(0, (rows, length)) for t in (q, k, v)))
         out.index_copy_(0, idx, res.flatten(0, 1).flatten(1).to(out.dtype))
     return out
 
