@@ -69,15 +69,15 @@ def full_block_evals(engine: Engine, since_step: int = 0) -> int:
     return sum(list(engine.stats.batch_rows)[-steps:]) * engine.family.num_blocks if steps else 0
 
 
-def engine_maker(model: str, max_batch_size: int):
-    """``get(policy, **config)``: one Engine per (policy, config) on ``model``, made on first use and
-    shared by the tests of a module; each must hand it back with nothing unfinished."""
+def engine_maker(model: str, max_batch_size: int, **base):
+    """``get(policy, **config)``: one Engine per (policy, config) on ``model`` (``base`` config for all), made
+    on first use and shared by the tests of a module; each must hand it back with nothing unfinished."""
     made = {}
 
     def get(policy: str, **kw) -> Engine:
         key = (policy, tuple(sorted(kw.items())))
         if key not in made:
-            made[key] = Engine.from_pretrained(model, policy=policy, max_batch_size=max_batch_size, **kw)
+            made[key] = Engine.from_pretrained(model, policy=policy, max_batch_size=max_batch_size, **base, **kw)
         assert not made[key].has_unfinished()
         return made[key]
 

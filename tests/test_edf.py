@@ -9,7 +9,9 @@ from tests.helpers import engine_maker, params
 
 @pytest.fixture(scope="module")
 def engine_for(tiny_models):
-    return engine_maker(tiny_models["flux"], max_batch_size=4)
+    # another size is another batch key only with mixed sizes off: these tests are about work that cannot share
+    # a forward (with mixed sizes on, see test_mixed_sizes_share_the_forward_under_edf)
+    return engine_maker(tiny_models["flux"], max_batch_size=4, mixed_sizes=False)
 
 
 FINALS: dict = {}  # request id -> final event, across the helpers below
@@ -47,6 +49,26 @@ def test_a_deadline_request_preempts_bulk_work_only_under_edf(engine_for, policy
     assert finals[bulk].kind == EventKind.FINISHED  # the paused bulk request resumed and finished
     if policy == "edf":
         assert finals[urgent].output.metrics["deadline_met"] is True
+
+
+def test_mixed_sizes_share_the_forward_under_edf(tiny_models, engines):
+    """With mixed sizes on (the default), a deadline request of another size is the same batch key as the
+    bulk request running: it is served from the next step on, and neither result changes."""
+    engine = Engine.from_pretrained(tiny_models["flux"], policy="edf", max_batch_size=4)
+    p_bulk = params(num_inference_steps=6, seed=1)
+    p_urgent = params(height=64, width=64, num_inference_steps=3, seed=2, deadline_ms=60_000)
+    bulk = engine.add_request("bulk", p_bulk)
+    served_keys(engine, 2)
+    urgent = engine.add_request("urgent", p_urgent)
+    assert engine.scheduler.waiting[0].key == engine.scheduler.running[0].key
+    order = served_keys(engine, 3)
+    assert all(urgent in step for step in order)
+    finals = drain(engine)
+    assert finals[urgent].output.metrics["deadline_met"] is True
+    for rid, prompt, p in ((bulk, "bulk", p_bulk), (urgent, "urgent", p_urgent)):
+        alone = engines("flux").generate_outputs(prompt, p)[0].outputs
+        got = finals[rid].output.outputs
+        assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(got, alone))
 
 
 def test_paused_bulk_work_resumes_with_the_same_result(engine_for, engines):

@@ -19,7 +19,7 @@ URGENT = dict(height=48, width=48, num_inference_steps=2, deadline_ms=1e5)  # an
 
 @pytest.fixture(scope="module")
 def engine_for(tiny_models):
-    make = engine_maker(tiny_models["flux"], max_batch_size=8)
+    make = engine_maker(tiny_models["flux"], max_batch_size=8, mixed_sizes=False)  # URGENT: another batch key
 
     def get(policy: str, **kw) -> Engine:
         engine = make(policy, **kw)
@@ -147,7 +147,8 @@ def test_deferred_decodes_are_not_starved_by_a_stream_of_deadline_requests(engin
 
 
 def test_async_engine_takes_in_a_deadline_request_that_arrives_during_the_step(tiny_models, monkeypatch):
-    engine = AsyncEngine(Engine.from_pretrained(tiny_models["flux"], policy="edf", max_batch_size=8))
+    engine = AsyncEngine(Engine.from_pretrained(tiny_models["flux"], policy="edf", max_batch_size=8,
+                                                          mixed_sizes=False))
     family, order = engine.engine.family, []
     in_last_step, go = threading.Event(), threading.Event()
     advance = family.advance

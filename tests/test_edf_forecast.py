@@ -124,7 +124,7 @@ def test_the_cli_flag_turns_it_off():
 
 @pytest.fixture(scope="module")
 def engine_for(tiny_models):
-    return engine_maker(tiny_models["flux"], max_batch_size=4)
+    return engine_maker(tiny_models["flux"], max_batch_size=4, mixed_sizes=False)  # sizes: separate batch keys
 
 
 def test_a_held_engine_takes_no_step_then_serves_the_stream_request_first(engine_for):

@@ -13,7 +13,7 @@ from tests.test_edf_forecast import steady
 
 @pytest.fixture(scope="module")
 def engine_for(tiny_models):
-    return engine_maker(tiny_models["flux"], max_batch_size=4)
+    return engine_maker(tiny_models["flux"], max_batch_size=4, mixed_sizes=False)  # sizes: separate batch keys
 
 
 def forecast_due_in(policy, seconds: float, client: str = "robot-1") -> None:

@@ -98,7 +98,7 @@ def test_edf_options_are_validated():
 
 
 def test_running_bulk_requests_past_the_cap_pause_and_resume_unchanged(tiny_models, engines):
-    engine = Engine.from_pretrained(tiny_models["flux"], policy="edf", max_batch_size=4,
+    engine = Engine.from_pretrained(tiny_models["flux"], policy="edf", max_batch_size=4, mixed_sizes=False,
                                     edf_bulk_step_share=1e-9, edf_recent_s=600)  # cap: 1 bulk request
     p = [params(num_inference_steps=5, seed=s) for s in (1, 2, 3)]
     bulk = [engine.add_request(f"bulk {i}", p[i]) for i in range(3)]
