@@ -38,6 +38,14 @@ class DiffusersFamily(Family):
     # VAE) are 64 MiB per fp32 tensor for 2 x 256 x 256, and 8 x 1024 x 1024 in one call would need
     # 4 GB per tensor. (On the tiny random checkpoints, 16 channels wide, it changes little.)
     decode_pixel_budget: ClassVar[int] = 2 * 256 * 256
+    # one request per VAE call (its own outputs together, as when it is decoded alone): a request's
+    # image never depends on what it was decoded with. Batched, the AutoencoderKL decoder's activations
+    # turn channels-last after its mid-block attention (diffusers reshapes [B, HW, C] -> [B, C, H, W]
+    # as a view), and CPU convolutions then keep channels-last for a batch of 2 but go back to NCHW for
+    # one; GroupNorm and oneDNN convolutions sum in a batch-dependent order (4.1e-5 on the small FLUX
+    # VAE at 2 x 256 x 256; made contiguous it is still 5.6e-6 from oneDNN). Decoding alone costs
+    # x1.12 decode time there (python -m benchmarks.vae_decode_batch); the budget applies when off.
+    decode_alone: ClassVar[bool] = True
     # rows of different sizes can share one forward, packed (``packed_rows``; the family's
     # ``transformer_inputs`` packs them); the engine turns it on per model (``dit_core.mixed_sizes``)
     packable: ClassVar[bool] = False
@@ -58,7 +66,10 @@ class DiffusersFamily(Family):
     def decode_chunks(self, requests: list[Request]) -> list[list[Request]]:
         """Consecutive groups whose outputs fit ``decode_pixel_budget`` together (outputs x frames x
         height x width; a request alone always fits): the VAE decoder's activations grow with rows x
-        pixels, so this bounds a decode's memory whatever the batch."""
+        pixels, so this bounds a decode's memory whatever the batch. With ``decode_alone``: one
+        request per group."""
+        if self.decode_alone:
+            return [[r] for r in requests]
         return pixel_chunks(requests, self.decode_pixel_budget,
                             lambda p: p.num_outputs * (p.num_frames or 1) * p.height * p.width)
 

@@ -54,6 +54,7 @@ class WanFamily(DiffusersFamily):
                     max_sequence_length=512)
     max_text_tokens = 512
     decode_pixel_budget = 1 << 24
+    decode_alone = False  # AutoencoderKLWan batched vs alone: not measured yet (chunks by the budget)
     takes_image = False  # image-to-video (wan_i2v.py): the transformer also takes the input image
     packable = True  # (not image-to-video: its image tokens and condition channels are not packed)
 
