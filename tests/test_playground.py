@@ -167,7 +167,9 @@ def test_engine_stats_endpoint_and_panel(visit, server):
     for _ in range(2):  # the second encoding of the same prompt comes from the prompt cache
         assert httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=WAIT_MS / 1e3).status_code == 200
     stats = httpx.get(f"{server.url}/v1/engine/stats", timeout=10).json()
-    assert set(stats) == {"queue", "steps", "step_cache", "prompt_cache", "vae_encode", "requests", "config"}
+    assert set(stats) == {"queue", "steps", "step_cache", "prompt_cache", "vae_encode", "requests", "config",
+                          "batch_limits"}
+    assert stats["batch_limits"]["mode"] == "fixed" and stats["batch_limits"]["buckets"] == []  # learning is opt-in
     assert stats["config"]["cache"] == "none" and stats["config"]["dtype"] in ("float32", "bfloat16")  # as run
     assert stats["steps"]["total"] == before["steps"]["total"] + 6
     last = stats["steps"]["recent"][-1]
