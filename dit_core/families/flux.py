@@ -74,9 +74,8 @@ class FluxFamily(PackedFlowFamily):
     def num_blocks(self) -> int:
         return len(self.transformer.transformer_blocks) + len(self.transformer.single_transformer_blocks)
 
-    def block_inputs(self, inputs: dict) -> BlockInputs:
-        if "layout" in inputs:
-            return flux_packed.block_inputs(self, inputs)
+    def embed(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The image tokens, text tokens and per-row conditioning (timestep, guidance, pooled text) embedded."""
         tr = self.transformer
         img = tr.x_embedder(inputs["hidden_states"])
         timestep = inputs["timestep"].to(img.dtype) * 1000
@@ -85,8 +84,13 @@ class FluxFamily(PackedFlowFamily):
             temb = tr.time_text_embed(timestep, pooled)
         else:
             temb = tr.time_text_embed(timestep, guidance.to(img.dtype) * 1000, pooled)
-        txt = tr.context_embedder(inputs["encoder_hidden_states"])
-        rotary = tr.pos_embed(torch.cat((inputs["txt_ids"], inputs["img_ids"]), dim=0))
+        return img, tr.context_embedder(inputs["encoder_hidden_states"]), temb
+
+    def block_inputs(self, inputs: dict) -> BlockInputs:
+        if "layout" in inputs:
+            return flux_packed.block_inputs(self, inputs)
+        img, txt, temb = self.embed(inputs)
+        rotary = self.transformer.pos_embed(torch.cat((inputs["txt_ids"], inputs["img_ids"]), dim=0))
         return BlockInputs(img, txt, {"temb": temb}, {"image_rotary_emb": rotary})
 
     def run_block(self, index: int, x: BlockInputs):

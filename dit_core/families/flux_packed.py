@@ -59,15 +59,7 @@ def rotary_tables(family, req: Request) -> dict:
 
 
 def block_inputs(family, inputs: dict) -> BlockInputs:
-    tr = family.transformer
-    img = tr.x_embedder(inputs["hidden_states"])
-    timestep = inputs["timestep"].to(img.dtype) * 1000
-    pooled, guidance = inputs["pooled_projections"], inputs["guidance"]
-    if guidance is None:
-        temb = tr.time_text_embed(timestep, pooled)
-    else:
-        temb = tr.time_text_embed(timestep, guidance.to(img.dtype) * 1000, pooled)
-    txt = tr.context_embedder(inputs["encoder_hidden_states"])
+    img, txt, temb = family.embed(inputs)  # the same embeddings as the dense path (FluxFamily.embed)
     return BlockInputs(img, txt, {"temb": temb}, {}, inputs["layout"])
 
 
