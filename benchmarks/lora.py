@@ -28,14 +28,15 @@ request's image from ``engine_mixed`` against diffusers' (``outputs_match_diffus
 tests/test_lora.py) and against the engine running it alone (``mixed_equals_solo``: <= 1e-5), images
 and, before the VAE, final latents (``max_abs_diff_vs_solo_latents``, ``mixed_latents_equal_solo``).
 Measured (2 cores): the transformer's rows are bitwise equal batched and alone, with and without
-adapters, every step; at 256x256 the images are not (up to 1.2e-5 with no adapter at all): the
-engine decodes the batch's latents two at a time (``decode_pixel_budget``) and a request alone one at
-a time, and the VAE decoder's layers are not batch-size independent: hooked layer by layer (a batch
+adapters, every step. At 256x256 the images were not (up to 1.2e-5 with no adapter at all) while the
+engine decoded the batch's latents two at a time (``decode_pixel_budget``) and a request alone one at
+a time; since 16242dd each request is decoded in its own VAE call (``DiffusersFamily.decode_alone``),
+because the VAE decoder's layers are not batch-size independent: hooked layer by layer (a batch
 of 2 against each image alone, same input), 20 of its 53 conv / norm layers differ, the largest (up to
 4.5e-5) GroupNorms; torch's CPU GroupNorm alone differs 2.4e-5 batch of 2 vs one at a time on
 channels-last [2, 128, 256, 256] input (0 on contiguous NCHW), a oneDNN conv ~1e-6 (0 with oneDNN off).
-Decoding one image at a time would fix it at +17% decode time
-(156 -> 182 ms for two 256x256 images). Then the
+Decoding one request at a time fixes it (+12-17% decode time; benchmarks/vae_decode_batch.py); the
+results/lora.json on record predates it (mixed_equals_solo false). Then the
 shipped digits adapter (dit_core/zoo/digits_lora) on the digits model: ``digits_lora_style_shift``
 (ink fraction with / without) and ``digits_lora_adherence`` (dit_core.eval.digits_style).
 Writes results/lora.json (``--quick``: results/lora_quick.json, 64x64 only, 4 steps).
