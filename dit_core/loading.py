@@ -88,8 +88,11 @@ def component_loader(loader):
 def _library_module(name: str, library: str):
     """The module a component class comes from: diffusers, transformers, or (as diffusers writes it
     for models that live beside their pipeline, e.g. ``["stable_audio", "StableAudioProjectionModel"]``)
-    a diffusers pipeline module."""
+    a diffusers pipeline module, or one of omnidit's ``dit_core.random_models`` modules."""
     if library in LIBRARIES:
+        return importlib.import_module(library)
+    if isinstance(library, str) and library.startswith("dit_core.random_models."):
+        # omnidit's own classes (the random Qwen-Image-Edit checkpoints' processor: random_models.vl_processor)
         return importlib.import_module(library)
     if isinstance(library, str) and library.isidentifier():
         try:

@@ -16,6 +16,7 @@ from .flux import FluxFamily
 from .flux_kontext import FluxKontextFamily
 from .image import DiffusersFamily, ImageFamily
 from .pi0 import Pi0Family
+from .qwen_edit import QwenImageEditFamily
 from .qwenimage import QwenImageFamily
 from .sd3 import SD3Family
 from .speech import SpeechFamily
@@ -37,7 +38,7 @@ def register(cls: type[Family]) -> type[Family]:
 
 
 for _cls in (FluxFamily, FluxKontextFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily,
-             Pi0Family, WanI2VFamily):
+             Pi0Family, WanI2VFamily, QwenImageEditFamily):
     register(_cls)
 
 

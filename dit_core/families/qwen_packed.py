@@ -26,9 +26,13 @@ def packed_inputs(family, requests: list[Request]) -> dict:
     freqs = {"img": [], "txt": []}
     for req in requests:
         vid, txt = rotary_tables(family, req)
-        n, length = req.latents.shape[:2]
+        # an edit's reference tokens (``qwen_edit``) follow each row's generated tokens; its img_shape lists both grids
+        ref = req.state.get("reference")
+        image = req.latents if ref is None else torch.cat([req.latents, ref.expand(req.latents.shape[0], -1, -1)
+                                                           .to(req.latents.dtype)], dim=1)
+        n, length = image.shape[:2]
         for cond in (req.cond, req.uncond) if req.cfg else (req.cond,):
-            latents.append(req.latents.reshape(n * length, -1))
+            latents.append(image.reshape(n * length, -1))
             for _ in range(n):
                 texts.append(cond.embeds)
                 img_counts.append(length)

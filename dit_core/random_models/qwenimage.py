@@ -1,13 +1,22 @@
 """Random Qwen-Image checkpoints: a Qwen2 causal LM as the text encoder (head_dim 64,
 so vLLM can serve it as the thinker), an MMDiT, and the Qwen-Image causal 3D VAE.
 ``tiny-vl`` uses the class the released checkpoint uses, Qwen2.5-VL
-(``Qwen2_5_VLForConditionalGeneration``, with a one-block vision tower that text prompts never reach)."""
+(``Qwen2_5_VLForConditionalGeneration``, with a one-block vision tower that text prompts never reach).
+``tiny-edit`` is ``tiny-vl`` saved as a ``QwenImageEditPipeline``: the tokenizer also holds the vision
+tokens, and a ``Qwen2VLProcessor`` (the PIL image processor; saved as ``ImageOnlyQwen2VLProcessor``, which
+needs no torchvision) shows the tower the image;
+``build_edit`` can write ``_omnidit_qwen_edit`` options (``reference_area``) into model_index.json."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
+    QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
@@ -17,8 +26,10 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from .tokenizers import qwen_tokenizer
+from .vl_processor import ImageOnlyQwen2VLProcessor
 
 SIZES = {
     # vae factor 4 (image sizes must be multiples of 8), 4 latent channels
@@ -29,7 +40,12 @@ SIZES = {
                   vae_dim=16, vae_mult=[1, 2, 4, 4], vae_t=[False, True, True], latent=16),
     "tiny-vl": dict(heads=2, head_dim=16, layers=2, rope=(4, 6, 6), lm_hidden=64, lm_layers=2,
                     vae_dim=4, vae_mult=[1, 2, 4], vae_t=[False, True], latent=4, lm="qwen2.5-vl"),
+    "tiny-edit": dict(heads=2, head_dim=16, layers=2, rope=(4, 6, 6), lm_hidden=64, lm_layers=2,
+                      vae_dim=4, vae_mult=[1, 2, 4], vae_t=[False, True], latent=4, lm="qwen2.5-vl", edit=True),
 }
+# Qwen2.5-VL's vision tokens, added to the tokenizer in the order of the ids ``vl_thinker`` gives them
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+EDIT_OPTIONS_KEY = "_omnidit_qwen_edit"
 
 # FlowMatchEulerDiscreteScheduler settings of the released Qwen-Image checkpoint.
 SCHEDULER = dict(
@@ -74,7 +90,7 @@ def vl_thinker(hidden: int, layers: int, tokenizer) -> Qwen2_5_VLForConditionalG
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def make_pipeline(size: str) -> QwenImagePipeline:
+def make_pipeline(size: str) -> QwenImagePipeline | QwenImageEditPipeline:
     c = SIZES[size]
     tokenizer = qwen_tokenizer()
     make_lm = vl_thinker if c.get("lm") == "qwen2.5-vl" else thinker
@@ -93,7 +109,41 @@ def make_pipeline(size: str) -> QwenImagePipeline:
         base_dim=c["vae_dim"], z_dim=c["latent"], dim_mult=c["vae_mult"], num_res_blocks=1,
         temperal_downsample=c["vae_t"], latents_mean=[0.0] * c["latent"], latents_std=[1.0] * c["latent"],
     ).eval()
-    return QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae,
-        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
-    )
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, text_encoder=text_encoder,
+                 transformer=transformer)
+    if c.get("edit"):
+        return QwenImageEditPipeline(tokenizer=vision_tokenizer(tokenizer), processor=vl_processor(tokenizer), **parts)
+    return QwenImagePipeline(tokenizer=tokenizer, **parts)
+
+
+def vision_tokenizer(tokenizer):
+    """``tokenizer`` with Qwen2.5-VL's vision tokens added (ids len(tokenizer) .. + 3, as ``vl_thinker``'s config)."""
+    vocab = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS}, replace_extra_special_tokens=False)
+    ids = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    if ids != list(range(vocab, vocab + len(VISION_TOKENS))):
+        raise RuntimeError(f"vision token ids {ids} are not {vocab}..{vocab + 3}")
+    return tokenizer
+
+
+def vl_processor(tokenizer) -> ImageOnlyQwen2VLProcessor:
+    """The pipeline's ``processor``: Qwen2-VL's image processor (PIL backend; Qwen-Image-Edit's pixel
+    limits, 56^2 to 28^2 x 1280) over ``tokenizer`` (which already holds the vision tokens)."""
+    image = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    return ImageOnlyQwen2VLProcessor(image_processor=image, tokenizer=tokenizer)
+
+
+def build_edit(out_dir: str | Path, seed: int = 0, **options) -> Path:
+    """Build the ``tiny-edit`` checkpoint into ``out_dir``; ``options`` (e.g. ``reference_area=4096``) go to
+    model_index.json under ``_omnidit_qwen_edit`` (see ``dit_core.families.qwen_edit``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        pipe = make_pipeline("tiny-edit")
+    pipe.save_pretrained(out)
+    if options:
+        index = json.loads((out / "model_index.json").read_text())
+        index[EDIT_OPTIONS_KEY] = options
+        (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    return out
