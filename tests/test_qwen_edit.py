@@ -98,8 +98,9 @@ def run(engine, p: SamplingParams) -> torch.Tensor:
 EDITS = [
     # 40 x 48 -> a 32 x 32 reference (4 x 4 tokens); the output takes its size
     ("plain", dict(), (40, 48), None),
-    # 32 x 96 -> 32 x 64 (4 x 8 tokens), a 32 x 48 output, true CFG
-    ("cfg-wide-reference", dict(negative_prompt="blurry", true_cfg_scale=3.0), (32, 96), (32, 48)),
+    # 32 x 96 -> 32 x 64 (4 x 8 tokens), a 32 x 48 output, true CFG, two outputs
+    ("cfg-wide-reference-two-outputs", dict(negative_prompt="blurry", true_cfg_scale=3.0, num_outputs=2), (32, 96),
+     (32, 48)),
 ]
 
 
@@ -108,9 +109,10 @@ def test_edit_equals_diffusers(case, kw, image_hw, out_hw, edit):
     engine, pipe = edit
     image = picture(*image_hw)
     size = dict(height=out_hw[0], width=out_hw[1]) if out_hw else {}
-    ref = stock(pipe, image, 7, num_inference_steps=2, **kw, **size)
+    stock_kw = {("num_images_per_prompt" if k == "num_outputs" else k): v for k, v in kw.items()}
+    ref = stock(pipe, image, 7, num_inference_steps=2, **stock_kw, **size)
     out = run(engine, SamplingParams(image=image, seed=7, num_inference_steps=2, **kw, **size))
-    assert out.shape == ref.shape == (1, 3, *(out_hw or (32, 32)))
+    assert out.shape == ref.shape == (kw.get("num_outputs", 1), 3, *(out_hw or (32, 32)))
     assert (out - ref).abs().max().item() <= 1e-4
     # the reference is used: another picture of the same size gives another result
     other = run(engine, SamplingParams(image=picture(*image_hw, seed=9), seed=7, num_inference_steps=2, **kw, **size))
