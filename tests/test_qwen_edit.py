@@ -24,7 +24,7 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from dit_core import Engine, SamplingParams
 from dit_core.errors import InvalidParamError
 from dit_core.families import qwen_packed
-from dit_core.families.qwen_edit import EditInputs, calculate_dimensions
+from dit_core.families.qwen_edit import EDIT_TEMPLATE, EDIT_TEMPLATE_DROP, EditInputs, calculate_dimensions
 from dit_core.random_models.qwenimage import build_edit
 from helpers import assert_finished, params, run_staggered
 from serve.app import ServeSettings
@@ -134,6 +134,13 @@ def test_reference_size_is_the_pipelines(edit):
         w, h, _ = pipeline_qwenimage_edit.calculate_dimensions(1024 * 1024, 96 / 32)
     expected = pipe.image_processor.preprocess(pipe.image_processor.resize(image, h, w), h, w)
     assert torch.equal(inputs.pixels, expected.float())
+    # the thinker's template and the states it drops are the pipeline's
+    assert (pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx) == (EDIT_TEMPLATE, EDIT_TEMPLATE_DROP)
+    # an array is the PIL image it holds (a float one rounded to 8 bits): the same reference and thinker inputs
+    as_float = np.asarray(image).astype(np.float32) / 255
+    _, from_array = engine.family.validate_input(PROMPT, engine.family.resolve(SamplingParams(image=as_float)))
+    assert torch.equal(from_array.pixels, inputs.pixels)
+    assert torch.equal(from_array.vision["pixel_values"], inputs.vision["pixel_values"])
 
 
 def test_mixed_batch_rows_equal_alone(edit):
@@ -182,6 +189,22 @@ def test_dense_batch_of_edits_equals_alone(edit):
     with forwards_of(engine) as forwards, packed_rows() as packed:
         finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0])
     assert max(sizes) == 2 and forwards[0] == 2 and packed == []  # two dense forwards of both rows
+    for i, ref in enumerate(alone):
+        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_teacache_with_edits(edit):
+    """TeaCache on: edit rows (references of 16 and 32 tokens, one with CFG) beside a text-to-image row,
+    joining at different steps, skip work and still get what they get alone."""
+    engine, _ = edit
+    cached = Engine.from_pretrained(engine.family.model_id, max_batch_size=8, cache="teacache:0.6")
+    common = dict(num_inference_steps=6)
+    specs = [params(seed=1, **common), params(seed=2, image=picture(40, 48), **common),
+             params(seed=3, image=picture(32, 96, seed=4), negative_prompt="blurry", true_cfg_scale=3.0, **common)]
+    alone = [torch.stack(cached.generate(PROMPT, p)) for p in specs]
+    finals, sizes = run_staggered(cached, [(PROMPT, p) for p in specs], arrivals=[0, 1, 0])
+    assert max(sizes) == len(specs)
+    assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) > 0
     for i, ref in enumerate(alone):
         assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
 
