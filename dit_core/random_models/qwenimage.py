@@ -127,9 +127,10 @@ def vision_tokenizer(tokenizer):
 
 
 def vl_processor(tokenizer) -> ImageOnlyQwen2VLProcessor:
-    """The pipeline's ``processor``: Qwen2-VL's image processor (PIL backend; Qwen-Image-Edit's pixel
-    limits, 56^2 to 28^2 x 1280) over ``tokenizer`` (which already holds the vision tokens)."""
-    image = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    """The pipeline's ``processor``: Qwen2-VL's image processor (PIL backend; the pixel limits of
+    Qwen2.5-VL's preprocessor_config.json, 3136 to 12845056) over ``tokenizer`` (which already holds the
+    vision tokens)."""
+    image = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)
     return ImageOnlyQwen2VLProcessor(image_processor=image, tokenizer=tokenizer)
 
 
