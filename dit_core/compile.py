@@ -35,6 +35,7 @@ EAGER_FAMILIES = {
     "qwenimage": "padded text makes its attention pack/mask by data-dependent lengths (graph breaks, "
                  "a recompile per text length)",
 }
+EAGER_FAMILIES["qwenimage_edit"] = EAGER_FAMILIES["qwenimage"]  # Qwen-Image-Edit: the same blocks and text
 
 
 @dataclasses.dataclass
