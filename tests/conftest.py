@@ -65,6 +65,18 @@ def engines(tiny_models):
     return get
 
 
+@pytest.fixture(scope="session")
+def compiled_flux(tiny_models):
+    """The tiny FLUX compiled (fp32, blocks warmed for 32x32), one per session: test_compile's engine, and
+    the inductor cache test_warm_start's servers start from (compiling again costs a minute on 2 cores)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    engine = Engine.from_pretrained(tiny_models["flux"], compile=True, compile_warmup="32x32")
+    engine.warmup_graphs = counters["stats"]["unique_graphs"] - before  # the first compile of these classes
+    return engine
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

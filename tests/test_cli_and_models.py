@@ -5,16 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 from safetensors.torch import load_file
 
 from dit_core.random_models import build
-
-
-def omnidit(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "serve.cli", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, timeout=300)
 
 
 CALLS = """
@@ -42,21 +39,43 @@ def omnidit_calls(*calls):
     return [tuple(x) for x in json.loads(r.stdout.strip().splitlines()[-1])]
 
 
-def test_make_random_then_generate_with_progress_bar(tmp_path):
-    model = tmp_path / "flux"
-    r = omnidit("make-random", "flux", "tiny", model)
-    assert r.returncode == 0, r.stderr
-    out = tmp_path / "cat.png"
-    r = omnidit("generate", model, "a cat", "--size", "48x32", "--steps", "3", "-o", out)
-    assert r.returncode == 0, r.stderr
-    assert "denoising" in r.stderr and "3/3" in r.stderr  # the progress bar over denoise steps
-    assert Image.open(out).size == (48, 32)
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory, tiny_models):
+    """Every command line of this module's tests, run in one ``omnidit`` process: name -> (exit code,
+    stderr), and the folder the inputs and outputs are in."""
+    d = tmp_path_factory.mktemp("cli")
+    y, x = np.mgrid[0:32, 0:32]
+    Image.fromarray(np.stack([x * 8, y * 8, (x * y) % 256], axis=-1).astype(np.uint8)).save(d / "in.png")
+    Image.fromarray(((x >= 16) * 255).astype(np.uint8)).save(d / "mask.png")
+    (d / "junk.png").write_bytes(b"not a picture")
+    flux = tiny_models["flux"]
+    calls = {
+        "make-random": ("make-random", "flux", "tiny", d / "flux"),
+        "generate": ("generate", d / "flux", "a cat", "--size", "48x32", "--steps", "3", "-o", d / "cat.png"),
+        "missing model": ("generate", "-m", d / "missing", "a cat"),
+        "bad size": ("generate", "a cat", "--size", "12x"),
+        "bad family": ("make-random", "sdxl", "tiny", d / "x"),
+        "image and mask": ("generate", flux, "a cat", "--image", d / "in.png", "--mask", d / "mask.png", "--strength",
+                           "0.8", "--steps", "3", "--seed", "5", "--dtype", "float32", "-o", d / "out.png"),
+        "junk image": ("generate", flux, "a cat", "--image", d / "junk.png"),
+        "strength alone": ("generate", flux, "a cat", "--strength", "0.5", "--steps", "2", "-o", d / "no.png"),
+        "no model": ("generate", "a handwritten 3", "-o", d / "three.png", "--seed", "0"),
+    }
+    return dict(zip(calls, omnidit_calls(*calls.values()))), d
 
 
-def test_cli_errors_are_clear(tmp_path):
-    missing, size, family = omnidit_calls(("generate", "-m", tmp_path / "missing", "a cat"),
-                                          ("generate", "a cat", "--size", "12x"),
-                                          ("make-random", "sdxl", "tiny", tmp_path / "x"))
+def test_make_random_then_generate_with_progress_bar(cli):
+    runs, d = cli
+    assert runs["make-random"][0] == 0, runs["make-random"][1]
+    code, stderr = runs["generate"]
+    assert code == 0, stderr
+    assert "denoising" in stderr and "3/3" in stderr  # the progress bar over denoise steps
+    assert Image.open(d / "cat.png").size == (48, 32)
+
+
+def test_cli_errors_are_clear(cli):
+    runs, _ = cli
+    missing, size, family = runs["missing model"], runs["bad size"], runs["bad family"]
     assert missing[0] == 2 and "does not exist" in missing[1]
     assert size[0] == 2 and "size" in size[1]
     assert family[0] == 2 and "flux" in family[1]
@@ -72,29 +91,28 @@ def test_tiny_checkpoints_are_small_and_reproducible(family, tmp_path, tiny_mode
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_generate_from_an_image_and_a_mask(tmp_path, tiny_models, engines):
+def test_generate_from_an_image_and_a_mask(cli, engines):
     """--image / --mask / --strength: the picture the engine makes from the same inputs (the mask as the engine
     takes it: white = repaint); a file that is no picture fails before the model loads, naming the flag."""
-    import numpy as np
-
     from dit_core import SamplingParams
 
-    y, x = np.mgrid[0:32, 0:32]
-    source = Image.fromarray(np.stack([x * 8, y * 8, (x * y) % 256], axis=-1).astype(np.uint8))
-    mask = Image.fromarray(((x >= 16) * 255).astype(np.uint8))
-    source.save(tmp_path / "in.png")
-    mask.save(tmp_path / "mask.png")
-    out = tmp_path / "out.png"
-    r = omnidit("generate", tiny_models["flux"], "a cat", "--image", tmp_path / "in.png", "--mask",
-                tmp_path / "mask.png", "--strength", "0.8", "--steps", "3", "--seed", "5", "--dtype", "float32",
-                "-o", out)
-    assert r.returncode == 0, r.stderr
-    (want,) = engines("flux").generate("a cat", SamplingParams(image=source, mask=mask, strength=0.8,
+    runs, d = cli
+    assert runs["image and mask"][0] == 0, runs["image and mask"][1]
+    (want,) = engines("flux").generate("a cat", SamplingParams(image=Image.open(d / "in.png"),
+                                                               mask=Image.open(d / "mask.png"), strength=0.8,
                                                                num_inference_steps=3, seed=5))
-    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(want))
-    (tmp_path / "junk.png").write_bytes(b"not a picture")
-    junk, no_image = omnidit_calls(("generate", tiny_models["flux"], "a cat", "--image", tmp_path / "junk.png"),
-                                   ("generate", tiny_models["flux"], "a cat", "--strength", "0.5", "--steps", "2",
-                                    "-o", out))
+    assert np.array_equal(np.asarray(Image.open(d / "out.png").convert("RGB")), np.asarray(want))
+    junk, no_image = runs["junk image"], runs["strength alone"]
     assert junk[0] == 2 and "--image" in junk[1] and "not an image" in junk[1], junk[1]
     assert no_image[0] == 2 and "strength" in no_image[1] and "image" in no_image[1], no_image[1]
+
+
+def test_generate_without_a_model_writes_the_requested_digit(cli):
+    from dit_core.eval.digits import train_classifier
+    from dit_core.zoo import digits_data
+
+    runs, d = cli
+    assert runs["no model"][0] == 0, runs["no model"][1]
+    image = np.asarray(Image.open(d / "three.png").convert("RGB"))
+    assert image.shape == (digits_data.IMAGE_SIZE, digits_data.IMAGE_SIZE, 3)
+    assert train_classifier().predict(torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255)[0] == 3

@@ -1,8 +1,8 @@
 """EngineConfig.compile: compiled transformer blocks agree with eager (fp32, 1e-4), single and
 continuously batched, without recompiling as requests join and leave; which combinations fall back.
 
-Compiling takes a while on 2 cores: one compiled engine per session (tiny FLUX, warmed for 32x32),
-and the step-cache engine reuses its block graphs (same block classes)."""
+Compiling takes a while on 2 cores: one compiled engine per session (``compiled_flux`` in conftest.py: tiny
+FLUX, warmed for 32x32), and the step-cache engine reuses its block graphs (same block classes)."""
 
 import types
 
@@ -14,14 +14,6 @@ from dit_core import Engine, InvalidParamError
 from dit_core.compile import _is_plain, _plain_inputs, compile_family, parse_shapes, transformer_blocks
 from dit_core.families import load_family
 from helpers import CFG, assert_finished, params, run_staggered
-
-
-@pytest.fixture(scope="session")
-def compiled_flux(tiny_models):
-    before = counters["stats"]["unique_graphs"]
-    engine = Engine.from_pretrained(tiny_models["flux"], compile=True, compile_warmup="32x32")
-    engine.warmup_graphs = counters["stats"]["unique_graphs"] - before  # the first compile of these classes
-    return engine
 
 
 def graphs() -> dict:
