@@ -1,6 +1,6 @@
 """ar_adapters.supervised without vLLM: a transformers stage that can be marked dead stands in for a
-stage whose engine process died (tests/test_chaos.py kills real vLLM engine processes). Death seen
-by the watcher or by a failing call, requests failing with the stage's name, Engine.health(), restart,
+stage whose engine process died (tests/test_thinker.py and tests/test_tts_vllm.py end by killing real vLLM
+engine processes). Death seen by the watcher or by a failing call, requests failing with the stage's name, Engine.health(), restart,
 fallback, restarts that keep failing, and talker requests lost with a dead stage."""
 
 import io

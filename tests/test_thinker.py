@@ -1,33 +1,47 @@
 """ar_adapters/: the vLLM thinker against transformers, batching and caching of prompt encodings,
-bad prompts, and the vLLM talker. One vLLM engine of each kind per session."""
+bad prompts, and the vLLM talker; at the end, the thinker's engine process killed with requests in flight
+(stage_kills.py). One vLLM engine of each kind per module (~25 s a start on 2 cores)."""
 
 import logging
 import os
+
+import numpy as np
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import ar_adapters
-from ar_adapters import HFThinker, PromptError
+from ar_adapters import HFThinker, PromptError, SupervisedThinker
 from ar_adapters.talker import VLLMTalker
 from ar_adapters.vllm_thinker import VLLMThinker
 from dit_core import Engine, InvalidParamError
 from dit_core.families.qwenimage import TEMPLATE, QwenImageFamily
 from dit_core.random_models.tokenizers import qwen_tokenizer
 from helpers import CFG, assert_finished, params, run_staggered
+from serve_helpers import assert_error
+from stage_kills import (engine_cores, health, images, kill_while_in_flight, pixels, restarts, serving, start_engine,
+                         unavailable, wait_healthy)
 
 PROMPTS = ["a cat", "the digit seven on a white background", "x", "a very long prompt about a house " * 6]
 
 
-@pytest.fixture(scope="session")
-def vllm_thinker(tiny_models):
-    path = tiny_models["qwenimage"]
-    # a quarter GiB of KV cache, while the legacy VLLM_CPU_KVCACHE_SPACE says 1 (tests/conftest.py)
-    thinker = VLLMThinker(str(path / "text_encoder"), str(path / "tokenizer"), model_id=f"{path}/text_encoder",
-                          max_length=QwenImageFamily.thinker_max_length, kv_cache_gb=0.25)
-    yield thinker
-    thinker.close()
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_models):
+    """The tiny Qwen-Image with its thinker on vLLM (a quarter GiB of KV cache, while the legacy
+    VLLM_CPU_KVCACHE_SPACE says 1: tests/conftest.py), and its engine-core PID. No prompt cache: every
+    request reaches the thinker. The module's last tests kill that engine (stage_kills.py)."""
+    engine, pids = start_engine({"img": tiny_models["qwenimage"]}, prompt_cache_bytes=0)
+    yield engine, pids
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_thinker(vllm_engine):
+    """The vLLM thinker itself (below the engine's supervisor); other engines of these tests get it too."""
+    thinker = vllm_engine[0].family.thinker.stage
+    assert isinstance(thinker, VLLMThinker)
+    return thinker
 
 
 @pytest.fixture(scope="session")
@@ -181,3 +195,65 @@ def test_talker_stops_at_the_stop_token_and_respects_max_tokens(talker):
     assert [len(x) for x in t.generate_all(["a", [9, 10]], max_tokens=3)] == [3, 3]
     with pytest.raises(PromptError):
         list(t.generate([""]))
+
+
+# ---- last: the thinker's vLLM engine process dies (SIGKILL) with requests in flight ----
+
+@pytest.fixture(scope="module")
+def image_server(vllm_engine):
+    engine, pids = vllm_engine
+    with serving(engine, pids, "img") as live:
+        yield live
+
+
+def test_a_killed_thinker_fails_its_requests_is_reported_and_restarts(image_server):
+    live = image_server
+    thinker = live.engine.engine.family.thinker
+    assert isinstance(thinker, SupervisedThinker) and thinker.kind == "vllm"
+    others = engine_cores() - live.pids  # this module's vLLM talker
+    specs = [("a red house", 1), ("a cat on a mat", 2)]
+    before = [pixels(images(live, [s])[0]) for s in specs]  # one at a time: the same batches after
+
+    calls = thinker.calls
+    failed, waited = kill_while_in_flight(live.pids, lambda: thinker.calls > calls, lambda: images(live, specs))
+    assert waited < 20, waited
+    for r in failed:
+        err = unavailable(r)
+        assert "vLLM thinker" in err["message"] and "died" in err["message"], err
+        assert "Traceback" not in err["message"] and "SIGKILL" in err["message"]
+
+    down = assert_error(health(live), 503, code="engine_degraded")
+    assert "model 'img'" in down["message"] and "vLLM thinker is down" in down["message"]
+    r = images(live, [("while it restarts", 3)])[0]  # fails fast and says why, no hang
+    assert "vLLM thinker" in unavailable(r)["message"]
+
+    wait_healthy(live)
+    assert thinker.kind == "vllm" and thinker.supervisor.restarts == 1
+    assert restarts(live, "img", "thinker") == {"restart": 1, "fallback": 0, "failed": 0}
+    fresh = engine_cores() - live.pids - others  # a new engine process
+    assert len(fresh) == 1, fresh
+    live.pids = fresh
+    after = [pixels(images(live, [s])[0]) for s in specs]
+    for a, b in zip(before, after):
+        assert np.array_equal(a, b)  # same seed, same image
+
+
+def test_a_killed_thinker_can_fall_back_to_transformers(image_server):
+    """``thinker_on_failure="fallback"``: the next engine is the transformers thinker (fast to build)."""
+    live = image_server
+    wait_healthy(live)
+    thinker = live.engine.engine.family.thinker
+    spec = ("a blue boat", 4)
+    before = pixels(images(live, [spec])[0])
+    thinker.supervisor.on_failure = "fallback"
+    try:
+        calls = thinker.calls
+        (failed,), _ = kill_while_in_flight(live.pids, lambda: thinker.calls > calls,
+                                             lambda: images(live, [spec]))
+        assert "falling back to the transformers" in unavailable(failed)["message"]
+        wait_healthy(live, timeout=60)
+        assert thinker.kind == "hf" and restarts(live, "img", "thinker")["fallback"] == 1
+        after = pixels(images(live, [spec])[0])
+    finally:
+        thinker.supervisor.on_failure = "restart"
+    assert np.abs(before.astype(int) - after.astype(int)).max() <= 1  # vLLM and transformers agree to ~1e-5

@@ -1,25 +1,37 @@
 """The TTS talker on vLLM (``VLLMTalker``'s incremental add / step / abort) speaks the same tokens
-as on transformers, and drives the whole speech path. One vLLM engine for the module (~30 s)."""
+as on transformers, and drives the whole speech path; last, its engine process is killed with streams in
+flight (stage_kills.py). One vLLM engine for the module (~25 s a start on 2 cores)."""
+
+import concurrent.futures as cf
+import io
 
 import numpy as np
 import pytest
+import soundfile as sf
 
+from ar_adapters import SupervisedTalker
 from dit_core import Engine
 from dit_core.audio.service import make_speech_request, synthesize
 from dit_core.zoo import tts_model
+from serve_helpers import assert_error
+from stage_kills import (health, kill_while_in_flight, restarts, serving, speech, sse_events, start_engine, unavailable,
+                         wait_healthy)
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.filterwarnings("ignore:Should have")
 
 
 @pytest.fixture(scope="module")
-def engines():
-    """Kept separate from tests/test_chaos.py's speech server, whose talker is killed on purpose (sharing it
-    would make these results depend on test order)."""
-    hf = Engine.from_pretrained(tts_model(), thinker="hf")
-    vllm = Engine.from_pretrained(tts_model(), thinker="vllm")
-    yield hf, vllm
-    vllm.close()
+def vllm_tts():
+    """The embedded TTS model with its talker on vLLM, and its engine-core PID; the module's last test kills it."""
+    engine, pids = start_engine({"tts": tts_model()})
+    yield engine, pids
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def engines(vllm_tts):
+    return Engine.from_pretrained(tts_model(), thinker="hf"), vllm_tts[0]
 
 
 def test_vllm_talker_equals_transformers(engines):
@@ -51,3 +63,53 @@ def test_speech_on_the_vllm_talker_equals_transformers(engines):
     req = make_speech_request(hf.family.text, "2 7 hello", "eve", 1.0, seed=4)
     a, b = synthesize(hf, [req])[0], synthesize(vllm, [req])[0]
     assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
+
+
+# ---- last: the talker's vLLM engine process dies (SIGKILL) with streams in flight ----
+
+@pytest.fixture(scope="module")
+def speech_server(vllm_tts):
+    engine, pids = vllm_tts
+    with serving(engine, pids, "tts") as live:
+        yield live
+
+
+def test_a_killed_talker_fails_its_streams_is_reported_and_restarts(speech_server):
+    live = speech_server
+    talker = live.engine.engine.family.talker
+    assert isinstance(talker, SupervisedTalker) and talker.kind == "vllm"
+    before = speech(live, "3 1 4 hello", 5)
+    assert before.status_code == 200, before.text
+    service = live.app.state.speech["tts"]
+    long_text = " ".join(["7"] * 20)
+
+    def send():  # an SSE stream and a byte stream: the first one reaches the frozen talker, the other may not
+        with cf.ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda f: speech(live, long_text, 1, f), ["sse", "audio"]))
+
+    (sse, audio), waited = kill_while_in_flight(live.pids, lambda: service.live() >= 1, send)
+    assert waited < 20, waited
+    events = sse_events(sse)
+    assert events[-1]["type"] == "error" and "speech.audio.done" not in {e["type"] for e in events}
+    assert events[-1]["error"]["code"] == "stage_unavailable"
+    message = events[-1]["error"]["message"]
+    assert "vLLM talker" in message and "died" in message and "Traceback" not in message
+    err = unavailable(audio)  # nothing streamed yet: an HTTP error
+    assert "vLLM talker" in err["message"]
+
+    down = assert_error(health(live), 503, code="engine_degraded")
+    assert "model 'tts'" in down["message"] and "vLLM talker is down" in down["message"]
+    assert "vLLM talker" in unavailable(speech(live, "1 2", 2))["message"]  # fails fast while down
+
+    wait_healthy(live)
+    assert talker.kind == "vllm" and talker.supervisor.restarts == 1 and service.live() == 0
+    assert restarts(live, "tts", "talker") == {"restart": 1, "fallback": 0, "failed": 0}
+    assert live.engine.num_unfinished == 0
+    after = speech(live, "3 1 4 hello", 5)
+    assert after.status_code == 200
+    a, rate = sf.read(io.BytesIO(before.content))
+    b, _ = sf.read(io.BytesIO(after.content))
+    # the same talker tokens (the same length) and the same audio; the DiT chunks may share forwards
+    # differently (streaming timing), which moves the fp32 samples by ~1e-6: a WAV LSB (3e-5) at most
+    assert rate == 8000 and len(a) == len(b) > 4000
+    assert np.abs(a - b).max() * 32768 <= 1, np.abs(a - b).max() * 32768
