@@ -1,12 +1,10 @@
 """The embedded default model: it loads like any Qwen-Image checkpoint and draws the digit it is asked for."""
 
 import pytest
-import torch
-from PIL import Image
 
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import generate, requests, train_classifier
-from dit_core.zoo import default_model, digits_data
+from dit_core.zoo import default_model
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """ar_adapters/: the vLLM thinker against transformers, batching and caching of prompt encodings,
-bad prompts, and the vLLM talker; at the end, the thinker's engine process killed with requests in flight
-(stage_kills.py). One vLLM engine of each kind per module (~25 s a start on 2 cores)."""
+bad prompts; at the end, the thinker's engine process killed with requests in flight
+(stage_kills.py). One vLLM engine for the module (~25 s a start on 2 cores); the vLLM talker is tested in
+tests/test_tts_vllm.py, on the embedded TTS model's."""
 
 import logging
 import os
@@ -8,12 +9,10 @@ import os
 import numpy as np
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 import ar_adapters
-from ar_adapters import HFThinker, PromptError, SupervisedThinker
-from ar_adapters.talker import VLLMTalker
+from ar_adapters import HFThinker, SupervisedThinker
 from ar_adapters.vllm_thinker import VLLMThinker
 from dit_core import Engine, InvalidParamError
 from dit_core.families.qwenimage import TEMPLATE, QwenImageFamily
@@ -144,57 +143,6 @@ def test_auto_uses_transformers_on_cpu_even_with_vllm_installed_and_says_why(tin
 def test_thinker_setting_is_validated(tiny_models):
     with pytest.raises(InvalidParamError, match="thinker"):
         Engine.from_pretrained(tiny_models["qwenimage"], thinker="gpt")
-
-
-@pytest.fixture(scope="session")
-def talker(tmp_path_factory):
-    """A tiny random Qwen2 LM (head_dim 64) whose greedy continuation is varied."""
-    path = tmp_path_factory.mktemp("talker")
-    tokenizer = qwen_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                         initializer_range=0.6, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    t = VLLMTalker(str(path), max_length=256)
-    yield t, model
-    t.close()
-
-
-def test_talker_streams_greedy_tokens_equal_to_transformers(talker):
-    t, model = talker
-    events = list(t.generate(["a cat sat on the mat"], max_tokens=16, temperature=0.0))
-    assert len(events) == 16 and events[-1].finished and events[-1].finish_reason == "length"
-    tokens = [tok for e in events for tok in e.token_ids]
-    ids = torch.tensor([t.llm.get_tokenizer()("a cat sat on the mat").input_ids])
-    ref = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert tokens == ref[0, ids.shape[1]:].tolist()
-    assert t.generate_all(["a cat sat on the mat"], max_tokens=16) == [tokens]  # deterministic at temperature 0
-
-
-def test_talker_aborts_a_request_whose_caller_stopped_iterating(talker):
-    t, _ = talker
-    engine = t.llm.llm_engine
-    stream = t.generate(["a cat sat on the mat", "x"], max_tokens=200)
-    first = next(stream)
-    assert not first.finished and engine.has_unfinished_requests()
-    stream.close()  # the caller is done after one event: both requests must leave vLLM now
-    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
-    assert [len(x) for x in t.generate_all(["a", "b"], max_tokens=4)] == [4, 4]  # and the talker still serves
-
-
-def test_talker_stops_at_the_stop_token_and_respects_max_tokens(talker):
-    t, _ = talker
-    full = t.generate_all([[5, 6, 7, 8]], max_tokens=20)[0]
-    stop = full[6]
-    first = full.index(stop)
-    stopped = t.generate_all([[5, 6, 7, 8]], max_tokens=20, stop_token_ids=[stop])[0]
-    assert stopped == full[: first + 1]
-    assert [len(x) for x in t.generate_all(["a", [9, 10]], max_tokens=3)] == [3, 3]
-    with pytest.raises(PromptError):
-        list(t.generate([""]))
 
 
 # ---- last: the thinker's vLLM engine process dies (SIGKILL) with requests in flight ----

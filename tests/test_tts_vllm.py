@@ -8,8 +8,9 @@ import io
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
-from ar_adapters import SupervisedTalker
+from ar_adapters import PromptError, SupervisedTalker
 from dit_core import Engine
 from dit_core.audio.service import make_speech_request, synthesize
 from dit_core.zoo import tts_model
@@ -63,6 +64,52 @@ def test_speech_on_the_vllm_talker_equals_transformers(engines):
     req = make_speech_request(hf.family.text, "2 7 hello", "eve", 1.0, seed=4)
     a, b = synthesize(hf, [req])[0], synthesize(vllm, [req])[0]
     assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def talker(engines):
+    """The module's VLLMTalker (below the engine's supervisor), the same LM on transformers, and two
+    prompts as the TTS front end writes them (token ids: the talker's tokenizer knows its grammar only), whose
+    speech runs 19-20 tokens before the stop token: the tests below stay under that."""
+    hf, vllm = engines
+    text = hf.family.text
+    prompts = [text.prompt(text.normalize(s), v, 1.0) for s, v in (("7", "adam"), ("0", "eve"))]
+    return vllm.family.talker.stage, hf.family.talker.model, prompts
+
+
+def test_talker_streams_greedy_tokens_equal_to_transformers(talker):
+    t, model, (prompt, _) = talker
+    events = list(t.generate([prompt], max_tokens=12, temperature=0.0))
+    assert len(events) == 12 and events[-1].finished and events[-1].finish_reason == "length"
+    tokens = [tok for e in events for tok in e.token_ids]
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert tokens == ref[0, ids.shape[1]:].tolist()
+    assert t.generate_all([prompt], max_tokens=12) == [tokens]  # deterministic at temperature 0
+
+
+def test_talker_aborts_a_request_whose_caller_stopped_iterating(talker):
+    t, _, prompts = talker
+    engine = t.llm.llm_engine
+    stream = t.generate(prompts, max_tokens=200)
+    first = next(stream)
+    assert not first.finished and engine.has_unfinished_requests()
+    stream.close()  # the caller is done after one event: both requests must leave vLLM now
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+    assert [len(x) for x in t.generate_all(prompts, max_tokens=4)] == [4, 4]  # and the talker still serves
+
+
+def test_talker_stops_at_the_stop_token_and_respects_max_tokens(talker):
+    t, _, (prompt, _) = talker
+    full = t.generate_all([prompt], max_tokens=14)[0]
+    assert len(full) == 14 and len(set(full[:7])) > 3  # a varied continuation: a stop token can cut it short
+    stop = full[6]
+    first = full.index(stop)
+    stopped = t.generate_all([prompt], max_tokens=14, stop_token_ids=[stop])[0]
+    assert stopped == full[: first + 1]
+    assert [len(x) for x in t.generate_all([prompt, [9, 10]], max_tokens=3)] == [3, 3]
+    with pytest.raises(PromptError):
+        list(t.generate([""]))
 
 
 # ---- last: the talker's vLLM engine process dies (SIGKILL) with streams in flight ----
