@@ -180,7 +180,17 @@ def _streamer(policy: OffloadPolicy, family, others: dict, config, device: torch
     ahead, keep_all = policy.ahead or 1, policy.keep_all
     if config.max_resident_gb is not None and policy.ahead is None and not keep_all:
         fixed = _fixed_bytes(model, blocks, others, policy.components and device.type == "cuda")
-        ahead, keep_all = blocks_for_budget(config.max_resident_gb, fixed, [_nbytes(b.parameters()) for b in blocks])
+        loras = _lora_bytes(family, config)
+        try:
+            ahead, keep_all = blocks_for_budget(config.max_resident_gb, fixed + loras,
+                                                [_nbytes(b.parameters()) for b in blocks])
+        except OffloadConfigError as e:
+            if not loras:
+                raise
+            raise OffloadConfigError(e.field, e.value, f"{e.allowed}; of the weights outside the blocks, "
+                                     f"{loras / 2**30:.3f} GiB are kept for LoRA adapters (max_loras="
+                                     f"{config.max_loras} of rank up to max_lora_rank={config.max_lora_rank} on "
+                                     f"every linear layer): fewer or lower-rank adapters need less") from None
     folder = Path(family.model_id) / STREAMED
     lazy = any(p.is_meta for b in blocks for p in b.parameters())
     disk = None
@@ -228,6 +238,16 @@ def _fixed_bytes(model: nn.Module, blocks: list[nn.Module], others: dict, compon
     fixed = _nbytes(p for p in model.parameters() if id(p) not in in_blocks) + _nbytes(model.buffers())
     sizes = [_nbytes(m.parameters()) + _nbytes(m.buffers()) for m in others.values()]
     return fixed + (max(sizes, default=0) if components_on_host else sum(sizes))
+
+
+def _lora_bytes(family, config) -> int:
+    """The device memory the model's LoRA adapters may take (``max_loras`` > 0, a family that takes them):
+    they stay resident while blocks stream, so a memory budget counts their bound with the fixed weights."""
+    from .adapters import LOADERS, linear_layers, reserve_bytes
+
+    if not config.max_loras or family.name not in LOADERS:
+        return 0
+    return reserve_bytes(linear_layers(family.transformer), config.max_loras, config.max_lora_rank, family.dtype)
 
 
 def _wrap_errors(policy, fn, *args):

@@ -11,8 +11,8 @@
 from .apply import RowAdapters, linear_layers
 from .files import (LOADERS, Adapter, AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError,
                     LoraWeights, read_adapter)
-from .store import AdapterStore
+from .store import AdapterStore, reserve_bytes
 
 __all__ = ["LOADERS", "Adapter", "AdapterError", "AdapterExistsError", "AdapterInUseError", "AdapterNotLoadedError",
            "AdapterStore", "LoraWeights", "RowAdapters", "linear_layers",
-           "read_adapter"]
+           "read_adapter", "reserve_bytes"]

@@ -28,6 +28,19 @@ from .files import (LOADERS, Adapter, AdapterError, AdapterExistsError, AdapterI
 logger = logging.getLogger(__name__)
 
 
+def reserve_bytes(layers: dict, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+    """The most device memory ``max_loras`` resident adapters can hold: each of rank ``max_rank`` on every
+    layer of ``layers`` (``A [r, in]`` + ``B [out, r]`` in ``dtype``). A load over neither bound is refused,
+    so this bounds the store by construction (a memory budget counts it, ``dit_core.offloading``)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return max_loras * max_rank * size * sum(m.in_features + m.out_features for m in layers.values())
+
+
+def _to_device(adapter: Adapter, device: torch.device) -> None:
+    for w in adapter.layers.values():
+        w.A, w.B = w.A.to(device), w.B.to(device)
+
+
 class AdapterStore:
     def __init__(self, family, max_loras: int, max_rank: int):
         if family.name not in LOADERS:
@@ -49,17 +62,30 @@ class AdapterStore:
         if not isinstance(name, str) or not name.strip():
             raise AdapterError(f"adapter name {name!r}: expected a non-empty string")
         self._refuse_loaded(name)
+        # read into host memory outside the lock (the engine keeps stepping); it comes to the device only
+        # once the victim (if any) is out, so no more than max_loras adapters are ever on the device (the
+        # bound a memory budget counts, ``reserve_bytes``)
         adapter = read_adapter(name, path, self.family.name, self.layers, self.max_rank, self.family.dtype,
-                               self.family.device)  # outside the lock: the engine keeps stepping
+                               torch.device("cpu"))
         with self._lock:
             self._refuse_loaded(name)  # (loaded by another caller while this one read the file)
+            victim = None
             if len(self.adapters) >= self.max_loras:
                 victim = next((n for n in self.adapters if not self.pins[n]), None)
                 if victim is None:
                     raise AdapterInUseError(f"{path}: cannot load adapter {name!r}: max_loras={self.max_loras} "
                                             f"adapters are resident and every one is in use by a live request")
-                logger.info("LoRA: evicting %r (least recently used) to load %r", victim, name)
-                apply.forget(self.adapters.pop(victim))
+                evicted = self.adapters.pop(victim)
+            try:
+                _to_device(adapter, self.family.device)
+            except BaseException:
+                if victim is not None:  # the set as it was (the victim back in its place, least recent)
+                    self.adapters[victim] = evicted
+                    self.adapters.move_to_end(victim, last=False)
+                raise
+            if victim is not None:
+                logger.info("LoRA: evicted %r (least recently used) to load %r", victim, name)
+                apply.forget(evicted)
             self.adapters[name] = adapter
         logger.info("LoRA: loaded %r from %s (%d layers, rank %d, %.1f MB)", name, path, len(adapter.layers),
                     adapter.rank, adapter.nbytes / 1e6)
