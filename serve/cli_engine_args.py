@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-resident-gb", type=float, default=None,
                    help="budget in GiB for the weights held on the device: picks N for blocks / disk given "
                         "without one; alone, streams blocks from the disk on CPU (host memory on CUDA). "
-                        "Activations are not counted (default: no budget)")
+                        "Counts --max-loras LoRA adapters of rank --max-lora-rank on every linear layer; "
+                        "activations are not counted (default: no budget)")
     p.add_argument("--malloc-mmap-threshold", type=_threshold, default="auto", metavar="auto|0|BYTES",
                    help="glibc malloc's mmap threshold for this process: auto fixes it at 1 MiB when the disk "
                         "tier streams blocks on CPU (freed activations go back to the OS at once: a peak that "
