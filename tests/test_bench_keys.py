@@ -137,3 +137,29 @@ def test_mixed_traffic_draws_every_size_seeded():
     arrivals = mt.poisson(50, 4.0, seed=1)
     assert arrivals[0] == 0.0 and arrivals == mt.poisson(50, 4.0, seed=1) and arrivals == sorted(arrivals)
     assert 50 / 4.0 * 0.5 < arrivals[-1] < 50 / 4.0 * 1.5
+
+
+def test_i2v_summary_has_its_keys_and_judges_identity_at_1e_4():
+    from benchmarks import i2v
+
+    result = {"throughput_ratio": 1.7, "throughput_ratio_spread": 0.05, "max_abs_diff": 3e-6,
+              "engine_mean_batch_size": 6.5}
+    summary = i2v.summarize(result)
+    assert set(summary) == set(i2v.KEYS) | {"not_measured"}
+    assert summary["i2v_throughput_ratio"] == 1.7 and summary["outputs_identical"] is True
+    assert i2v.summarize({**result, "max_abs_diff": 2e-4})["outputs_identical"] is False
+    # the mixed text-to-video + image-to-video ratio is not written as a figure: it says why instead
+    assert "mixed_t2v_i2v_throughput_ratio" not in summary
+    assert "image" in summary["not_measured"]["mixed_t2v_i2v_throughput_ratio"]
+
+
+def test_i2v_requests_mix_images_seeds_and_cfg():
+    from benchmarks import i2v
+
+    reqs = i2v.make_requests(8, 4, "t")
+    params = [p for _, p in reqs]
+    assert len({p.seed for p in params}) == 8 and len({prompt for prompt, _ in reqs}) == 8
+    assert len({p.image.tobytes() for p in params}) == 8  # every request its own first frame
+    assert all(p.image.size != (i2v.SIZE, i2v.SIZE) for p in params)  # both sides resize
+    assert {p.guidance_scale for p in params} == {1.0, 5.0} and any(p.negative_prompt for p in params)
+    assert {p.max_sequence_length for p in params} == {512}  # Wan 2.1 I2V's text length in diffusers
