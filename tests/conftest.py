@@ -12,6 +12,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import tempfile  # noqa: E402
 
 os.environ.setdefault("OMNIDIT_CACHE_DIR", tempfile.mkdtemp(prefix="omnidit-cache-"))
+# inductor's caches too, set before torch is imported (importing torch fills in its default, which
+# `omnidit serve` cannot tell from "unset"): every session compiles from cold as a fresh CI machine does
+# (not from what earlier runs left in /tmp/torchinductor_$USER), and test_warm_start's servers can be
+# handed this session's directory
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["OMNIDIT_CACHE_DIR"], "inductor"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
