@@ -210,6 +210,14 @@ class ServeProcess:
         self.proc.wait(timeout=60)
         return self.log.read_text()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:  # a failed assertion before stop(): leave no server behind
+            self.proc.kill()
+            self.proc.wait(timeout=60)
+
 
 def test_compiled_warm_start_persists_and_survives_a_corrupt_cache(compiled_flux, tiny_models, tmp_path):
     """Both servers use this session's inductor cache (``compiled_flux`` filled it with the same graphs: a
@@ -220,28 +228,28 @@ def test_compiled_warm_start_persists_and_survives_a_corrupt_cache(compiled_flux
     inductor = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     cache = tmp_path / "cache"
     flags = ("--compile", "--warmup", "32x32")
-    first = ServeProcess(tiny_models["flux"], cache, *flags, inductor_dir=inductor)
-    first.wait_live()
-    assert_error(first.get("/health/ready"), 503, code="warming_up")  # listening while it compiles
-    ready = wait_ready(first.get)
-    assert ready["warmup"]["m"]["compiled"] and ready["warmup"]["m"]["compile_cache"] == "miss"
-    first_s, graphs = ready["warmup"]["m"]["seconds"], ready["compiled_graphs"]
-    assert graphs > 0
-    reference, _ = first.image()
-    first.image(n=2)  # a batch of two: a warmed batch class, no new graph
-    assert first.get("/health/ready").json()["compiled_graphs"] == graphs, "a warmed size compiled again"
-    first.stop()
+    with ServeProcess(tiny_models["flux"], cache, *flags, inductor_dir=inductor) as first:
+        first.wait_live()
+        assert_error(first.get("/health/ready"), 503, code="warming_up")  # listening while it compiles
+        ready = wait_ready(first.get)
+        assert ready["warmup"]["m"]["compiled"] and ready["warmup"]["m"]["compile_cache"] == "miss"
+        first_s, graphs = ready["warmup"]["m"]["seconds"], ready["compiled_graphs"]
+        assert graphs > 0
+        reference, _ = first.image()
+        first.image(n=2)  # a batch of two: a warmed batch class, no new graph
+        assert first.get("/health/ready").json()["compiled_graphs"] == graphs, "a warmed size compiled again"
+        first.stop()
     bundles = list((cache / "compile").glob("*.bin"))
     assert len(bundles) == 1
 
-    second = ServeProcess(tiny_models["flux"], cache, *flags, inductor_dir=inductor)
-    second.wait_live()
-    ready = wait_ready(second.get)
-    assert ready["warmup"]["m"]["compile_cache"] == "hit" and ready["compiled_graphs"] == graphs
-    got, _ = second.image()
-    assert np.array_equal(got[0], reference[0])
-    assert second.get("/health/ready").json()["compiled_graphs"] == graphs
-    second.stop()
+    with ServeProcess(tiny_models["flux"], cache, *flags, inductor_dir=inductor) as second:
+        second.wait_live()
+        ready = wait_ready(second.get)
+        assert ready["warmup"]["m"]["compile_cache"] == "hit" and ready["compiled_graphs"] == graphs
+        got, _ = second.image()
+        assert np.array_equal(got[0], reference[0])
+        assert second.get("/health/ready").json()["compiled_graphs"] == graphs
+        second.stop()
     print(f"warm start: first warm-up {first_s:.2f} s, second {ready['warmup']['m']['seconds']:.2f} s")
 
     # A corrupt real bundle: detected, deleted and never loaded (a third compiled start would rebuild it
