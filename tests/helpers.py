@@ -50,6 +50,17 @@ def assert_finished(ev):
     return images(ev.output.images)
 
 
+def assert_cached_rows_equal_alone(engine: Engine, prompt: str, specs: list[SamplingParams], arrivals: list[int]):
+    """On an engine with a step cache: the requests, staggered, share a full batch, skip work, and each
+    row still gets what it gets alone (<= 1e-5)."""
+    alone = [torch.stack(engine.generate(prompt, p)) for p in specs]
+    finals, sizes = run_staggered(engine, [(prompt, p) for p in specs], arrivals=arrivals)
+    assert max(sizes) == len(specs)
+    assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) > 0
+    for i, ref in enumerate(alone):
+        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+
+
 def inject_fault(monkeypatch, family, stage: str = "predict", prompt: str = "boom") -> None:
     """Make ``family.<stage>`` raise whenever a request with ``prompt`` is among its requests."""
     original = getattr(family, stage)

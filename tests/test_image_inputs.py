@@ -19,7 +19,7 @@ from diffusers import (DiffusionPipeline, FluxImg2ImgPipeline, FluxInpaintPipeli
 from dit_core import Engine, SamplingParams
 from dit_core.errors import InvalidParamError
 from dit_core.random_models import build
-from helpers import assert_finished, params, run_staggered
+from helpers import assert_cached_rows_equal_alone, assert_finished, params, run_staggered
 
 PROMPT = "a photo of a cat sitting on a red chair"
 
@@ -290,12 +290,7 @@ def test_step_cache_with_image_inputs(tiny_models):
     img2img and inpaint rows skips work, and each row still gets what it gets alone."""
     engine = Engine.from_pretrained(tiny_models["flux"], cache="teacache:0.6", max_batch_size=8)
     specs = [replace(p, num_inference_steps=10) for p in mixed_specs()]
-    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
-    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 1, 2])
-    assert max(sizes) == len(specs)
-    assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) > 0
-    for i, ref in enumerate(alone):
-        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+    assert_cached_rows_equal_alone(engine, PROMPT, specs, arrivals=[0, 0, 1, 2])
 
 
 QWEN_CASES = [("strength-0.5-cfg", dict(strength=0.5, negative_prompt="blurry", true_cfg_scale=3.0)),

@@ -16,7 +16,7 @@ from dit_core import Engine, SamplingParams
 from dit_core.errors import InvalidParamError
 from dit_core.families.flux_kontext import ReferenceInputs
 from dit_core.random_models.flux_kontext import build_kontext
-from helpers import assert_finished, params, run_staggered
+from helpers import assert_cached_rows_equal_alone, assert_finished, params, run_staggered
 
 PROMPT = "make the cat red"
 
@@ -211,12 +211,7 @@ def test_teacache_with_edits(kontext):
     path, _ = kontext
     engine = Engine.from_pretrained(path, cache="teacache:0.6", max_batch_size=8)
     specs = mixed_specs(steps=10)[:4]
-    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
-    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 1, 0, 2])
-    assert max(sizes) == len(specs)
-    assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) > 0
-    for i, ref in enumerate(alone):
-        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+    assert_cached_rows_equal_alone(engine, PROMPT, specs, arrivals=[0, 1, 0, 2])
 
 
 def test_bad_reference_inputs_name_the_field(kontext):

@@ -26,7 +26,7 @@ from dit_core.errors import InvalidParamError
 from dit_core.families import qwen_packed
 from dit_core.families.qwen_edit import EDIT_TEMPLATE, EDIT_TEMPLATE_DROP, EditInputs, calculate_dimensions
 from dit_core.random_models.qwenimage import build_edit
-from helpers import assert_finished, params, run_staggered
+from helpers import assert_cached_rows_equal_alone, assert_finished, params, run_staggered
 from serve.app import ServeSettings
 from serve_helpers import live_server, png
 
@@ -201,12 +201,7 @@ def test_teacache_with_edits(edit):
     common = dict(num_inference_steps=6)
     specs = [params(seed=1, **common), params(seed=2, image=picture(40, 48), **common),
              params(seed=3, image=picture(32, 96, seed=4), negative_prompt="blurry", true_cfg_scale=3.0, **common)]
-    alone = [torch.stack(cached.generate(PROMPT, p)) for p in specs]
-    finals, sizes = run_staggered(cached, [(PROMPT, p) for p in specs], arrivals=[0, 1, 0])
-    assert max(sizes) == len(specs)
-    assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) > 0
-    for i, ref in enumerate(alone):
-        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+    assert_cached_rows_equal_alone(cached, PROMPT, specs, arrivals=[0, 1, 0])
 
 
 def test_bad_edit_inputs_name_the_field(edit):
