@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("dit_core.dtype_auto", "dit_core.compile"):  # the start-up choices, one line each
         logger = logging.getLogger(name)
         if not logger.handlers:
-            logger.addHandler(logging.StreamHandler(sys.stderr))
+            logger.addHandler(_stderr_handler())
             logger.setLevel(logging.INFO)
             logger.propagate = False
     from dit_core.errors import OmniditError
@@ -39,6 +39,23 @@ def main(argv: list[str] | None = None) -> int:
     except OmniditError as e:
         print(f"omnidit: error: {e}", file=sys.stderr)
         return 2
+
+
+def _stderr_handler():
+    """A handler writing to whatever ``sys.stderr`` is when a record is emitted (not the stream of the
+    first ``main`` call: in-process callers such as tests swap and close stderr between calls)."""
+    import logging
+
+    class StderrHandler(logging.StreamHandler):
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, _value):
+            pass
+
+    return StderrHandler()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -140,14 +140,17 @@ def test_twenty_concurrent_downloads_stream_instead_of_loading_the_file(client, 
 
 
 def slow_writes(monkeypatch, store, seconds=1.5):
-    """Make the store's disk slow: each MP4 takes ``seconds`` to write; returns an Event set once a write began."""
+    """Make the store's disk slow: each MP4 takes ``seconds`` to write; returns an Event set once a write
+    began (its ``wrote`` attribute: an Event set once that write returned)."""
     began = threading.Event()
+    began.wrote = threading.Event()
     write = store.write_file
 
     def slow(path, data):
         began.set()
         time.sleep(seconds)
         write(path, data)
+        began.wrote.set()
 
     monkeypatch.setattr(store, "write_file", slow)
     return began
@@ -179,6 +182,9 @@ def test_a_job_deleted_while_its_file_is_written_leaves_nothing(client, live, mo
     assert began.wait(60)
     assert store.used_bytes > 0  # the bytes being written are reserved
     assert client.videos.delete(job.id).deleted
+    # the directory is empty until the write lands: wait for it, then for the file to go (else the
+    # file, written and removed after this test, can show in a later test's listing of the folder)
+    assert began.wrote.wait(30)
     deadline = time.monotonic() + 10
     while list(store.dir.iterdir()) or store.used_bytes:
         assert time.monotonic() < deadline, list(store.dir.iterdir())
