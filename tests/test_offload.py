@@ -210,21 +210,23 @@ def test_reuse_allocator_serves_repeats_from_kept_buffers(tmp_path):
 
 def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_path):
     """The disk tier under the reuse allocator ("auto") produces the images the system allocator
-    does, and so does an engine without offload, which "auto" also gives the allocator (each in
-    its own process: the allocator is process-wide); without a compiler "auto"
-    falls back and says why, and an explicit "reuse" fails the engine's start naming
+    does, and so does an engine without offload, which "auto" also gives the allocator (the allocator
+    is process-wide: the two "auto" engines share one process, the system one has its own); without a
+    compiler "auto" falls back and says why, and an explicit "reuse" fails the engine's start naming
     ``cpu_allocator``. All three run aten linears (``cpu_linear`` packs resident weights only), so
     the images must agree bit for bit."""
     script = ("import json, sys, torch\n"
               "from dit_core import Engine, InvalidParamError, SamplingParams\n"
               "from offload import reuse\n"
-              "e = Engine.from_pretrained(sys.argv[1], offload=sys.argv[4], cpu_allocator=sys.argv[3],"
-              " cpu_linear='aten')\n"
               "p = SamplingParams(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16,"
               " output_type='pt')\n"
-              "torch.save(torch.stack(e.generate(['a cat', 'a dog'], p)), sys.argv[2])\n"
-              "assert (reuse.installed() or {}).get('hits', 0) > 0 if sys.argv[3] == 'auto' else "
+              "for offload in sys.argv[4].split(','):\n"
+              "    e = Engine.from_pretrained(sys.argv[1], offload=offload, cpu_allocator=sys.argv[3],"
+              " cpu_linear='aten')\n"
+              "    torch.save(torch.stack(e.generate(['a cat', 'a dog'], p)), f'{sys.argv[2]}-{offload}.pt')\n"
+              "    assert (reuse.installed() or {}).get('hits', 0) > 0 if sys.argv[3] == 'auto' else "
               "reuse.installed() is None\n"
+              "    del e\n"
               # the system-allocator process (no compiler on its PATH) also checks the fallback: "auto" says
               # why it falls back, an explicit "reuse" fails the engine's start naming cpu_allocator
               "if sys.argv[3] == 'system':\n"
@@ -236,17 +238,18 @@ def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_p
               "        field, message = err.field, str(err)\n"
               "    print(json.dumps({'said': said, 'field': field, 'message': message,"
               " 'installed': reuse.installed()}))\n")
-    runs = (("auto", "disk:1"), ("system", "disk:1"), ("auto", "none"))
+    processes = (("auto", "none,disk:1"), ("system", "disk:1"))  # "none" first: it alone installs the allocator
     outputs = {}
-    for allocator, offload in runs:
+    for allocator, offloads in processes:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         if allocator == "system":
             env.update(CXX=str(tmp_path / "no-such-compiler"), OMNIDIT_CACHE_DIR=str(tmp_path / "empty-cache"))
-        out = subprocess.run([sys.executable, "-c", script, str(small_flux), str(tmp_path / f"{allocator}-{offload}.pt"),
-                              allocator, offload], env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", script, str(small_flux), str(tmp_path / allocator), allocator,
+                              offloads], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         outputs[allocator] = out.stdout
-    images = [torch.load(tmp_path / f"{allocator}-{offload}.pt") for allocator, offload in runs]
+    images = [torch.load(tmp_path / f"{allocator}-{offload}.pt")
+              for allocator, offload in (("auto", "disk:1"), ("system", "disk:1"), ("auto", "none"))]
     assert torch.equal(images[0], images[1]) and torch.equal(images[0], images[2])
     got = json.loads(outputs["system"].strip().splitlines()[-1])
     assert got["said"].startswith("system allocator (the reuse allocator is unavailable"), got
