@@ -477,9 +477,10 @@ def pin_loras(family: Family, name: str, loras) -> None:
     try:
         store.pin(loras)
     except AdapterNotLoadedError as e:
-        raise InvalidParamError("loras", e.name, f"an adapter loaded for model {name!r}: "
-                                                 f"{sorted(d['name'] for d in store.describe()) or 'none loaded'}"
-                                ) from e
+        leaving = " and not being unloaded" if e.name in store.retiring else ""  # (AdapterStore.retire)
+        usable = sorted(d["name"] for d in store.describe() if d["name"] not in store.retiring)
+        raise InvalidParamError("loras", e.name, f"an adapter loaded for model {name!r}{leaving}: "
+                                                 f"{usable or 'none loaded'}") from e
 
 
 def check_loras(family: Family, name: str, loras) -> None:

@@ -102,6 +102,22 @@ class EngineClient(abc.ABC):
         """Unload ``name`` on every engine (with ``token``: only where that load made it); one outcome each."""
         raise NotImplementedError
 
+    async def lora_retire(self, name: str, model: str, hold: str) -> list[dict]:
+        """The first phase of an all-or-nothing unload on every engine (``LoraHost.retire``; see
+        ``serve.lora_sync.unload_all_or_none``): one outcome each."""
+        raise NotImplementedError
+
+    async def lora_release(self, name: str, model: str, hold: str) -> list[dict]:
+        """Undo ``lora_retire`` on every engine: one outcome each."""
+        raise NotImplementedError
+
+    async def lora_remember(self, name: str, path: str, model: str, token: str) -> None:
+        """Record a load that took on every engine, for engines that start later (``serve.lora_sync``).
+        One process has no later engines: nothing to do."""
+
+    async def lora_forget(self, name: str, model: str) -> None:
+        """Cut ``name`` from that record (before it is unloaded everywhere)."""
+
     @abc.abstractmethod
     def make_metrics(self):
         """The app's metrics: an object with ``error(kind)`` and ``render()`` (bytes, or an awaitable of them)."""
@@ -174,6 +190,12 @@ class LocalEngineClient(EngineClient):
 
     async def lora_unload(self, name, model, token=None):
         return [{"replica": None, **await asyncio.to_thread(self.loras.unload, name, model, token)}]
+
+    async def lora_retire(self, name, model, hold):
+        return [{"replica": None, **await asyncio.to_thread(self.loras.retire, name, model, hold)}]
+
+    async def lora_release(self, name, model, hold):
+        return [{"replica": None, **await asyncio.to_thread(self.loras.release, name, model, hold)}]
 
     def shutdown(self, drain_timeout_s=0.0):
         self.engine.shutdown(drain_timeout_s=drain_timeout_s)

@@ -16,6 +16,7 @@ that loads, unloads and lists them (the routes are in serve/routes/loras.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import threading
@@ -23,11 +24,14 @@ from pathlib import Path
 
 from dit_core import InvalidParamError
 from dit_core.adapters import AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError
+from dit_core.engine import adapter_store
 
 from .auth import owner_of
 from .errors import APIError
 
 ADMIN_KEY_OWNER = "flag:--api-key"  # serve.auth's owner of the --api-key key (the operator's)
+RETIRE_HOLD_S = 120.0  # how long a first-phase unload (``LoraHost.retire``) refuses requests without its second
+logger = logging.getLogger(__name__)
 
 
 def check_admin(request) -> None:
@@ -107,6 +111,7 @@ class LoraHost:
     def __init__(self, engine):
         self.engine = engine.engine if hasattr(engine, "engine") else engine  # an AsyncEngine or an Engine
         self.tokens: dict[tuple[str, str], str] = {}  # (model, name) -> the token of the load that made it
+        self.failed: dict[tuple[str, str], dict] = {}  # (model, name) -> why a recorded adapter is missing here
         self._lock = threading.Lock()
 
     def listing(self) -> list[dict]:
@@ -125,6 +130,44 @@ class LoraHost:
                 model = takers[0]
             self.engine.load_lora(name, path, model)
 
+    def restore(self, entries) -> None:
+        """Load the adapters the cluster loaded before this engine started (``serve.lora_sync.LoraRecord``
+        entries: name, path, model, token). One that fails is kept in ``failures()`` (listed per replica by
+        ``GET /v1/loras``), never skipped in silence; it does not stop the start."""
+        for e in entries:
+            outcome = self.load(e["name"], e["path"], e["model"], e["token"])
+            if not outcome["ok"]:
+                logger.error("LoRA: recorded adapter %r (%s) failed to load here: %s", e["name"], e["path"],
+                             outcome["message"])
+                with self._lock:
+                    self.failed[(e["model"], e["name"])] = {"name": e["name"], "model": e["model"],
+                                                            "path": e["path"], "error": outcome["error"],
+                                                            "message": outcome["message"]}
+
+    def failures(self) -> list[dict]:
+        """The recorded adapters this engine failed to load (``restore``) and still lacks."""
+        with self._lock:
+            return list(self.failed.values())
+
+    def retire(self, name: str, model: str, hold: str) -> dict:
+        """The first phase of an all-or-nothing unload (``AdapterStore.retire``): ok when ``name`` is loaded
+        and no request holds it (requests naming it are then refused until ``release`` or the unload)."""
+        try:
+            adapter_store(self.engine.models[model], model).retire(name, hold, RETIRE_HOLD_S)
+        except InvalidParamError as e:
+            return {"ok": False, "error": "unsupported", "message": str(e)}
+        except AdapterError as e:
+            return {"ok": False, "error": _kind(e), "message": str(e)}
+        return {"ok": True}
+
+    def release(self, name: str, model: str, hold: str) -> dict:
+        """Undo ``retire`` (another engine refused the unload): requests may use ``name`` again."""
+        try:
+            released = adapter_store(self.engine.models[model], model).release(name, hold)
+        except InvalidParamError as e:
+            return {"ok": False, "error": "unsupported", "message": str(e)}
+        return {"ok": released}
+
     def load(self, name: str, path: str, model: str, token: str | None = None) -> dict:
         token = token or secrets.token_hex(8)
         try:
@@ -135,6 +178,7 @@ class LoraHost:
             return {"ok": False, "error": _kind(e), "message": str(e), "path": path}
         with self._lock:
             self.tokens[(model, name)] = token
+            self.failed.pop((model, name), None)
         return {"ok": True, "adapter": {**entry, "model": model}, "token": token}
 
     def unload(self, name: str, model: str, token: str | None = None) -> dict:
@@ -142,6 +186,7 @@ class LoraHost:
         with self._lock:
             if token is not None and self.tokens.get((model, name)) != token:
                 return {"ok": False, "error": "not_loaded", "message": f"adapter {name!r} was not loaded by {token}"}
+            self.failed.pop((model, name), None)  # (an unload of a recorded adapter that failed here)
         try:
             self.engine.unload_lora(name, model)
         except InvalidParamError as e:

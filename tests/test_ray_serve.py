@@ -3,8 +3,9 @@
 The cluster is the CLI itself (``omnidit serve --replicas 1 --max-replicas 2 ...`` in a subprocess,
 the embedded digits model with its thinker as a shared stage, plus the tiny Stable Audio and Wan
 checkpoints, the embedded TTS model and the embedded reaching policy for the audio, video, speech and
-robot routes, batch-aware routing with a budget of 4 requests per forward). The first fixture loads it until the autoscaler adds the second replica;
-every later test runs against 2 replicas; the last stops it with SIGTERM and checks, by pid, that
+robot routes, batch-aware routing with a budget of 4 requests per forward). The first test runs on its one
+replica (a LoRA adapter loaded before scaling); then a fixture loads it until the autoscaler adds the second
+replica; every later test runs against 2 replicas; the last stops it with SIGTERM and checks, by pid, that
 no Ray process is left.
 """
 
@@ -179,6 +180,20 @@ def scaled(cluster):
     return dict(url=url, proc=proc, before=before, after=len(engines), seconds=seconds, statuses=statuses)
 
 
+def test_a_lora_loaded_before_scaling_is_recorded_and_a_failed_one_is_not(cluster, keys_file):
+    """Runs on the one replica, before ``scaled`` adds the second: "early" is loaded (and recorded for replicas
+    added later: test_a_replica_added_later_holds_the_adapters_loaded_before_it); a file that fails is not."""
+    _, url = cluster
+    assert len(replicas(url)["engines"]) == 1
+    (keys_file.parent / "loras" / "broken.safetensors").write_bytes(b"not a safetensors file")
+    r = httpx.post(f"{url}/v1/loras", json={"name": "early", "path": "bold.safetensors", "model": "digits"},
+                   headers=AUTH, timeout=300)
+    assert r.status_code == 200 and len(r.json()["replicas"]) == 1, r.text
+    broken = {"name": "broken", "path": "broken.safetensors", "model": "digits"}
+    assert_error(httpx.post(f"{url}/v1/loras", json=broken, headers=AUTH, timeout=300), 400, "path",
+                 "invalid_lora_file")
+
+
 def test_autoscaling_adds_a_replica_under_load(scaled):
     assert scaled["before"] == 1 and scaled["after"] == 2
     assert scaled["statuses"] == [200] * 6
@@ -238,6 +253,66 @@ def test_streaming_errors_models_and_api_key(scaled):
                                                               ("reach", "actions")]
     detail = httpx.get(f"{url}/v1/models/digits", headers=AUTH).json()
     assert detail["details"]["defaults"]["height"] == 32
+
+
+def lora_lists(url) -> dict:
+    """replica id -> (its adapters' names, the recorded adapters it failed to load)."""
+    listing = httpx.get(f"{url}/v1/loras", headers=AUTH, timeout=60).json()
+    return {x["replica"]: ([a["name"] for a in x["data"]], x["failed"]) for x in listing["replicas"]}
+
+
+def test_a_replica_added_later_holds_the_adapters_loaded_before_it(scaled):
+    """The replica the autoscaler added loaded "early" (POSTed when there was one replica) as it started, and
+    nothing of the failed load; a request naming it gives the same image on either replica."""
+    url = scaled["url"]
+    ids = {e["replica"] for e in replicas(url)["engines"]}
+    assert len(ids) == 2 and lora_lists(url) == {i: (["early"], []) for i in ids}
+    body = {"prompt": "digit 3", "seed": 3, "num_inference_steps": 80, "response_format": "b64_json"}
+    plain = png_pixels(post(url, body).json()["data"][0]["b64_json"])
+    before = accepted(url)
+    n = BUDGET + 2  # one replica's batch fills its budget, the rest go to the other
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda _: post(url, {**body, "lora": [{"name": "early", "scale": 1.0}]}), range(n)))
+    assert [r.status_code for r in results] == [200] * n, [r.text for r in results]
+    key = "digits|32x32x1"
+    served = [keys.get(key, 0) - before.get(rid, {}).get(key, 0) for rid, keys in accepted(url).items()]
+    assert sum(served) == n and min(served) > 0, served  # both replicas ran it
+    images = [png_pixels(r.json()["data"][0]["b64_json"]) for r in results]
+    # the same seed on either replica: equal, up to the one level a batch can flip (see the test above)
+    assert max(np.abs(i - images[0]).max() for i in images) <= 1
+    assert np.abs(images[0] - plain).max() > 1  # and the adapter did apply
+
+
+def test_a_delete_one_replica_refuses_unloads_it_from_none(scaled):
+    """A DELETE refused by the replica where a request holds the adapter (409 naming that replica) leaves it on
+    every replica; once the request is gone the DELETE unloads it everywhere."""
+    url = scaled["url"]
+    ids = {e["replica"] for e in replicas(url)["engines"]}
+    body = {"prompt": "digit 1", "size": "64x64", "num_inference_steps": 1000, "lora": [{"name": "early"}]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a request that runs until its client leaves (3 s)
+        running = pool.submit(post, url, body, timeout=httpx.Timeout(3.0, connect=10))
+
+        def holders():
+            per = httpx.get(f"{url}/v1/loras", headers=AUTH, timeout=60).json()["replicas"]
+            return [x["replica"] for x in per if any(a["in_use"] for a in x["data"])]
+
+        (holder,) = wait_for(holders, 3, "the request to hold the adapter", poll_s=0.1)
+        err = assert_error(httpx.delete(f"{url}/v1/loras/early", params={"model": "digits"}, headers=AUTH, timeout=60),
+                           409, "name", "lora_in_use")
+        assert holder in err["message"] and "nothing was unloaded" in err["message"], err
+        assert lora_lists(url) == {i: (["early"], []) for i in ids}
+        try:
+            running.result()
+        except httpx.ReadTimeout:  # (the usual end: it would have run longer)
+            pass
+    # its client left: the request is aborted in its replica, which lets the adapter go (at its next step)
+    def delete():
+        r = httpx.delete(f"{url}/v1/loras/early", params={"model": "digits"}, headers=AUTH, timeout=60)
+        return r if r.status_code != 409 else None
+
+    r = wait_for(delete, 30, "the aborted request to let the adapter go")
+    assert r.status_code == 200 and {x["replica"] for x in r.json()["replicas"] if x["unloaded"]} == ids, r.text
+    assert lora_lists(url) == {i: ([], []) for i in ids}
 
 
 def test_a_lora_load_reaches_every_replica_and_is_listed_per_replica(scaled):

@@ -10,6 +10,10 @@ unload and list adapters while the engine thread admits requests and builds each
 assignment. A file is read outside the lock (the engine keeps stepping meanwhile); only the insert is
 under it. A forward in progress holds its adapters' tensors itself (``apply.RowAdapters``), and a held
 adapter is never removed, so no load or unload changes a running forward.
+
+An unload across several engines (Ray Serve replicas) is all or nothing: ``retire`` first checks that no
+request holds the adapter and refuses new ones for it, so the ``unload`` that follows cannot be refused;
+``release`` gives it back when another engine refused.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 
 import torch
 
@@ -50,6 +55,7 @@ class AdapterStore:
         self.max_rank = max_rank
         self.adapters: collections.OrderedDict[str, Adapter] = collections.OrderedDict()  # LRU order, oldest first
         self.pins: collections.Counter[str] = collections.Counter()
+        self.retiring: dict[str, tuple[str, float]] = {}  # name -> (hold, monotonic deadline): see ``retire``
         self._lock = threading.RLock()  # guards adapters and pins (see the module docstring)
         self.layers = apply.linear_layers(family.transformer)
         self._hooks = apply.install(self, self.layers)
@@ -86,6 +92,7 @@ class AdapterStore:
             if victim is not None:
                 logger.info("LoRA: evicted %r (least recently used) to load %r", victim, name)
                 apply.forget(evicted)
+                self.retiring.pop(victim, None)
             self.adapters[name] = adapter
         logger.info("LoRA: loaded %r from %s (%d layers, rank %d, %.1f MB)", name, path, len(adapter.layers),
                     adapter.rank, adapter.nbytes / 1e6)
@@ -103,7 +110,38 @@ class AdapterStore:
                 raise AdapterNotLoadedError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}", name)
             if self.pins[name]:
                 raise AdapterInUseError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
+            self.retiring.pop(name, None)
             apply.forget(self.adapters.pop(name))
+
+    def retire(self, name: str, hold: str, ttl_s: float) -> None:
+        """The first phase of an unload that must happen on several engines at once or on none: refuses
+        (``AdapterInUseError``, ``AdapterNotLoadedError``) unless ``name`` is resident and held by no live
+        request, then refuses new requests for it (``pin``) until ``release(name, hold)``, its ``unload``,
+        or ``ttl_s`` seconds (a caller that never came back does not keep it refused)."""
+        with self._lock:
+            if name not in self.adapters:
+                raise AdapterNotLoadedError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}", name)
+            if self.pins[name]:
+                raise AdapterInUseError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
+            if self._retiring(name) not in (None, hold):
+                raise AdapterInUseError(f"adapter {name!r} is being unloaded by another call")
+            self.retiring[name] = (hold, time.monotonic() + ttl_s)
+
+    def release(self, name: str, hold: str) -> bool:
+        """Undo ``retire(name, hold)``: requests may use ``name`` again. False if that hold was not on it."""
+        with self._lock:
+            if self._retiring(name) != hold:
+                return False
+            del self.retiring[name]
+            return True
+
+    def _retiring(self, name: str) -> str | None:
+        """The hold of a live ``retire`` on ``name`` (an expired one is dropped)."""
+        hold, deadline = self.retiring.get(name, (None, 0.0))
+        if hold is not None and time.monotonic() >= deadline:
+            del self.retiring[name]
+            return None
+        return hold
 
     def describe(self) -> list[dict]:
         with self._lock:
@@ -124,6 +162,9 @@ class AdapterStore:
         """Hold the request's adapters (not evicted or unloaded while held); marks them recently used."""
         with self._lock:  # checked and held at once: an unload cannot slip in between
             self.check(loras)
+            for name, _ in loras:
+                if self._retiring(name) is not None:
+                    raise AdapterNotLoadedError(f"loras: adapter {name!r} is being unloaded", name)
             for name, _ in loras:
                 self.pins[name] += 1
                 self.adapters.move_to_end(name)

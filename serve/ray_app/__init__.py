@@ -4,8 +4,10 @@ and the AR thinker as a shared stage.
 ``build_app`` returns a Ray Serve application: the HTTP ingress (the FastAPI app of
 ``serve.app.create_app`` over a ``RemoteEngineClient``), the ``EngineReplica`` deployment (one
 ``AsyncEngine`` per replica) and, for models named in ``shared_thinker``, one ``Thinker_<model>``
-deployment each. Use it from Python (``serve.run(build_app({...}))``), with ``serve run
-serve.ray_app:build_app models=digits=digits replicas=2``, in a Ray Serve config file
+deployment each, and with ``--lora-dir`` a ``LoraRecord`` (the adapters loaded over HTTP, which a
+replica added later loads as it starts; ``serve.lora_sync``). Use it from Python
+(``serve.run(build_app({...}))``), with ``serve run serve.ray_app:build_app models=digits=digits
+replicas=2``, in a Ray Serve config file
 (``import_path: serve.ray_app:build_app`` with ``args:``), or through ``omnidit serve --replicas N``.
 Importing ``serve`` or running the single-process server never imports Ray; this package does.
 """
@@ -17,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from dit_core import EngineConfig
 
+from ..lora_sync import LoraRecord
 from .ingress import Ingress
 from .options import BATCH_ROUTER, ScaleOutConfig
 from .replica import EngineReplica
@@ -24,6 +27,7 @@ from .thinker import ThinkerStage
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "Ingress"
+LORA_RECORD_DEPLOYMENT = "LoraRecord"
 
 
 def build_app(args: dict | ScaleOutConfig):
@@ -37,11 +41,15 @@ def build_app(args: dict | ScaleOutConfig):
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=BATCH_ROUTER, request_router_kwargs={"budget": cfg.max_batch_size},
             request_routing_stats_period_s=cfg.routing_stats_period_s)
-    engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, **options).bind(cfg.to_dict(), thinkers)
+    # the adapters POST /v1/loras loaded, for replicas the autoscaler adds later (serve.lora_sync)
+    record = (serve.deployment(LoraRecord, name=LORA_RECORD_DEPLOYMENT, num_replicas=1,
+                               ray_actor_options={"num_cpus": 0}).bind()
+              if cfg.settings.get("lora_dir") else None)
+    engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, **options).bind(cfg.to_dict(), thinkers, record)
     ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
                                graceful_shutdown_timeout_s=cfg.shutdown_timeout_s)
-    return ingress.bind(engine, cfg.settings, thinkers)
+    return ingress.bind(engine, cfg.settings, thinkers, record)
 
 
 def _thinker_deployment(cfg: ScaleOutConfig, name: str):
@@ -55,5 +63,5 @@ def _thinker_deployment(cfg: ScaleOutConfig, name: str):
                       engine.prompt_cache_bytes, cfg.thinker_threads)
 
 
-__all__ = ["ENGINE_DEPLOYMENT", "INGRESS_DEPLOYMENT", "EngineReplica", "Ingress", "ScaleOutConfig", "ThinkerStage",
-           "build_app"]
+__all__ = ["ENGINE_DEPLOYMENT", "INGRESS_DEPLOYMENT", "LORA_RECORD_DEPLOYMENT", "EngineReplica", "Ingress",
+           "ScaleOutConfig", "ThinkerStage", "build_app"]

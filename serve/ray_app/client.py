@@ -54,8 +54,9 @@ class _Stream:
 
 
 class RemoteEngineClient(EngineClient):
-    def __init__(self, handle, described: dict, thinkers: dict | None = None):
+    def __init__(self, handle, described: dict, thinkers: dict | None = None, lora_record=None):
         self.handle = handle
+        self.lora_record = lora_record  # handle of the LoraRecord deployment (serve.lora_sync), with --lora-dir
         self.models = {name: RemoteModel(d["kind"], d["details"]) for name, d in described.items()}
         self.defaults = {name: d["route_defaults"] for name, d in described.items()}
         self.thinkers = thinkers or {}
@@ -215,6 +216,20 @@ class RemoteEngineClient(EngineClient):
 
     async def lora_unload(self, name, model, token=None):
         return await self._broadcast("lora_unload", name, model, token)
+
+    async def lora_retire(self, name, model, hold):
+        return await self._broadcast("lora_retire", name, model, hold)
+
+    async def lora_release(self, name, model, hold):
+        return await self._broadcast("lora_release", name, model, hold)
+
+    async def lora_remember(self, name, path, model, token):
+        if self.lora_record is not None:
+            await self.lora_record.add.remote(name, path, model, token)
+
+    async def lora_forget(self, name, model):
+        if self.lora_record is not None:
+            await self.lora_record.remove.remote(model, name)
 
     async def _broadcast(self, method: str, *args) -> list[dict]:
         """``method`` on every live engine replica, each one's answer (a replica that did not answer: an

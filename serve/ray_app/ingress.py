@@ -21,9 +21,9 @@ async def replicas(request: Request):
 class Ingress:
     """Ray Serve deployment body (wrapped with ``serve.ingress()`` by ``build_app``)."""
 
-    async def __init__(self, engine, settings: dict, thinkers: dict | None = None):
+    async def __init__(self, engine, settings: dict, thinkers: dict | None = None, lora_record=None):
         described = await engine.describe.remote()
-        self.client = RemoteEngineClient(engine, described, thinkers)
+        self.client = RemoteEngineClient(engine, described, thinkers, lora_record)
         self.settings = ServeSettings(**settings)
 
     def __serve_build_asgi_app__(self):

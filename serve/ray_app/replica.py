@@ -37,7 +37,7 @@ WORK_BOUNDED = ("image", "video")  # the output kinds whose routes bound a reque
 class EngineReplica:
     """Ray Serve deployment body. ``thinkers``: model name -> handle of its shared thinker stage."""
 
-    async def __init__(self, config: dict, thinkers: dict | None = None):
+    async def __init__(self, config: dict, thinkers: dict | None = None, lora_record=None):
         cfg = ScaleOutConfig(**config)
         torch.set_num_threads(cfg.replica_threads())
         remote = {}
@@ -56,6 +56,8 @@ class EngineReplica:
         self.memory = MemoryKeeper(settings.gc_freeze, settings.malloc_trim_s)
         self.memory.start()
         await asyncio.to_thread(self.local.loras.preload, settings.loras)  # --lora: every replica, at start
+        if lora_record is not None:  # and what POST /v1/loras loaded before this replica started (lora_sync)
+            await asyncio.to_thread(self.local.loras.restore, await lora_record.entries.remote())
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.shutdown_timeout_s = cfg.shutdown_timeout_s
         self.live: dict[str, tuple[str, str | None]] = {}  # request id -> (routing key, origin)
@@ -156,7 +158,8 @@ class EngineReplica:
 
     # LoRA adapters (serve.loras): the ingress broadcasts these to every replica; each answers for itself
     async def lora_list(self) -> dict:
-        return {"replica": self.replica_id, "data": await asyncio.to_thread(self.local.loras.listing)}
+        return {"replica": self.replica_id, "data": await asyncio.to_thread(self.local.loras.listing),
+                "failed": self.local.loras.failures()}
 
     async def lora_load(self, name: str, path: str, model: str, token: str) -> dict:
         outcome = await asyncio.to_thread(self.local.loras.load, name, path, model, token)
@@ -164,6 +167,12 @@ class EngineReplica:
 
     async def lora_unload(self, name: str, model: str, token: str | None = None) -> dict:
         return {"replica": self.replica_id, **await asyncio.to_thread(self.local.loras.unload, name, model, token)}
+
+    async def lora_retire(self, name: str, model: str, hold: str) -> dict:
+        return {"replica": self.replica_id, **await asyncio.to_thread(self.local.loras.retire, name, model, hold)}
+
+    async def lora_release(self, name: str, model: str, hold: str) -> dict:
+        return {"replica": self.replica_id, **await asyncio.to_thread(self.local.loras.release, name, model, hold)}
 
     def metrics_text(self) -> tuple[str, str]:
         """(replica id, this replica's Prometheus text)."""

@@ -3,7 +3,8 @@
 Requests name loaded adapters in their ``lora`` field (images, image edits, videos). Files come only
 from under ``--lora-dir``; loading and unloading need an admin key when keys are configured (see
 serve/loras.py). On Ray Serve each call reaches every live engine replica and the answer reports each
-replica: a load refused by one replica is undone on the others, so every replica keeps the same set.
+replica: a load refused by one replica is undone on the others, an unload refused by one is made on none
+(serve/lora_sync.py), so every replica keeps the same set; a replica added later loads the recorded set.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import APIError
+from ..lora_sync import refusals, unload_all_or_none
 from ..loras import check_admin, lora_model, raise_outcome, resolve_path, shown_path
 from ..models import public_id
 from ..route_errors import errors
@@ -65,7 +67,15 @@ async def list_loras(request: Request):
     per = [{"replica": r["replica"], "data": [_entry(state, a) for a in r["data"]]} for r in found]
     if all(r["replica"] is None for r in per):  # the in-process engine
         return {"object": "list", "data": [a for r in per for a in r["data"]]}
+    for shown, r in zip(per, found):  # adapters this replica should hold (loaded before it started) but lacks
+        shown["failed"] = [_failure(state, f) for f in r.get("failed", [])]
     return {"object": "list", "data": _merged(per), "replicas": per}
+
+
+def _failure(state, failed: dict) -> dict:
+    path = shown_path(state.settings, failed["path"])
+    return {"name": failed["name"], "model": public_id(state, failed["model"]), "path": path,
+            "error": failed["error"], "message": failed["message"].replace(failed["path"], path)}
 
 
 @router.post("/v1/loras", responses=errors(400, 403, 404, 409, 503))
@@ -86,6 +96,7 @@ async def load_lora(body: LoraLoadRequest, request: Request):
         if len(failed) < len(outcomes):  # it took on some replicas: undo exactly those loads
             await state.client.lora_unload(body.name, model, token)
         raise_outcome(min(failed, key=lambda o: PRIORITY.index(o["error"])), shown)
+    await state.client.lora_remember(body.name, real, model, token)  # for replicas that start later
     entry = _entry(state, outcomes[0]["adapter"])
     if any(o["replica"] is not None for o in outcomes):
         entry["replicas"] = [{"replica": o["replica"], "loaded": True} for o in outcomes]
@@ -95,22 +106,24 @@ async def load_lora(body: LoraLoadRequest, request: Request):
 @router.delete("/v1/loras/{name}", responses=errors(400, 403, 404, 409, 503))
 async def unload_lora(name: str, request: Request, model: str | None = None):
     """Unload ``name`` (of ``?model=``, default: the only model that takes adapters). 404 when no engine
-    holds it; 409 ``lora_in_use`` while live requests hold it (it stays loaded where they run; send the
-    DELETE again once they have finished)."""
+    holds it; 409 ``lora_in_use`` while live requests hold it (send the DELETE again once they have
+    finished). All or nothing (``serve.lora_sync.unload_all_or_none``): when one replica refuses, every
+    replica keeps the adapter, and the message names the replica that refused."""
     state = request.app.state
     check_admin(request)
     engine_model = lora_model(state, model)
-    outcomes = await state.client.lora_unload(name, engine_model)
+    unloaded, outcomes = await unload_all_or_none(state.client, name, engine_model)
     if not outcomes:
         raise APIError(503, "no engine replica answered", "server_error", None, "engine_unavailable")
-    done = [o for o in outcomes if o["ok"]]
-    refused = [o for o in outcomes if not o["ok"] and o["error"] != "not_loaded"]
+    refused = refusals(outcomes)
     if refused:
         worst = min(refused, key=lambda o: PRIORITY.index(o["error"]))
-        if done:
-            worst = {**worst, "message": f"{worst['message']} (unloaded from {len(done)} other replica(s))"}
+        if worst["replica"] is not None:
+            kept = ("nothing was unloaded: every replica keeps it" if not unloaded else
+                    f"unloaded from {sum(o['ok'] for o in outcomes)} other replica(s)")
+            worst = {**worst, "message": f"engine replica {worst['replica']}: {worst['message']} ({kept})"}
         raise_outcome(worst)
-    if not done:
+    if not unloaded:
         raise_outcome(outcomes[0])
     body = {"object": "lora.deleted", "name": name, "model": public_id(state, engine_model), "deleted": True}
     if any(o["replica"] is not None for o in outcomes):
