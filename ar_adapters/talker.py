@@ -8,7 +8,7 @@ from typing import Iterator
 
 from .contract import TalkerEvent
 from .errors import PromptError
-from . import vllm_process
+from . import vllm_env, vllm_process
 from .folders import model_folder
 from .vllm_memory import explicit_kv_cache
 
@@ -17,10 +17,10 @@ class VLLMTalker(vllm_process.EngineProcess):
     def __init__(self, model_dir: str, tokenizer_dir: str | None = None, dtype: str = "float32",
                  kv_cache_gb: float | None = 1.0, memory_utilization: float = 0.1, max_length: int | None = None):
         """``kv_cache_gb``: the KV cache's size in GiB on any device (None: from ``memory_utilization``)."""
-        from vllm import LLM
-
         self.folder = model_folder(model_dir, tokenizer_dir)
-        with explicit_kv_cache(kv_cache_gb) as kv_bytes:
+        with explicit_kv_cache(kv_cache_gb) as kv_bytes, vllm_env.contained():  # (one start at a time)
+            from vllm import LLM
+
             self.llm = LLM(model=self.folder.name, runner="generate", dtype=dtype,
                            gpu_memory_utilization=memory_utilization, kv_cache_memory_bytes=kv_bytes,
                            max_model_len=max_length, enforce_eager=True, disable_log_stats=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .contract import Encoded, Thinker
-from . import vllm_process
+from . import vllm_env, vllm_process
 from .folders import model_folder
 from .vllm_memory import explicit_kv_cache
 
@@ -24,11 +24,12 @@ class VLLMThinker(vllm_process.EngineProcess, Thinker):
         """``kv_cache_gb``: the KV cache's size in GiB on any device (None: vLLM sizes it from
         ``memory_utilization``, of GPU memory, or of CPU memory on CPU)."""
         from transformers import AutoTokenizer
-        from vllm import LLM
 
         self.folder = model_folder(model_dir, tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(self.folder.name)
-        with explicit_kv_cache(kv_cache_gb) as kv_bytes:
+        with explicit_kv_cache(kv_cache_gb) as kv_bytes, vllm_env.contained():  # (one start at a time)
+            from vllm import LLM
+
             llm = LLM(model=self.folder.name, runner="pooling", convert="embed",
                       pooler_config={"task": "token_embed", "use_activation": False}, dtype=dtype,
                       gpu_memory_utilization=memory_utilization, kv_cache_memory_bytes=kv_bytes,

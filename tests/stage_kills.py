@@ -41,10 +41,11 @@ def engine_cores() -> set[int]:
 
 def start_engine(models: dict, **options):
     """An engine whose stages run on vLLM (0.25 GiB of KV cache) and the engine-core PID its start created."""
-    before = engine_cores()
+    before, environ = engine_cores(), dict(os.environ)
     engine = Engine.from_models(models, thinker="vllm", thinker_kv_cache_gb=0.25, **options)
     pids = engine_cores() - before
     assert len(pids) == 1, pids
+    assert dict(os.environ) == environ  # vLLM's settings stay its own (ar_adapters/vllm_env.py)
     return engine, pids
 
 
