@@ -34,6 +34,12 @@ _PATH = re.compile(r"(?<![\w.:/])/(?!v1/|static/)[\w.@+-]+(?:/[\w.@+-]*)+")
 _TRACE = re.compile(r"Traceback \(most recent call last\):.*", re.S)
 
 
+def http_invalid(e: InvalidParamError) -> InvalidParamError:
+    """The engine's error named by the HTTP field (e.g. an unknown adapter in ``SamplingParams.loras`` is
+    the request's ``lora``)."""
+    return InvalidParamError(HTTP_FIELDS[e.field], e.value, e.allowed) if e.field in HTTP_FIELDS else e
+
+
 def scrub(message: str) -> str:
     """A message fit for a client: no stack trace, no local file path (both stay in the server log)."""
     message = _TRACE.sub("(details in the server log)", str(message))
@@ -85,8 +91,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidParamError)
     async def _invalid(request: Request, e: InvalidParamError):
-        if e.field in HTTP_FIELDS:  # e.g. an unknown adapter in a request's lora list (SamplingParams.loras)
-            e = InvalidParamError(HTTP_FIELDS[e.field], e.value, e.allowed)
+        e = http_invalid(e)
         return respond(request, 400, str(e), "invalid_request_error", e.field, "invalid_value")
 
     @app.exception_handler(RequestFailedError)

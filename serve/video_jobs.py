@@ -25,10 +25,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dit_core.errors import InvalidParamError
 from dit_core.faults import NO_FAULTS
 from dit_core.request import EventKind
 
-from .errors import scrub
+from .errors import http_invalid, scrub
 from .guards import Deadline, until_deadline
 
 logger = logging.getLogger("omnidit.serve")
@@ -224,6 +225,9 @@ async def run_job(store: VideoJobStore, client, job: VideoJob, events, encode,
                 job.progress = 99
                 mp4 = await asyncio.to_thread(encode, event.output)
                 await asyncio.to_thread(store.complete, job, mp4)  # the disk write, off the event loop
+            elif event.kind == EventKind.FAILED and event.invalid is not None:  # refused at admission for its
+                # own field (an adapter unloaded after the route's check): what a synchronous request gets as a 400
+                store.fail(job, "invalid_value", str(http_invalid(InvalidParamError(*event.invalid))))
             elif event.kind == EventKind.FAILED:
                 store.fail(job, "generation_failed", event.error or "the generation failed")
             elif event.kind == EventKind.ABORTED:

@@ -294,6 +294,37 @@ def test_an_adapter_unloaded_after_the_routes_check_is_a_400_naming_lora(server,
     assert not engine.models["flux"].adapters.pins
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the video API deprecated
+def test_an_async_video_job_whose_adapter_was_unloaded_before_admission_fails_naming_lora(server, client,
+                                                                                          monkeypatch):
+    """The same race for POST /v1/videos: the job was accepted, so it fails, with the 400's code and message
+    (``invalid_value``, naming ``lora``), not as a failed generation."""
+    assert load(server, "wgone", "wan/pytorch_lora_weights.safetensors", model="clips").status_code == 200
+    engine = server.engine.engine
+    make_request = engine.make_request
+
+    calls = []
+
+    def checked_then_unloaded(*args, **kw):  # the route resolves the request, then submits it: unloaded
+        req = make_request(*args, **kw)       # after the submit's own check, before the engine thread's pin
+        calls.append(req.params.loras)
+        if len(calls) == 2:
+            assert unload(server, "wgone", model="clips").status_code == 200
+        return req
+
+    monkeypatch.setattr(engine, "make_request", checked_then_unloaded)
+    job = client.videos.create_and_poll(model="clips", prompt=PROMPT, size="32x32", poll_interval_ms=50,
+                                        extra_body={"num_frames": 5, "num_inference_steps": 2, "seed": 3,
+                                                    "max_sequence_length": 16,  # a form: the list as JSON text
+                                                    "lora": json.dumps([{"name": "wgone"}])})
+    monkeypatch.undo()
+    assert len(calls) == 2 and all(calls)
+    assert job.status == "failed" and job.error.code == "invalid_value", job.error
+    assert job.error.message.startswith("lora='wgone' is invalid") and "loaded" in job.error.message
+    assert not engine.models["clips"].adapters.pins
+    client.videos.delete(job.id)
+
+
 def keyed(server, lora_dir, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
