@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -24,12 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "verbose", True):
         quiet_third_party()  # before torch / transformers / diffusers / vLLM are imported
-    import logging
-
     for name in ("dit_core.dtype_auto", "dit_core.compile"):  # the start-up choices, one line each
         logger = logging.getLogger(name)
         if not logger.handlers:
-            logger.addHandler(_stderr_handler())
+            logger.addHandler(_CurrentStderr())
             logger.setLevel(logging.INFO)
             logger.propagate = False
     from dit_core.errors import OmniditError
@@ -41,21 +40,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _stderr_handler():
-    """A handler writing to whatever ``sys.stderr`` is when a record is emitted (not the stream of the
-    first ``main`` call: in-process callers such as tests swap and close stderr between calls)."""
-    import logging
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (not the stream of the first
+    ``main`` call: in-process callers such as tests swap and close stderr between calls)."""
 
-    class StderrHandler(logging.StreamHandler):
-        @property
-        def stream(self):
-            return sys.stderr
+    @property
+    def stream(self):
+        return sys.stderr
 
-        @stream.setter
-        def stream(self, _value):
-            pass
-
-    return StderrHandler()
+    @stream.setter
+    def stream(self, _value):  # StreamHandler.__init__ assigns one: the property above wins
+        pass
 
 
 def build_parser() -> argparse.ArgumentParser:
