@@ -477,8 +477,8 @@ def pin_loras(family: Family, name: str, loras) -> None:
     try:
         store.pin(loras)
     except AdapterNotLoadedError as e:
-        leaving = " and not being unloaded" if e.name in store.retiring else ""  # (AdapterStore.retire)
-        usable = sorted(d["name"] for d in store.describe() if d["name"] not in store.retiring)
+        leaving = " and not being unloaded" if store.is_retiring(e.name) else ""  # (AdapterStore.retire)
+        usable = sorted(d["name"] for d in store.describe() if not store.is_retiring(d["name"]))
         raise InvalidParamError("loras", e.name, f"an adapter loaded for model {name!r}{leaving}: "
                                                  f"{usable or 'none loaded'}") from e
 

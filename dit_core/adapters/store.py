@@ -135,6 +135,11 @@ class AdapterStore:
             del self.retiring[name]
             return True
 
+    def is_retiring(self, name: str) -> bool:
+        """Whether a live ``retire`` refuses new requests for ``name`` (an expired one does not)."""
+        with self._lock:
+            return self._retiring(name) is not None
+
     def _retiring(self, name: str) -> str | None:
         """The hold of a live ``retire`` on ``name`` (an expired one is dropped)."""
         hold, deadline = self.retiring.get(name, (None, 0.0))
