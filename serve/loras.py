@@ -112,6 +112,7 @@ class LoraHost:
         self.engine = engine.engine if hasattr(engine, "engine") else engine  # an AsyncEngine or an Engine
         self.tokens: dict[tuple[str, str], str] = {}  # (model, name) -> the token of the load that made it
         self.failed: dict[tuple[str, str], dict] = {}  # (model, name) -> why a recorded adapter is missing here
+        self.recorded: dict[tuple[str, str], str] = {}  # (model, name) -> token, of loads seen in the record
         self._lock = threading.Lock()
 
     def listing(self) -> list[dict]:
@@ -130,22 +131,51 @@ class LoraHost:
                 model = takers[0]
             self.engine.load_lora(name, path, model)
 
-    def restore(self, entries) -> None:
-        """Load the adapters the cluster loaded before this engine started (``serve.lora_sync.LoraRecord``
-        entries: name, path, model, token). One that fails is kept in ``failures()`` (listed per replica by
-        ``GET /v1/loras``), never skipped in silence; it does not stop the start."""
-        for e in entries:
+    def sync(self, entries) -> None:
+        """Make this engine hold what the cluster's record holds (``serve.lora_sync.LoraRecord`` entries:
+        name, path, model, token): at start, then at every re-read (``serve.lora_sync.follow``).
+
+        - Unloads an adapter it got from the record (loaded here by ``sync``, or loaded by the ingress's
+          broadcast and seen in the record since) that the record no longer holds with that token: a
+          DELETE that missed this engine. One the store is retiring is left to that DELETE; one a request
+          holds is tried again at the next sync. An adapter loaded by a broadcast and not in the record
+          yet (a POST in flight) is never touched, nor one of ``--lora``.
+        - Loads what the record holds and this engine lacks: a POST that missed it. One that fails is kept
+          in ``failures()`` (listed per replica by ``GET /v1/loras``) and not tried again for that load
+          token, never skipped in silence; it does not stop the start."""
+        wanted = {(e["model"], e["name"]): e for e in entries}
+        with self._lock:
+            for key, token in self.tokens.items():  # broadcast loads the record has committed since
+                if wanted.get(key, {}).get("token") == token:
+                    self.recorded[key] = token
+            stale = [(key, token) for key, token in self.recorded.items()
+                     if self.tokens.get(key) == token and wanted.get(key, {}).get("token") != token]
+            for key in [k for k, f in self.failed.items() if wanted.get(k, {}).get("token") != f["token"]]:
+                del self.failed[key]  # dropped (or loaded again under another token) by the cluster
+        for (model, name), token in stale:
+            if adapter_store(self.engine.models[model], model).is_retiring(name):
+                continue  # a DELETE in its first phase here: its second unloads it
+            outcome = self.unload(name, model, token)
+            if not outcome["ok"] and outcome["error"] != "not_loaded":
+                logger.warning("LoRA: adapter %r, unloaded from the cluster, stays here until the next sync: %s",
+                               name, outcome["message"])
+        for key, e in wanted.items():
+            with self._lock:
+                if key in self.tokens or self.failed.get(key, {}).get("token") == e["token"]:
+                    continue
             outcome = self.load(e["name"], e["path"], e["model"], e["token"])
-            if not outcome["ok"]:
+            if outcome["ok"]:
+                with self._lock:
+                    self.recorded[key] = e["token"]
+            elif outcome["error"] != "exists":  # (exists: a load of that name in flight here; next sync)
                 logger.error("LoRA: recorded adapter %r (%s) failed to load here: %s", e["name"], e["path"],
                              outcome["message"])
                 with self._lock:
-                    self.failed[(e["model"], e["name"])] = {"name": e["name"], "model": e["model"],
-                                                            "path": e["path"], "error": outcome["error"],
-                                                            "message": outcome["message"]}
+                    self.failed[key] = {"name": e["name"], "model": e["model"], "path": e["path"],
+                                        "token": e["token"], "error": outcome["error"], "message": outcome["message"]}
 
     def failures(self) -> list[dict]:
-        """The recorded adapters this engine failed to load (``restore``) and still lacks."""
+        """The recorded adapters this engine failed to load (``sync``) and still lacks."""
         with self._lock:
             return list(self.failed.values())
 
@@ -192,10 +222,16 @@ class LoraHost:
         except InvalidParamError as e:
             return {"ok": False, "error": "unsupported", "message": str(e)}
         except AdapterError as e:
+            if isinstance(e, AdapterNotLoadedError):  # (evicted since: the store's LRU) nothing left to track
+                self._forget(model, name)
             return {"ok": False, "error": _kind(e), "message": str(e)}
+        self._forget(model, name)
+        return {"ok": True}
+
+    def _forget(self, model: str, name: str) -> None:
         with self._lock:
             self.tokens.pop((model, name), None)
-        return {"ok": True}
+            self.recorded.pop((model, name), None)
 
 
 def _kind(e: AdapterError) -> str:

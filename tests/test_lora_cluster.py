@@ -4,13 +4,17 @@ two Ray Serve replicas, behind a client that calls each in turn as the Ray clien
 (The same on a real Ray cluster: tests/test_ray_serve.py.)"""
 
 import asyncio
+import json
+import logging
+import os
+import time
 
 import pytest
 
 from dit_core import Engine, InvalidParamError, SamplingParams
 from dit_core.adapters import AdapterNotLoadedError
 from dit_core.zoo import default_model, digits_lora
-from serve.lora_sync import LoraRecord, refusals, unload_all_or_none
+from serve.lora_sync import LoraRecord, follow, join, record_file, refusals, unload_all_or_none
 from serve.loras import LoraHost
 
 PATH = str(digits_lora())
@@ -117,9 +121,97 @@ def test_an_engine_started_later_loads_the_record_and_lists_what_failed(cluster,
     cluster.record.add("gone", str(tmp_path / "gone.safetensors"), "digits", "t2")  # its file removed since
     fresh = cluster.hosts["r1"]
     assert fresh.unload("bold", "digits") == {"ok": True}  # r1 as a replica that starts empty
-    fresh.restore(cluster.record.entries())
+    fresh.sync(cluster.record.entries())
     assert names(fresh) == ["bold"] and fresh.tokens[("digits", "bold")] == "t1"
     [failed] = fresh.failures()
     assert (failed["name"], failed["model"], failed["error"]) == ("gone", "digits", "bad_file")
     assert "gone.safetensors" in failed["message"]
+    fresh.sync(cluster.record.entries())  # not tried again for that load
+    assert fresh.failures() == [failed] and names(fresh) == ["bold"]
     assert fresh.unload("gone", "digits")["error"] == "not_loaded" and fresh.failures() == []  # DELETE clears it
+
+
+async def converge(host, read, want: list[str], timeout_s: float = 10.0):
+    """Run ``follow`` (re-reading every 10 ms) until ``host`` holds ``want``; then stop it."""
+    task = asyncio.create_task(follow(host, read, every_s=0.01))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while names(host) != want:
+            assert time.monotonic() < deadline, f"{names(host)} != {want}"
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+
+
+def test_a_replica_that_starts_during_a_post_and_a_delete_converges(cluster, engines):
+    """The race a replica that starts during a change runs: it reads the record (which holds "bold"), and
+    before Ray Serve lists it, "late" is POSTed and "bold" DELETEd, by broadcasts that reach r0 only. Once
+    it follows the record it holds what r0 holds."""
+    cluster.hosts["r1"].unload("bold", "digits")
+    starting = LoraHost(engines["r1"])  # a new replica process: nothing loaded, not yet listed
+    del cluster.hosts["r1"]
+
+    async def read():
+        return cluster.record.entries()
+
+    async def change_while_it_starts():
+        await join(starting, read)  # it read the record and loaded it
+        assert all(o["ok"] for o in await cluster.lora_load("late", PATH, "digits", "t3"))
+        await cluster.lora_remember("late", PATH, "digits", "t3")
+        assert (await unload_all_or_none(cluster, "bold", "digits"))[0]
+        assert names(cluster.hosts["r0"]) == ["late"] and names(starting) == ["bold"]  # the broadcasts missed it
+        cluster.hosts["r1"] = starting  # listed now: later broadcasts reach it
+        await converge(starting, read, ["late"])
+
+    asyncio.run(change_while_it_starts())
+    assert starting.tokens == {("digits", "late"): "t3"} and starting.failures() == []
+    unloaded, outcomes = asyncio.run(unload_all_or_none(cluster, "late", "digits"))  # and a DELETE reaches both
+    assert unloaded and [(o["replica"], o["ok"]) for o in outcomes] == [("r0", True), ("r1", True)]
+
+
+def test_following_the_record_leaves_a_load_in_flight_and_a_delete_in_its_first_phase_alone(cluster):
+    host = cluster.hosts["r0"]
+    assert host.load("inflight", PATH, "digits", "t4")["ok"]  # a POST's broadcast, not recorded yet
+    host.sync(cluster.record.entries())
+    assert names(host) == ["bold", "inflight"]
+    cluster.record.add("inflight", PATH, "digits", "t4")  # the POST committed; then a DELETE's first phase
+    host.sync(cluster.record.entries())
+    assert host.retire("inflight", "digits", "h1") == {"ok": True}
+    cluster.record.remove("digits", "inflight")
+    host.sync(cluster.record.entries())
+    assert names(host) == ["bold", "inflight"]  # its second phase unloads it
+    assert host.release("inflight", "digits", "h1") == {"ok": True}  # (or an ingress that died: the hold lapses)
+    host.sync(cluster.record.entries())  # then it is a DELETE this engine missed
+    assert names(host) == ["bold"] and host.tokens == {("digits", "bold"): "t1"}
+
+
+def test_the_record_is_written_to_its_file_and_a_restarted_record_reloads_it(tmp_path, caplog):
+    """What a Ray Serve restart of the record's actor does: a new ``LoraRecord`` on the same file."""
+    root = tmp_path / "loras"
+    (root / "sub").mkdir(parents=True)
+    state = record_file(str(root), "app1")
+    record = LoraRecord(state, str(root))
+    record.add("bold", str(root / "bold.safetensors"), "digits", "t1")
+    record.add("deep", str(root / "sub" / "deep.safetensors"), "digits", "t2")
+    record.add("gone", str(root / "gone.safetensors"), "digits", "t3")
+    assert record.remove("digits", "gone") and not record.remove("digits", "gone")
+    saved = json.loads(open(state).read())["entries"]
+    deep = os.path.join("sub", "deep.safetensors")
+    assert [(e["name"], e["path"], e["token"]) for e in saved] == [("bold", "bold.safetensors", "t1"), ("deep", deep, "t2")]
+    assert sorted(os.listdir(root / ".omnidit")) == ["lora-record-app1.json"]  # (no temporary file left)
+    assert LoraRecord(state, str(root)).entries() == record.entries()  # restarted: the same, paths absolute again
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    os.symlink(tmp_path / "outside.safetensors", root / "link.safetensors")
+    bad = [{"name": "up", "path": "../outside.safetensors", "model": "digits", "token": "t5"},
+           {"name": "abs", "path": str(tmp_path / "outside.safetensors"), "model": "digits", "token": "t6"},
+           {"name": "link", "path": "link.safetensors", "model": "digits", "token": "t7"},
+           {"name": "half", "path": "bold.safetensors"}]
+    open(state, "w").write(json.dumps({"entries": saved + bad}))
+    with caplog.at_level(logging.ERROR, logger="serve.lora_sync"):
+        assert [e["name"] for e in LoraRecord(state, str(root)).entries()] == ["bold", "deep"]
+    assert sum("dropped an entry" in r.message for r in caplog.records) == 4
+    open(state, "w").write("{not json")
+    with caplog.at_level(logging.ERROR, logger="serve.lora_sync"):
+        assert LoraRecord(state, str(root)).entries() == []
+    assert "unreadable" in caplog.records[-1].message
+    assert LoraRecord().entries() == [] and not os.path.exists(record_file(str(tmp_path), "other"))

@@ -603,8 +603,28 @@ def test_replicas_run_the_engine_the_same_flags_give_in_one_process(scaled, tiny
         assert engine["memory"]["malloc_trim_s"] == TRIM_S and engine["memory"]["gc_frozen"], engine["memory"]
 
 
-def test_killing_a_replica_fails_its_requests_clearly_and_the_survivor_serves(scaled):
+def record_actors(proc) -> list[psutil.Process]:
+    """The process of the app's ``LoraRecord`` deployment replica (Ray titles it ``ray::ServeReplica:...``)."""
+    def titled(p):
+        try:
+            return "LoraRecord" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    return [p for p in alive(descendants(proc.pid)) if titled(p)]
+
+
+def test_killing_a_replica_fails_its_requests_clearly_and_the_survivor_serves(scaled, keys_file):
+    """And the LoRA record survives its own actor: killed, Ray Serve restarts it, it reloads its file, and
+    the engine replica Ray Serve restarts loads the adapter POSTed before either died."""
     url = scaled["url"]
+    r = httpx.post(f"{url}/v1/loras", json={"name": "kept", "path": "bold.safetensors", "model": "digits"},
+                   headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    (record,) = record_actors(scaled["proc"])
+    record.kill()
+    wait_for(lambda: [p for p in record_actors(scaled["proc"]) if p.pid != record.pid], 120,
+             "Ray Serve to restart the LoRA record")
     body = {"prompt": "digit 9", "num_inference_steps": 1000}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         inflight = [pool.submit(post, url, {**body, "seed": i}) for i in range(2)]
@@ -619,6 +639,11 @@ def test_killing_a_replica_fails_its_requests_clearly_and_the_survivor_serves(sc
     restarted = wait_for(lambda: [e for e in replicas(url)["engines"] if e["pid"] != victim["pid"]]
                          if len(replicas(url)["engines"]) == 2 else None, 300, "Ray Serve to restart the replica")
     assert victim["pid"] not in {e["pid"] for e in restarted} and not psutil.pid_exists(victim["pid"])
+    assert lora_lists(url) == {e["replica"]: (["kept"], []) for e in restarted}
+    r = httpx.delete(f"{url}/v1/loras/kept", params={"model": "digits"}, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and all(x["unloaded"] for x in r.json()["replicas"]), r.text
+    (state,) = (keys_file.parent / "loras" / ".omnidit").glob("lora-record-*.json")  # the restarted record's
+    assert json.loads(state.read_text()) == {"entries": []}
 
 
 def test_keys_own_their_jobs_and_files_in_the_ingress(cluster):

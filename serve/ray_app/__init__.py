@@ -4,8 +4,9 @@ and the AR thinker as a shared stage.
 ``build_app`` returns a Ray Serve application: the HTTP ingress (the FastAPI app of
 ``serve.app.create_app`` over a ``RemoteEngineClient``), the ``EngineReplica`` deployment (one
 ``AsyncEngine`` per replica) and, for models named in ``shared_thinker``, one ``Thinker_<model>``
-deployment each, and with ``--lora-dir`` a ``LoraRecord`` (the adapters loaded over HTTP, which a
-replica added later loads as it starts; ``serve.lora_sync``). Use it from Python
+deployment each, and with ``--lora-dir`` a ``LoraRecord`` (the adapters loaded over HTTP, which every
+replica loads as it starts and follows while it lives, kept in a file under --lora-dir;
+``serve.lora_sync``). Use it from Python
 (``serve.run(build_app({...}))``), with ``serve run serve.ray_app:build_app models=digits=digits
 replicas=2``, in a Ray Serve config file
 (``import_path: serve.ray_app:build_app`` with ``args:``), or through ``omnidit serve --replicas N``.
@@ -14,12 +15,14 @@ Importing ``serve`` or running the single-process server never imports Ray; this
 
 from __future__ import annotations
 
+import uuid
+
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from dit_core import EngineConfig
 
-from ..lora_sync import LoraRecord
+from ..lora_sync import LoraRecord, record_file
 from .ingress import Ingress
 from .options import BATCH_ROUTER, ScaleOutConfig
 from .replica import EngineReplica
@@ -30,10 +33,11 @@ INGRESS_DEPLOYMENT = "Ingress"
 LORA_RECORD_DEPLOYMENT = "LoraRecord"
 
 
-def build_app(args: dict | ScaleOutConfig):
+def build_app(args: dict | ScaleOutConfig, app_id: str | None = None):
     """The Ray Serve application for ``args`` (the fields of ``ScaleOutConfig``, as a dict or the
     dataclass). Example: ``build_app({"models": {"digits": "digits"}, "replicas": 2,
-    "engine": {"max_batch_size": 8}, "shared_thinker": True})``."""
+    "engine": {"max_batch_size": 8}, "shared_thinker": True})``. ``app_id`` names this app's LoRA record
+    file (``serve.lora_sync.record_file``; default: a new random id)."""
     cfg = args if isinstance(args, ScaleOutConfig) else ScaleOutConfig.from_args(dict(args or {}))
     thinkers = {name: _thinker_deployment(cfg, name) for name in cfg.shared_thinker}
     options = cfg.deployment_options()
@@ -41,10 +45,13 @@ def build_app(args: dict | ScaleOutConfig):
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=BATCH_ROUTER, request_router_kwargs={"budget": cfg.max_batch_size},
             request_routing_stats_period_s=cfg.routing_stats_period_s)
-    # the adapters POST /v1/loras loaded, for replicas the autoscaler adds later (serve.lora_sync)
+    # the adapters POST /v1/loras loaded, for replicas the autoscaler adds later (serve.lora_sync); kept in a
+    # file of this app under --lora-dir, so that the record survives its actor (Ray Serve restarts it empty)
+    lora_dir = cfg.settings.get("lora_dir")
     record = (serve.deployment(LoraRecord, name=LORA_RECORD_DEPLOYMENT, num_replicas=1,
-                               ray_actor_options={"num_cpus": 0}).bind()
-              if cfg.settings.get("lora_dir") else None)
+                               ray_actor_options={"num_cpus": 0}).bind(
+                  record_file(lora_dir, app_id or uuid.uuid4().hex[:16]), lora_dir)
+              if lora_dir else None)
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, **options).bind(cfg.to_dict(), thinkers, record)
     ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,

@@ -3,11 +3,13 @@ everything on SIGTERM / Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import signal
 import threading
+import uuid
 
 APP_NAME = "omnidit"
 
@@ -24,6 +26,7 @@ def serve_on_ray(cfg, host: str = "127.0.0.1", port: int = 8000, ray_address: st
     from ray import serve
     from ray.serve.config import HTTPOptions
 
+    from ..lora_sync import record_file
     from . import build_app
 
     level = logging.INFO if verbose else logging.WARNING
@@ -32,12 +35,13 @@ def serve_on_ray(cfg, host: str = "127.0.0.1", port: int = 8000, ray_address: st
     else:
         cpus = max(os.cpu_count() or 1, math.ceil(cfg.logical_cpus()))
         ray.init(include_dashboard=False, num_cpus=cpus, logging_level=level)
+    app_id = uuid.uuid4().hex[:16]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options=HTTPOptions(host=host, port=port))
-        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/",
+        serve.run(build_app(cfg, app_id), name=APP_NAME, route_prefix="/",
                   logging_config={"log_level": "INFO" if verbose else "WARNING"})
         print(f"omnidit: serving {sorted(cfg.models)} on http://{host}:{port} with "
               f"{_replicas(cfg)} engine replicas on Ray Serve ({cfg.router} routing"
@@ -51,6 +55,11 @@ def serve_on_ray(cfg, host: str = "127.0.0.1", port: int = 8000, ray_address: st
         else:
             serve.shutdown()
         ray.shutdown()
+        if cfg.settings.get("lora_dir"):  # the app's LoRA record (serve.lora_sync): it ended with the app
+            path = record_file(cfg.settings["lora_dir"], app_id)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                os.rmdir(os.path.dirname(path))  # (only when no other app's file is there)
     return 0
 
 

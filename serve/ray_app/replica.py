@@ -19,6 +19,7 @@ from dit_core import AsyncEngine, OmniditError, RequestFailedError, SamplingPara
 from dit_core.engine import load_engine
 from dit_core.request import EventKind
 
+from .. import lora_sync
 from ..app import ServeSettings
 from ..client import LocalEngineClient
 from ..errors import APIError
@@ -56,8 +57,11 @@ class EngineReplica:
         self.memory = MemoryKeeper(settings.gc_freeze, settings.malloc_trim_s)
         self.memory.start()
         await asyncio.to_thread(self.local.loras.preload, settings.loras)  # --lora: every replica, at start
-        if lora_record is not None:  # and what POST /v1/loras loaded before this replica started (lora_sync)
-            await asyncio.to_thread(self.local.loras.restore, await lora_record.entries.remote())
+        self.lora_follow = None
+        if lora_record is not None:  # and what POST /v1/loras loaded, now and later (serve.lora_sync.follow)
+            read = lora_record.entries.remote  # (a DeploymentResponse: awaitable)
+            await lora_sync.join(self.local.loras, read)
+            self.lora_follow = asyncio.create_task(lora_sync.follow(self.local.loras, read))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.shutdown_timeout_s = cfg.shutdown_timeout_s
         self.live: dict[str, tuple[str, str | None]] = {}  # request id -> (routing key, origin)
@@ -183,6 +187,8 @@ class EngineReplica:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self):
+        if getattr(self, "lora_follow", None) is not None:
+            self.lora_follow.cancel()
         memory = getattr(self, "memory", None)
         if memory is not None:
             memory.stop()
