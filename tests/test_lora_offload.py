@@ -1,7 +1,8 @@
 """LoRA adapters with block offload (``offload=blocks:N`` / ``disk:N``, ``max_resident_gb``) on the tiny FLUX:
 the adapters stay on the device while the blocks stream, so a mixed batch's rows equal the same requests on an
 engine without offload and their solo runs; adapters load, evict and unload while blocks stream; a memory
-budget counts the adapters' bound; only cache-dit and parallel degrees are still refused with adapters."""
+budget counts the adapters' bound; only parallel degrees are still refused with adapters (cache-dit is not:
+test_lora_cache_dit.py)."""
 
 import pytest
 import torch
@@ -141,11 +142,11 @@ def test_memory_budget_counts_the_adapters(tiny_models, files, reference):
     plain.close()
 
 
-def test_only_cache_dit_and_parallel_degrees_are_refused_with_adapters():
-    for ok in (dict(offload="blocks:1"), dict(offload="components,disk:2"), dict(max_resident_gb=1.0)):
+def test_only_parallel_degrees_are_refused_with_adapters():
+    for ok in (dict(offload="blocks:1"), dict(offload="components,disk:2"), dict(max_resident_gb=1.0),
+               dict(cache="cache-dit:0.1")):
         assert EngineConfig(max_loras=2, **ok).max_loras == 2
-    for bad in (dict(cache="cache-dit:0.1"), dict(ulysses=2)):
-        with pytest.raises(InvalidParamError) as e:
-            EngineConfig(max_loras=2, **bad)
-        assert e.value.field == "max_loras", bad
-        assert "cache-dit or parallel degrees" in str(e.value) and "offload" not in str(e.value)
+    with pytest.raises(InvalidParamError) as e:
+        EngineConfig(max_loras=2, ulysses=2)
+    assert e.value.field == "max_loras"
+    assert "parallel degrees" in str(e.value) and "offload" not in str(e.value) and "cache-dit" not in str(e.value)

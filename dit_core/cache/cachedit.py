@@ -3,7 +3,9 @@
 cache-dit decides for the whole batch of a forward, so the engine runs one request per
 forward in this mode (``max_batch_size`` becomes 1; a request's CFG rows still share its
 forward). The cache context is refreshed whenever a request starts, with its step count;
-a request that opted out gets threshold 0 (nothing is reused).
+a request that opted out gets threshold 0 (nothing is reused). LoRA adapters: the runner makes the
+request's adapters the forward's row assignment around this call (``dit_core.adapters``), so cache-dit's
+residual checks compare the adapted blocks' outputs (tests/test_lora_cache_dit.py).
 """
 
 from __future__ import annotations
