@@ -27,3 +27,27 @@ def descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
+
+
+def run_together(jobs: list[tuple[list[str], dict]], timeout: float = 300) -> list[str]:
+    """Run each (command, environment) in its own process, all started at once; their stdouts in order.
+
+    A test process starting python spends seconds of one core importing torch and diffusers; started
+    together, those imports overlap on a 2-core machine. Only for processes whose results do not depend
+    on timing (outputs, peak memory): each fails the test with its stderr when it exits non-zero."""
+    import subprocess
+
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd, env in jobs]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outs

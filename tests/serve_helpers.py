@@ -70,25 +70,46 @@ def assert_error(response, status, param=None, code=None):
     return err
 
 
-@contextmanager
-def server_process(model, *flags):
+def _start_server(model, flags):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", str(model), "--port", str(port), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc, url):
+    deadline = time.monotonic() + 180  # a loaded 2-core machine can take a minute to import and load
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.2)
+
+
+@contextmanager
+def server_processes(*specs):
+    """``omnidit serve`` processes for (model, flags) specs, started at once (their imports overlap on
+    the machine's cores) and yielded as [(proc, url), ...] once each answers /health; killed at exit."""
+    started = []
     try:
-        deadline = time.monotonic() + 180  # a loaded 2-core machine can take a minute to import and load
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
-        yield proc, url
+        for model, flags in specs:
+            started.append(_start_server(model, flags))
+        for proc, url in started:
+            _wait_healthy(proc, url)
+        yield started
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for proc, _ in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def server_process(model, *flags):
+    with server_processes((model, flags)) as [(proc, url)]:
+        yield proc, url

@@ -16,6 +16,7 @@ from dit_core import Engine, InvalidParamError, RequestFailedError, UnknownModel
 from dit_core.offloading import offload_of
 from offload import heap
 from helpers import CFG, assert_finished, params, run_staggered
+from procs import run_together
 
 # every policy on every family (components with the host tier, and the disk tier, on each); the
 # variants of N and components with the disk tier on one
@@ -102,7 +103,7 @@ def test_disk_tier_peak_memory_is_bounded(small_flux):
     from offload.mapped import WARM_CHUNK
 
     model = small_flux
-    none, disk = (_peak_in_subprocess(model, policy) for policy in ("none", "disk:1"))
+    none, disk = _peaks_in_subprocesses(model, ("none", "disk:1"))
     assert disk["stats"]["loads"] >= 2 * disk["blocks"]  # every block was read from disk, every step
     assert disk["stats"]["map_s"] > 0  # blocks came up warmed, and were mapped on the compute thread
     need = disk["transformer_bytes"] - 2 * disk["max_block_bytes"]
@@ -238,16 +239,15 @@ def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_p
               "        field, message = err.field, str(err)\n"
               "    print(json.dumps({'said': said, 'field': field, 'message': message,"
               " 'installed': reuse.installed()}))\n")
-    processes = (("auto", "none,disk:1"), ("system", "disk:1"))  # "none" first: it alone installs the allocator
-    outputs = {}
-    for allocator, offloads in processes:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        if allocator == "system":
-            env.update(CXX=str(tmp_path / "no-such-compiler"), OMNIDIT_CACHE_DIR=str(tmp_path / "empty-cache"))
-        out = subprocess.run([sys.executable, "-c", script, str(small_flux), str(tmp_path / allocator), allocator,
-                              offloads], env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        outputs[allocator] = out.stdout
+    # "none" first: it alone installs the allocator. The system-allocator process has no compiler and a cache
+    # of its own, so the two processes run together
+    def command(allocator, offloads):
+        return [sys.executable, "-c", script, str(small_flux), str(tmp_path / allocator), allocator, offloads]
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    system_env = dict(env, CXX=str(tmp_path / "no-such-compiler"), OMNIDIT_CACHE_DIR=str(tmp_path / "empty-cache"))
+    outs = run_together([(command("auto", "none,disk:1"), env), (command("system", "disk:1"), system_env)])
+    outputs = dict(zip(("auto", "system"), outs))
     images = [torch.load(tmp_path / f"{allocator}-{offload}.pt")
               for allocator, offload in (("auto", "disk:1"), ("system", "disk:1"), ("auto", "none"))]
     assert torch.equal(images[0], images[1]) and torch.equal(images[0], images[2])
@@ -282,11 +282,11 @@ print(json.dumps({"peak": peak, "blocks": len(blocks), "transformer_bytes": size
 """
 
 
-def _peak_in_subprocess(model, policy):
+def _peaks_in_subprocesses(model, policies):
+    """Each policy's peak in its own process (VmHWM is per process), the processes run together."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(model), policy], env=env, capture_output=True,
-                         text=True, timeout=300, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    outs = run_together([([sys.executable, "-c", PEAK_SCRIPT, str(model), policy], env) for policy in policies])
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
 class SlowSource:

@@ -15,7 +15,7 @@ from PIL import Image
 
 from helpers import inject_fault
 from serve.app import ServeSettings
-from serve_helpers import assert_error, live_server, png, post, server_process
+from serve_helpers import assert_error, live_server, png, post, server_processes
 
 
 @pytest.fixture(scope="module")
@@ -207,25 +207,33 @@ def start_request(pool, url, steps):
     return future
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_models):
-    with server_process(tiny_models["flux"], "--shutdown-timeout", "120") as (proc, url):
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            inflight = start_request(pool, url, 60)
-            proc.send_signal(signal.SIGTERM)
-            assert inflight.result().status_code == 200  # finished within the grace period
-        assert proc.wait(timeout=60) == 0
-        log = proc.stdout.read()
+@pytest.fixture(scope="module")
+def sigterm_servers(tiny_models):
+    """The two SIGTERM tests' servers (grace periods 120 s and 1 s), started together: each test stops its own."""
+    model = tiny_models["flux"]
+    with server_processes((model, ("--shutdown-timeout", "120")), (model, ("--shutdown-timeout", "1"))) as started:
+        yield dict(zip((120, 1), started))
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(sigterm_servers):
+    proc, url = sigterm_servers[120]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        inflight = start_request(pool, url, 60)
+        proc.send_signal(signal.SIGTERM)
+        assert inflight.result().status_code == 200  # finished within the grace period
+    assert proc.wait(timeout=60) == 0
+    log = proc.stdout.read()
     assert re.search(r"request \w+ 32x32 steps=60 n=1 queue_ms=\d+ total_ms=\d+ batch_sizes=1-1 mean=1.0", log), log
 
 
-def test_sigterm_aborts_what_outlives_the_grace_period_and_exits_0(tiny_models):
-    with server_process(tiny_models["flux"], "--shutdown-timeout", "1") as (proc, url):
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            inflight = start_request(pool, url, 1000)
-            start = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            # the client is answered (not dropped): 503 aborted, saying why, about a second after SIGTERM
-            err = assert_error(inflight.result(), 503, code="aborted")
-            assert "shutting down" in err["message"]
-            assert time.monotonic() - start < 10
-            assert proc.wait(timeout=30) == 0
+def test_sigterm_aborts_what_outlives_the_grace_period_and_exits_0(sigterm_servers):
+    proc, url = sigterm_servers[1]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        inflight = start_request(pool, url, 1000)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # the client is answered (not dropped): 503 aborted, saying why, about a second after SIGTERM
+        err = assert_error(inflight.result(), 503, code="aborted")
+        assert "shutting down" in err["message"]
+        assert time.monotonic() - start < 10
+        assert proc.wait(timeout=30) == 0
