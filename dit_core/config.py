@@ -120,7 +120,8 @@ class EngineConfig:
         cache-dit (one request per forward: its residual checks see that request's adapted blocks) and
         with block offload (the adapters stay on the device while blocks stream; ``max_resident_gb``
         counts ``max_loras`` adapters of rank ``max_lora_rank`` on every linear layer among the weights
-        it keeps); not combined yet with parallel degrees.
+        it keeps); and with ulysses / ring / row_parallel > 1 (every rank holds the resident adapters, a
+        load or unload reaches every rank, each rank's rows get theirs).
     max_lora_rank: the highest adapter rank a load accepts (default 64).
     dtype: ``float32``, ``bfloat16``, ``float16`` (not on CPU) or ``auto``: measured once per machine
         and model, see ``dit_core.dtype_auto`` (``Engine.from_models`` resolves it before loading).
@@ -279,12 +280,6 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 4096:
                 raise InvalidParamError(name, value, "an integer in [0, 4096]")
-        if self.max_loras and self.ulysses * self.ring * self.row_parallel > 1:
-            # the adapters' row assignment follows the batch (the per-row caches' sub-batches, cache-dit's one
-            # request per forward): parallel ranks are not wired to it yet (streamed blocks are: the adapters stay
-            # resident on the device, and a memory budget counts them, see dit_core.offloading)
-            raise InvalidParamError("max_loras", self.max_loras, "0 with parallel degrees (LoRA is not combined "
-                                                                  "with them yet)")
         from .quantize import validate_quant
 
         self.quant = validate_quant(self.quant, self.device)

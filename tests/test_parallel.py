@@ -8,6 +8,7 @@ Invalid plans, dead workers and the CLI are in test_parallel_launch.py.
 import contextlib
 import json
 import shutil
+import threading
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ PLANS = {
 }
 TEACACHE = "teacache:0.5"
 TOL = 1e-5
+LORAS = dict(max_loras=3, max_lora_rank=8)  # every engine here takes LoRA adapters (test_lora_rows_match_...)
 # image sizes whose token counts do not divide by 2 or 4: uneven sequence shards (Wan: 9 frames at
 # 48x48 are 3 latent frames of 3 x 3 patches, 27 tokens)
 ODD_SIZE = {"flux": (20, 28), "sd3": (20, 28), "qwenimage": (24, 40), "wan": (48, 48)}
@@ -115,7 +117,7 @@ class _Bound:
 @pytest.fixture(scope="module")
 def reference(models):
     """World size 1: the same models, the same step cache; outputs computed once per case."""
-    engine = Engine.from_models(models, cache=TEACACHE)
+    engine = Engine.from_models(models, cache=TEACACHE, **LORAS)
     results = {}
 
     def get(family, case, cache_on):
@@ -131,7 +133,7 @@ def reference(models):
 
 @pytest.fixture(scope="module", params=list(PLANS))
 def parallel(request, models):
-    engine = Engine.from_models(models, cache=TEACACHE, **PLANS[request.param])
+    engine = Engine.from_models(models, cache=TEACACHE, **LORAS, **PLANS[request.param])
     pids = engine.parallel.pids
     assert len(pids) == engine.config.parallel.world  # the workers and their launcher
     yield engine
@@ -230,3 +232,74 @@ def test_counted_bytes_match_the_communication_model(parallel, family):
     plan = parallel.config.parallel
     predicted = cm.step_bytes(shape, work, cm.Plan(plan.rows, plan.ring, plan.ulysses))
     assert {k: v for k, v in counted.items() if v} == {k: v for k, v in predicted.items() if v}
+
+
+@pytest.fixture(scope="module")
+def lora_files(tiny_models, tmp_path_factory):
+    """Two tiny random FLUX LoRA files (test_lora's: every kind of linear of a block, ranks 4 and 2)."""
+    from test_lora import TARGETS_A, TARGETS_B, make_lora
+
+    root = tmp_path_factory.mktemp("parallel-loras")
+    return {"a": make_lora(tiny_models["flux"], root / "a", TARGETS_A, r=4, alpha=8, seed=1),
+            "b": make_lora(tiny_models["flux"], root / "b", TARGETS_B, r=2, alpha=3, seed=2)}
+
+
+# (loras, seed, extra params): adapter a; b with CFG (2 rows); none; a at another scale with 2 outputs
+# (2 rows); a at scale 0 with the seed of the request without one. 7 rows: row_parallel=2 gives rank 0
+# rows 0-3 (a, b, b, none) and rank 1 rows 4-6 (a 0.3 twice, a 0), so both ranks hold adapted rows
+LORA_BATCH = [([("a", 1.0)], 3, {}), ([("b", 0.8)], 4, CFG["flux"]), ([], 3, {}),
+              ([("a", 0.3)], 5, dict(num_outputs=2)), ([("a", 0.0)], 3, {})]
+
+
+def lora_batch(engine, cache_on):
+    """LORA_BATCH on ``engine``'s FLUX as one batch: each request's images, and the rows TeaCache skipped."""
+    reqs = [engine.make_request("a cat", params(num_inference_steps=4, seed=seed, loras=lo, **kw), model="flux")
+            for lo, seed, kw in LORA_BATCH]
+    steps = engine.stats.steps
+    with cache(engine, cache_on):
+        outs = engine.run_to_completion(reqs)
+    assert max(list(engine.stats.batch_sizes)[steps:]) == len(LORA_BATCH)  # all in one forward
+    return [torch.stack(list(out.outputs)) for out in outs], [out.metrics["cache_skipped_rows"] for out in outs]
+
+
+@pytest.mark.parametrize("cache_on", [False, True], ids=["plain", "teacache"])
+def test_lora_rows_match_world_size_one(parallel, reference, lora_files, cache_on):
+    """LoRA under every plan: the adapters loaded on rank 0 reach every rank, each rank's rows (all of
+    them under ulysses / ring, its slice under row_parallel) get their own; each request of a mixed batch
+    equals world size 1 with the same adapters, and an adapter at scale 0 is the model without it. Plain
+    forwards and TeaCache's block ranges (a sub-batch of the rows) both. Meanwhile another thread loads
+    and unloads a third adapter over and over (a server's /v1/loras while the engine steps): those
+    exchanges with the workers interleave with the batch's forwards."""
+    for engine in (parallel, reference.engine):
+        loaded = {d["name"] for d in engine.loras("flux")}
+        for name, path in lora_files.items():
+            if name not in loaded:
+                engine.load_lora(name, path, model="flux")
+    stop, churned, errors = threading.Event(), [], []
+
+    def churn():
+        try:
+            while not churned or not stop.is_set():
+                parallel.load_lora("c", lora_files["b"], model="flux")
+                parallel.unload_lora("c", model="flux")
+                churned.append(1)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        got, skipped = lora_batch(parallel, cache_on)
+    finally:
+        stop.set()
+        thread.join()
+        for name in lora_files:  # unloaded on every rank: the next plan's test loads them again
+            parallel.unload_lora(name, model="flux")
+    assert not errors and churned  # loads and unloads reached the ranks while the batch ran
+    assert parallel.loras("flux") == []
+    want, ref_skipped = lora_batch(reference.engine, cache_on)
+    assert skipped == ref_skipped and (sum(skipped) > 0) == cache_on  # TeaCache computed sub-batches
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g - w).abs().max().item() <= TOL, f"request {i} ({LORA_BATCH[i][0]})"
+    assert (got[0] - got[2]).abs().max().item() > 1e-2  # the adapter really changes the image
+    assert (got[4] - got[2]).abs().max().item() <= TOL  # scale 0: the model without the adapter

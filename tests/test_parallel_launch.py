@@ -75,11 +75,27 @@ def test_a_worker_failing_at_start_is_reported_and_nothing_is_left(tiny_models, 
     assert descendants(os.getpid()) <= before
 
 
-def test_killed_worker_fails_its_requests_and_health_reports_it(tiny_models):
-    engine = Engine.from_pretrained(tiny_models["flux"], ulysses=2)
+def test_killed_worker_fails_its_requests_and_health_reports_it(tiny_models, tmp_path):
+    """(and LoRA loads: one a worker refuses fails naming the rank, the group still up; after the kill a
+    load fails naming the dead rank, the adapter set unchanged)"""
+    from dit_core import ParallelWorkerError
+    from dit_core.adapters import AdapterError
+    from dit_core.adapters.files import Adapter, LoraWeights
+    from test_lora import kohya_file
+
+    engine = Engine.from_pretrained(tiny_models["flux"], ulysses=2, max_loras=2)
     pids = engine.parallel.pids
     worker = pids[0]
-    ids = [engine.add_request("a cat", params(num_inference_steps=40, seed=1)),
+    lora = kohya_file(tmp_path / "k.safetensors", seed=1)
+    # what a worker cannot take (here a layer its transformer lacks; on a GPU, no room for the factors)
+    odd = Adapter("odd", "odd.safetensors",
+                  {"no_such.linear": LoraWeights(torch.zeros(2, 32), torch.zeros(32, 2), 1.0)})
+    with pytest.raises(AdapterError, match=rf"adapter 'odd' could not be loaded on parallel rank 1 \(pid {worker}\): "
+                                           r"ValueError: this rank's transformer has no linear layer no_such\.linear"):
+        engine.parallel.load_adapter(engine.default_model, odd)
+    engine.load_lora("k", lora)  # the group is still up
+    assert [d["name"] for d in engine.loras()] == ["k"]
+    ids = [engine.add_request("a cat", params(num_inference_steps=40, seed=1, loras=[("k", 0.5)])),
            engine.add_request("a dog", params(num_inference_steps=40, seed=2, **CFG["flux"]))]
     for _ in range(2):
         engine.step()
@@ -92,6 +108,9 @@ def test_killed_worker_fails_its_requests_and_health_reports_it(tiny_models):
     for error in failed.values():
         assert f"parallel worker rank 1 (pid {worker}) died (killed by SIGKILL)" in error
     assert "died" in engine.health()
+    with pytest.raises(ParallelWorkerError, match=rf"parallel worker rank 1 \(pid {worker}\) died"):
+        engine.load_lora("late", lora)
+    assert [d["name"] for d in engine.loras()] == ["k"]
     async_engine = AsyncEngine(engine)
     client = TestClient(create_app(async_engine))
     response = client.get("/health")

@@ -174,6 +174,11 @@ def active(store, ctx: RowAdapters | None):
         table.pop(id(store), None)
 
 
+def current(store) -> RowAdapters | None:
+    """The row assignment of ``store``'s layers for the forward in progress on this thread (None: none)."""
+    return getattr(_STATE, "active", {}).get(id(store))
+
+
 @contextlib.contextmanager
 def subset(store, idx: torch.Tensor):
     """Within a forward of ``store``'s layers, run something on the rows ``idx`` only (their adapters follow)."""

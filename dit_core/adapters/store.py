@@ -11,6 +11,11 @@ assignment. A file is read outside the lock (the engine keeps stepping meanwhile
 under it. A forward in progress holds its adapters' tensors itself (``apply.RowAdapters``), and a held
 adapter is never removed, so no load or unload changes a running forward.
 
+Under parallel degrees the other ranks hold copies of the resident adapters (``ranks``, set by
+``dit_core.parallel``): a load reaches every rank before this one makes the adapter resident (so a
+failure on any rank leaves the set unchanged everywhere), an unload or eviction after. Loads and unloads
+go through ``_changes`` one at a time (the file reads stay outside it).
+
 An unload across several engines (Ray Serve replicas) is all or nothing: ``retire`` first checks that no
 request holds the adapter and refuses new ones for it, so the ``unload`` that follows cannot be refused;
 ``release`` gives it back when another engine refused.
@@ -57,6 +62,8 @@ class AdapterStore:
         self.pins: collections.Counter[str] = collections.Counter()
         self.retiring: dict[str, tuple[str, float]] = {}  # name -> (hold, monotonic deadline): see ``retire``
         self._lock = threading.RLock()  # guards adapters and pins (see the module docstring)
+        self._changes = threading.Lock()  # one load or unload at a time (they reach the other ranks in order)
+        self.ranks = None  # parallel degrees: the other ranks' copies (``load_adapter``, ``unload_adapter``)
         self.layers = apply.linear_layers(family.transformer)
         self._hooks = apply.install(self, self.layers)
 
@@ -73,14 +80,30 @@ class AdapterStore:
         # bound a memory budget counts, ``reserve_bytes``)
         adapter = read_adapter(name, path, self.family.name, self.layers, self.max_rank, self.family.dtype,
                                torch.device("cpu"))
-        with self._lock:
+        with self._changes:
             self._refuse_loaded(name)  # (loaded by another caller while this one read the file)
-            victim = None
-            if len(self.adapters) >= self.max_loras:
-                victim = next((n for n in self.adapters if not self.pins[n]), None)
-                if victim is None:
-                    raise AdapterInUseError(f"{path}: cannot load adapter {name!r}: max_loras={self.max_loras} "
-                                            f"adapters are resident and every one is in use by a live request")
+            if self.ranks is not None:  # every other rank first: one that refuses leaves the set unchanged
+                with self._lock:
+                    self._victim(adapter)  # (no transfer for a load that would be refused here)
+                self.ranks.load_adapter(adapter)
+            try:
+                victim = self._insert(name, adapter)
+            except BaseException:
+                self._drop_on_ranks(name)
+                raise
+            if victim is not None:
+                self._drop_on_ranks(victim)
+        logger.info("LoRA: loaded %r from %s (%d layers, rank %d, %.1f MB)", name, path, len(adapter.layers),
+                    adapter.rank, adapter.nbytes / 1e6)
+        return adapter
+
+    def _insert(self, name: str, adapter: Adapter) -> str | None:
+        """Make the read ``adapter`` resident here (on the device), evicting the least recently used unheld
+        one when ``max_loras`` are; returns the evicted name. Raises with the set unchanged."""
+        with self._lock:
+            self._refuse_loaded(name)
+            victim = self._victim(adapter)
+            if victim is not None:
                 evicted = self.adapters.pop(victim)
             try:
                 _to_device(adapter, self.family.device)
@@ -94,9 +117,22 @@ class AdapterStore:
                 apply.forget(evicted)
                 self.retiring.pop(victim, None)
             self.adapters[name] = adapter
-        logger.info("LoRA: loaded %r from %s (%d layers, rank %d, %.1f MB)", name, path, len(adapter.layers),
-                    adapter.rank, adapter.nbytes / 1e6)
-        return adapter
+        return victim
+
+    def _victim(self, adapter: Adapter) -> str | None:
+        """The adapter a load of ``adapter`` evicts (None: there is room); raises when every one is held."""
+        if len(self.adapters) < self.max_loras:
+            return None
+        victim = next((n for n in self.adapters if not self.pins[n]), None)
+        if victim is None:
+            raise AdapterInUseError(f"{adapter.path}: cannot load adapter {adapter.name!r}: max_loras="
+                                    f"{self.max_loras} adapters are resident and every one is in use by a live "
+                                    f"request")
+        return victim
+
+    def _drop_on_ranks(self, name: str) -> None:
+        if self.ranks is not None:
+            self.ranks.unload_adapter([name])
 
     def _refuse_loaded(self, name: str) -> None:
         with self._lock:
@@ -105,13 +141,16 @@ class AdapterStore:
                                          f"unload it first or choose another name")
 
     def unload(self, name: str) -> None:
-        with self._lock:
-            if name not in self.adapters:
-                raise AdapterNotLoadedError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}", name)
-            if self.pins[name]:
-                raise AdapterInUseError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
-            self.retiring.pop(name, None)
-            apply.forget(self.adapters.pop(name))
+        with self._changes:
+            with self._lock:
+                if name not in self.adapters:
+                    raise AdapterNotLoadedError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}",
+                                                name)
+                if self.pins[name]:
+                    raise AdapterInUseError(f"adapter {name!r} is in use by {self.pins[name]} live request(s)")
+                self.retiring.pop(name, None)
+                apply.forget(self.adapters.pop(name))
+            self._drop_on_ranks(name)
 
     def retire(self, name: str, hold: str, ttl_s: float) -> None:
         """The first phase of an unload that must happen on several engines at once or on none: refuses

@@ -15,6 +15,7 @@ How it reads, in the order it is applied (``launch``):
 
 Rank 0 owns the scheduler, requests, encoders, samplers and VAE; the engine sees ordinary families.
 Step caches decide on rank 0 which rows compute; only those rows' block inputs are sent out.
+LoRA adapters are loaded on every rank and each rank's rows get theirs (``loras.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def launch(models: dict[str, Family], config: ParallelConfig, device: str, dtype
     executor = Executor(models, config, device, dtype, backends)
     for name, family in models.items():
         family.parallel = ModelParallel(executor, name)
+        if getattr(family, "adapters", None) is not None:  # LoRA: loads and unloads reach every rank (loras.py)
+            family.adapters.ranks = family.parallel
     return executor
 
 

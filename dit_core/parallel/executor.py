@@ -27,8 +27,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from ..adapters import AdapterError, apply
 from ..families.base import BlockInputs, Family
-from . import payload
+from . import loras, payload
 from .config import ParallelConfig
 from .procs import MODE_ENV, ParallelWorkerError, WorkerProcesses
 from .runtime import RankRuntime
@@ -62,6 +63,10 @@ class Executor:
         self._threads = torch.get_num_threads()
         self._tmp = tempfile.mkdtemp(prefix="omnidit-parallel-")
         self._lock = threading.Lock()
+        # one conversation with the workers at a time: the engine's forwards, and adapter loads and unloads
+        # that a server thread makes while the engine steps (dit_core.parallel.loras)
+        self._talk = threading.Lock()
+        self.stores = {name: f.adapters for name, f in models.items() if getattr(f, "adapters", None) is not None}
         self._closed = False
         atexit.register(self.close)
         try:
@@ -86,7 +91,8 @@ class Executor:
         spec = {"config": asdict(config), "threads": threads, "dtype": dtype,
                 "models": {name: f.model_id for name, f in models.items()},
                 "backends": {name: {role: b.name for role, b in roles.items()} for name, roles in backends.items()},
-                "init": "file://" + os.path.join(self._tmp, "store"), "backend": "nccl" if nccl else "gloo"}
+                "init": "file://" + os.path.join(self._tmp, "store"), "backend": "nccl" if nccl else "gloo",
+                "loras": sorted(self.stores)}
         base = self.device.index or 0
         # CPU ranks fork from one launcher; CUDA ranks (or OMNIDIT_PARALLEL_START=exec) start as processes
         fork = not nccl and os.environ.get(MODE_ENV) != "exec"
@@ -224,19 +230,26 @@ class Executor:
 
     # ---- the two ops ----
 
+    def _adapters(self, name: str) -> tuple[object, apply.RowAdapters | None]:
+        """The model's adapter store on rank 0 (or None) and the row assignment of the forward in progress."""
+        store = self.stores.get(name)
+        return store, (apply.current(store) if store is not None else None)
+
     def forward(self, name: str, inputs: dict) -> torch.Tensor:
         """The transformer's output for every row of ``inputs``, computed across all ranks."""
-        with self._op():
+        with self._talk, self._op():
             mesh, plan = self.runtime.mesh, self.runtime.plans[name]
+            store, ctx = self._adapters(name)
             chunks = mesh.row_chunks(inputs[plan["rows"][0]].shape[0])
             sends, active = [], []
             for w in self.workers:
                 rows = chunks[w.rank // mesh.seq]
                 if rows[0] < rows[1]:
-                    sends.append(self._send(w, {"op": "forward", "model": name},
+                    sends.append(self._send(w, {"op": "forward", "model": name, "loras": loras.share(ctx, *rows)},
                                             slice_rows(inputs, plan["rows"], *rows)))
                     active.append(w)
-            outs = [self.runtime.forward(name, slice_rows(inputs, plan["rows"], *chunks[0]))]
+            with loras.own_rows(store, ctx, *chunks[0]):
+                outs = [self.runtime.forward(name, slice_rows(inputs, plan["rows"], *chunks[0]))]
             for w in active:
                 result = self._collect(w)
                 if result is not None:
@@ -246,8 +259,9 @@ class Executor:
 
     def run_blocks(self, name: str, x: BlockInputs, start: int, stop: int):
         """Blocks [start, stop) on every row of ``x``, across all ranks; returns (image, text)."""
-        with self._op():
+        with self._talk, self._op():
             mesh, plan = self.runtime.mesh, self.runtime.plans[name]
+            store, ctx = self._adapters(name)
             data = {"img": x.img, "txt": x.txt, "rows": x.rows, "shared": x.shared}
             tokens = x.img.shape[1]
             chunks = mesh.row_chunks(x.img.shape[0])
@@ -256,9 +270,12 @@ class Executor:
             for w in self.workers:
                 row, seq_index = divmod(w.rank, mesh.seq)
                 if chunks[row][0] < chunks[row][1]:
-                    sends.append(self._send(w, header, shard_blocks(data, plan, mesh, chunks[row], seq_index)))
+                    sends.append(self._send(w, {**header, "loras": loras.share(ctx, *chunks[row])},
+                                            shard_blocks(data, plan, mesh, chunks[row], seq_index)))
                     active.append(w)
-            img, txt = self.runtime.blocks(name, shard_blocks(data, plan, mesh, chunks[0], 0), start, stop, tokens)
+            with loras.own_rows(store, ctx, *chunks[0]):
+                img, txt = self.runtime.blocks(name, shard_blocks(data, plan, mesh, chunks[0], 0), start, stop,
+                                               tokens)
             imgs, txts = {0: img}, {0: txt}
             for w in active:
                 result = self._collect(w)
@@ -269,6 +286,42 @@ class Executor:
             groups = [g for g, (a, b) in enumerate(chunks) if a < b]
             img = torch.cat([torch.cat([imgs[mesh.rank_of(g, s)] for s in range(mesh.seq)], 1) for g in groups])
             return img, None if txt is None else torch.cat([txts[g] for g in groups])
+
+    # ---- LoRA adapters (dit_core.parallel.loras) ----
+
+    def load_adapter(self, name: str, adapter) -> None:
+        """Give every worker rank a copy of ``adapter`` (read by rank 0, on the host) for model ``name``.
+        A worker that refuses it: the others drop it again and ``AdapterError`` names the rank."""
+        head, buf = payload.pack(loras.factors(adapter), "cpu")
+        refused, took = [], []
+        with self._talk, self._op():
+            for w in self.workers:
+                w.conn.send({"op": "lora_load", "model": name, "name": adapter.name, "path": adapter.path,
+                             "payload": head})
+                w.conn.send_bytes(buf.numpy())
+            for w in self.workers:
+                msg = self._wait(w)
+                if "refused" in msg:
+                    refused.append((w, msg["refused"]))
+                else:
+                    took.append(w)
+            if refused:
+                self._unload_adapter(took, name, [adapter.name])
+        if refused:
+            w, why = refused[0]
+            raise AdapterError(f"{adapter.path}: adapter {adapter.name!r} could not be loaded on parallel rank "
+                               f"{w.rank} (pid {w.pid}): {why}; it is loaded on no rank")
+
+    def unload_adapter(self, name: str, names: list[str]) -> None:
+        """Drop the adapters ``names`` of model ``name`` on every worker rank."""
+        with self._talk, self._op():
+            self._unload_adapter(self.workers, name, names)
+
+    def _unload_adapter(self, workers: list[_Rank], name: str, names: list[str]) -> None:
+        for w in workers:
+            w.conn.send({"op": "lora_unload", "model": name, "names": names})
+        for w in workers:
+            self._wait(w, "unloaded")
 
     # ---- health and shutdown ----
 
@@ -316,3 +369,10 @@ class ModelParallel:
 
     def run_blocks(self, x: BlockInputs, start: int, stop: int):
         return self.executor.run_blocks(self.name, x, start, stop)
+
+    def load_adapter(self, adapter) -> None:
+        """(the model's ``AdapterStore.ranks``: its loads and unloads reach every rank)"""
+        self.executor.load_adapter(self.name, adapter)
+
+    def unload_adapter(self, names: list[str]) -> None:
+        self.executor.unload_adapter(self.name, names)

@@ -10,6 +10,7 @@ the AR thinker are not loaded), runs ops until told to stop, and exits when rank
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -50,6 +51,7 @@ class Worker:
         self.conn = conn
         self.runtime = None
         self.device = torch.device("cpu")
+        self.adapters = {}  # model -> its LoRA adapters' copies (dit_core.parallel.loras), max_loras > 0
 
     def start(self) -> None:
         from .config import ParallelConfig
@@ -67,6 +69,10 @@ class Worker:
 
         for family in families.values():
             apply_quant(family, config.quant)  # the same weights as rank 0's (EngineConfig.quant)
+        from .loras import RankAdapters
+
+        # hooked before the plan's hooks (RankRuntime), in the order rank 0 hooks its layers
+        self.adapters = {name: RankAdapters(families[name].transformer, self.device) for name in spec["loras"]}
         from attention import get_backend
 
         backends = {name: {role: get_backend(b) for role, b in roles.items()}
@@ -88,8 +94,13 @@ class Worker:
                 return
             if header["op"] == "forward":
                 self._forward(header)
-            else:
+            elif header["op"] == "blocks":
                 self._blocks(header)
+            elif header["op"] == "lora_load":
+                self._load_adapter(header)
+            else:
+                self.adapters[header["model"]].unload(header["names"])
+                self.conn.send({"unloaded": True})
 
     def _inputs(self, header) -> dict:
         from . import payload
@@ -102,13 +113,37 @@ class Worker:
         return payload.unpack(header["payload"], buf)
 
     def _forward(self, header) -> None:
-        out = self.runtime.forward(header["model"], self._inputs(header))
+        inputs = self._inputs(header)
+        with self._rows(header):
+            out = self.runtime.forward(header["model"], inputs)
         self._reply(None if out is None else {"out": out})
 
     def _blocks(self, header) -> None:
-        img, txt = self.runtime.blocks(header["model"], self._inputs(header), header["start"], header["stop"],
-                                       header["tokens"])
+        inputs = self._inputs(header)
+        with self._rows(header):
+            img, txt = self.runtime.blocks(header["model"], inputs, header["start"], header["stop"],
+                                           header["tokens"])
         self._reply({"img": img, "txt": txt if self.runtime.mesh.is_leader else None})
+
+    def _rows(self, header):
+        """This rank's rows get their LoRA adapters (the header's assignment) for the op."""
+        spec = header.get("loras")
+        return self.adapters[header["model"]].rows(spec) if spec is not None else contextlib.nullcontext()
+
+    def _load_adapter(self, header) -> None:
+        """Keep a copy of the adapter rank 0 sends (its factors follow the header as one byte message); a
+        failure here is this load's (refused, reported to rank 0), not the rank's."""
+        from . import payload
+
+        buf = bytearray(payload.size(header["payload"]))
+        self.conn.recv_bytes_into(buf)
+        try:
+            layers = payload.unpack(header["payload"], torch.frombuffer(buf, dtype=torch.uint8))
+            self.adapters[header["model"]].load(header["name"], header["path"], layers)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, which fails the load on every rank
+            self.conn.send({"refused": f"{type(e).__name__}: {e}"})
+            return
+        self.conn.send({"loaded": True})
 
     def _reply(self, result) -> None:
         from . import payload
