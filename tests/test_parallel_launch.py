@@ -20,6 +20,31 @@ from helpers import CFG, params
 from procs import alive, descendants
 from serve.app import create_app
 from serve.cli import main as cli_main
+from serve.server import free_port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_server(tiny_models):
+    """The ``omnidit serve --ulysses 2`` of the SIGTERM test, started with the module: its start (two processes
+    importing torch and diffusers one after the other, ~20 s of one core) overlaps the tests before it, which
+    mostly wait on their own workers' imports. Tests that count this process's descendants leave its tree out
+    (``own_descendants``)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", str(tiny_models["flux"]),
+                               "--port", str(port), "--ulysses", "2", "--ring", "1", "--row-parallel", "1",
+                               "--dtype", "float32"])  # no dtype measurement: not what the test is about
+    server.url = f"http://127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def own_descendants(server) -> set[int]:
+    """This process's live descendants, less the module's server and whatever it started."""
+    return descendants(os.getpid()) - descendants(server.pid) - {server.pid}
 
 
 # ---- invalid plans fail at start, naming the flag and the constraint ----
@@ -63,16 +88,16 @@ def test_cli_names_the_flag(tiny_models, capsys):
 # ---- a worker that fails or dies; shutdown ----
 
 
-def test_a_worker_failing_at_start_is_reported_and_nothing_is_left(tiny_models, tmp_path):
+def test_a_worker_failing_at_start_is_reported_and_nothing_is_left(tiny_models, tmp_path, parallel_server):
     from dit_core import EngineConfig, ParallelWorkerError
     from dit_core.families import load_family
 
     family = load_family(tiny_models["flux"], torch.float32, torch.device("cpu"))
     family.model_id = str(tmp_path)  # workers load from here: an empty folder
-    before = descendants(os.getpid())
+    before = own_descendants(parallel_server)
     with pytest.raises(ParallelWorkerError, match=r"parallel worker rank 1 \(pid \d+\) failed: UnknownModelError"):
         Engine(family, EngineConfig(ulysses=2))
-    assert descendants(os.getpid()) <= before
+    assert own_descendants(parallel_server) <= before
 
 
 def test_killed_worker_fails_its_requests_and_health_reports_it(tiny_models, tmp_path):
@@ -121,7 +146,8 @@ def test_killed_worker_fails_its_requests_and_health_reports_it(tiny_models, tmp
     assert not [p for p in pids if alive(p)]
 
 
-def test_cli_generate_with_parallel_flags_matches_and_leaves_no_process(tiny_models, tmp_path, monkeypatch):
+def test_cli_generate_with_parallel_flags_matches_and_leaves_no_process(tiny_models, tmp_path, monkeypatch,
+                                                                        parallel_server):
     # ranks started as their own processes, as on CUDA (a CPU engine forks them from one launcher)
     monkeypatch.setenv("OMNIDIT_PARALLEL_START", "exec")
     # float32 pinned: under the default --dtype auto each run measures its own kernels (oneDNN linears
@@ -130,45 +156,34 @@ def test_cli_generate_with_parallel_flags_matches_and_leaves_no_process(tiny_mod
     base = ["generate", "a cat", "-m", str(tiny_models["flux"]), "--steps", "3", "--size", "32x32", "--seed", "5",
             "--dtype", "float32"]
     assert cli_main(base + ["-o", str(tmp_path / "one.png")]) == 0
-    before = descendants(os.getpid())
+    before = own_descendants(parallel_server)
     assert cli_main(base + ["-o", str(tmp_path / "two.png"), "--ulysses", "2", "--ring", "1",
                             "--row-parallel", "1"]) == 0
-    assert descendants(os.getpid()) <= before  # the workers and their launcher are gone
+    assert own_descendants(parallel_server) <= before  # the workers and their launcher are gone
     from PIL import Image
 
     one, two = (torch.from_numpy(np.asarray(Image.open(tmp_path / n), dtype=np.int16)) for n in ("one.png", "two.png"))
     assert (one - two).abs().max().item() <= 1  # 8-bit rounding of images within 1e-5
 
 
-def test_serve_with_parallel_flags_then_sigterm_leaves_no_process(tiny_models):
+def test_serve_with_parallel_flags_then_sigterm_leaves_no_process(parallel_server):
     import httpx
     import openai
 
-    from serve.server import free_port
-
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", str(tiny_models["flux"]),
-                               "--port", str(port), "--ulysses", "2", "--ring", "1", "--row-parallel", "1",
-                               "--dtype", "float32"])  # no dtype measurement: not what this test is about
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "server did not start"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
-        workers = descendants(server.pid)
-        assert len(workers) >= 2  # the launcher and rank 1
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-        image = client.images.generate(model="flux", prompt="a cat", size="32x32", response_format="b64_json",
-                                       extra_body={"num_inference_steps": 2, "seed": 3})
-        assert image.data[0].b64_json
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
-        assert not [p for p in workers if alive(p)]
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    server, url = parallel_server, parallel_server.url
+    deadline = time.monotonic() + 300
+    while True:
+        assert server.poll() is None and time.monotonic() < deadline, "server did not start"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        time.sleep(0.5)
+    workers = descendants(server.pid)
+    assert len(workers) >= 2  # the launcher and rank 1
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    image = client.images.generate(model="flux", prompt="a cat", size="32x32", response_format="b64_json",
+                                   extra_body={"num_inference_steps": 2, "seed": 3})
+    assert image.data[0].b64_json
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=60) == 0
+    assert not [p for p in workers if alive(p)]
