@@ -33,11 +33,18 @@ INGRESS_DEPLOYMENT = "Ingress"
 LORA_RECORD_DEPLOYMENT = "LoraRecord"
 
 
-def build_app(args: dict | ScaleOutConfig, app_id: str | None = None):
+def build_app(args: dict | ScaleOutConfig):
     """The Ray Serve application for ``args`` (the fields of ``ScaleOutConfig``, as a dict or the
     dataclass). Example: ``build_app({"models": {"digits": "digits"}, "replicas": 2,
-    "engine": {"max_batch_size": 8}, "shared_thinker": True})``. ``app_id`` names this app's LoRA record
-    file (``serve.lora_sync.record_file``; default: a new random id)."""
+    "engine": {"max_batch_size": 8}, "shared_thinker": True})``. One parameter, as Ray Serve requires of
+    an application builder (``serve run serve.ray_app:build_app key=value ...``); its LoRA record file gets
+    a new random id (``build_application`` takes one)."""
+    return build_application(args)
+
+
+def build_application(args: dict | ScaleOutConfig, app_id: str | None = None):
+    """``build_app`` with ``app_id`` naming this app's LoRA record file (``serve.lora_sync.record_file``;
+    default: a new random id): ``omnidit serve --replicas`` passes its own, to remove the file when it stops."""
     cfg = args if isinstance(args, ScaleOutConfig) else ScaleOutConfig.from_args(dict(args or {}))
     thinkers = {name: _thinker_deployment(cfg, name) for name in cfg.shared_thinker}
     options = cfg.deployment_options()

@@ -27,7 +27,7 @@ def serve_on_ray(cfg, host: str = "127.0.0.1", port: int = 8000, ray_address: st
     from ray.serve.config import HTTPOptions
 
     from ..lora_sync import record_file
-    from . import build_app
+    from . import build_application
 
     level = logging.INFO if verbose else logging.WARNING
     if ray_address:
@@ -41,7 +41,7 @@ def serve_on_ray(cfg, host: str = "127.0.0.1", port: int = 8000, ray_address: st
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options=HTTPOptions(host=host, port=port))
-        serve.run(build_app(cfg, app_id), name=APP_NAME, route_prefix="/",
+        serve.run(build_application(cfg, app_id), name=APP_NAME, route_prefix="/",
                   logging_config={"log_level": "INFO" if verbose else "WARNING"})
         print(f"omnidit: serving {sorted(cfg.models)} on http://{host}:{port} with "
               f"{_replicas(cfg)} engine replicas on Ray Serve ({cfg.router} routing"
