@@ -3,7 +3,9 @@
 The cluster is the CLI itself (``omnidit serve --replicas 1 --max-replicas 2 ...`` in a subprocess,
 the embedded digits model with its thinker as a shared stage, plus the tiny Stable Audio and Wan
 checkpoints, the embedded TTS model and the embedded reaching policy for the audio, video, speech and
-robot routes, batch-aware routing with a budget of 4 requests per forward). The first test runs on its one
+robot routes, batch-aware routing with a budget of 4 requests per forward), started together with
+``omnidit serve`` of the same flags without Ray (the single-process reference of
+test_replicas_run_the_engine_the_same_flags_give_in_one_process). The first test runs on its one
 replica (a LoRA adapter loaded before scaling); then a fixture loads it until the autoscaler adds the second
 replica; every later test runs against 2 replicas; the last stops it with SIGTERM and checks, by pid, that
 no Ray process is left.
@@ -74,7 +76,7 @@ def accepted(url) -> dict:
     return {e["replica"]: e["accepted"] for e in replicas(url)["engines"]}
 
 
-def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.5):
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
@@ -116,35 +118,62 @@ RAY_FLAGS = ["--replicas", "1", "--max-replicas", "2", "--target-ongoing-request
              "--shared-thinker", "--shutdown-timeout", "5"]
 
 
-@contextmanager
-def cli_server(flags: list[str], env: dict | None = None):
-    """``omnidit serve FLAGS`` in a subprocess on a free port, from when /health answers: (process, url).
-    Stopped with SIGTERM at the end; no process it started (Ray's included) is left behind."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "serve.cli", "serve", *flags, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy():
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
+# `omnidit serve` (no Ray) that prints, as it exits, the Ray modules it imported: the single-process server
+# must import none (tests/test_ray_routing.py imports Ray; this process is the real server path, start to stop)
+REPORT_RAY = ("import atexit, runpy, sys; atexit.register(lambda: print('ray modules imported:', sorted(m for m in "
+              "sys.modules if m == 'ray' or m.startswith('ray.')), flush=True)); "
+              "runpy.run_module('serve.cli', run_name='__main__', alter_sys=True)")
 
-        wait_for(healthy, 600, "the server to come up")  # a loaded 2-core machine starts Ray slowly
-        yield proc, url
+
+@contextmanager
+def cli_servers(specs: list[tuple[list[str], dict]]):
+    """``omnidit serve FLAGS`` for each (flags, environment) spec, each in a subprocess on a free port, all
+    started at once (their imports overlap on the machine's cores), from when each /health answers:
+    [(process, url, its output file)]. Stopped with SIGTERM at the end; no process they started (Ray's
+    included) is left behind."""
+    started = []
+    try:
+        for flags, env in specs:
+            port = free_port()
+            out = tempfile.TemporaryFile("w+")  # (a pipe nobody reads could fill and stall the server)
+            launch = ["-c", REPORT_RAY] if "--replicas" not in flags else ["-m", "serve.cli"]
+            proc = subprocess.Popen([sys.executable, *launch, "serve", *flags, "--port", str(port)], stdout=out,
+                                    stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+            started.append((proc, f"http://127.0.0.1:{port}", out))
+        for proc, url, out in started:
+            def healthy():
+                assert proc.poll() is None, output(out)
+                try:
+                    return httpx.get(f"{url}/health", timeout=2).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(healthy, 600, "the server to come up", poll_s=0.1)  # a loaded 2-core machine starts Ray slowly
+        yield started
     finally:
-        if proc.poll() is None:
-            left = descendants(proc.pid)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            for p in alive(left):  # never leave a Ray process behind, even when a test failed
-                p.kill()
+        for proc, _, out in started:
+            if proc.poll() is None:
+                stop(proc)
+            out.close()
+
+
+def output(out) -> str:
+    out.seek(0)
+    return out.read()
+
+
+def stop(proc) -> int:
+    """SIGTERM, then wait for the process (killed after 90 s); no process it started is left. Its exit status."""
+    left = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for p in alive(left):  # never leave a Ray process behind, even when a test failed
+        p.kill()
+    return proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +187,27 @@ def keys_file():
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_audio, wan_tiny, keys_file):
-    flags = serve_flags({"sound": tiny_audio, "clips": wan_tiny}, keys_file) + RAY_FLAGS
-    with cli_server(flags, FAST_METRICS) as (proc, url):
-        yield proc, url
+def servers(request, tiny_audio, wan_tiny, keys_file):
+    """The cluster and, when a collected test asks for ``one_process``, ``omnidit serve`` with the same flags
+    but no Ray, started together: the one-process server imports and loads while Ray starts."""
+    flags = serve_flags({"sound": tiny_audio, "clips": wan_tiny}, keys_file)
+    specs = [(flags + RAY_FLAGS, FAST_METRICS)]
+    if any("one_process" in item.fixturenames for item in request.session.items):
+        specs.append((flags, {}))
+    with cli_servers(specs) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def cluster(servers):
+    proc, url, _ = servers[0]
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def one_process(servers):
+    """(process, url, output file) of the same flags' single-process server."""
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +219,8 @@ def scaled(cluster):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         load = [pool.submit(post, url, {**body, "seed": i}) for i in range(6)]
         start = time.monotonic()
-        engines = wait_for(lambda: len(replicas(url)["engines"]) == 2 and replicas(url)["engines"], 300,
-                           "a second engine replica", poll_s=1)
+        engines = wait_for(lambda: e if len(e := replicas(url)["engines"]) == 2 else None, 300,
+                           "a second engine replica", poll_s=0.25)
         seconds = time.monotonic() - start
         statuses = [f.result().status_code for f in load]
     return dict(url=url, proc=proc, before=before, after=len(engines), seconds=seconds, statuses=statuses)
@@ -568,11 +614,12 @@ def test_client_disconnect_aborts_the_request_in_its_replica(scaled):
     assert ran < 1000  # it stopped well before its 1000 steps
 
 
-def test_replicas_run_the_engine_the_same_flags_give_in_one_process(scaled, tiny_audio, wan_tiny, keys_file):
+def test_replicas_run_the_engine_the_same_flags_give_in_one_process(scaled, one_process, tiny_audio, wan_tiny,
+                                                                   keys_file):
     """Every EngineConfig field, as each replica's engine runs it (``config`` of /v1/engine/stats), equals
     what ``omnidit serve`` with the same flags but no Ray builds in one process; and the server flags that
     act on the engine's process or on the requests reach the replicas (--malloc-trim-interval,
-    --max-pixel-steps on images)."""
+    --max-pixel-steps on images). And that single-process server never imports Ray, from start to stop."""
     url = scaled["url"]
     flags = serve_flags({"sound": tiny_audio, "clips": wan_tiny}, keys_file)
     kinds = {f: ray_flags.REACH[SERVE_PARSER._option_string_actions[f].dest].kind
@@ -580,10 +627,13 @@ def test_replicas_run_the_engine_the_same_flags_give_in_one_process(scaled, tiny
     # the one process gets every flag of the cluster but those that only lay out Ray Serve
     assert {f for f, kind in kinds.items() if kind == "scale_out"} == {f for f in RAY_FLAGS if f.startswith("--")}
     too_large = {"prompt": "x", "size": "512x512", "num_inference_steps": 1000}
-    with cli_server(flags) as (_, local_url):
-        local = httpx.get(f"{local_url}/v1/engine/stats", headers=AUTH, timeout=30).json()["config"]
-        local_error = assert_error(post(local_url, too_large, timeout=60), 400, "num_inference_steps",
-                                   "request_too_large")
+    proc, local_url, out = one_process  # (started with the cluster)
+    assert proc.args[proc.args.index("serve") + 1:-2] == flags
+    local = httpx.get(f"{local_url}/v1/engine/stats", headers=AUTH, timeout=30).json()["config"]
+    local_error = assert_error(post(local_url, too_large, timeout=60), 400, "num_inference_steps", "request_too_large")
+    # stopped, it exits cleanly, and it imported no Ray module at any point of its life
+    assert stop(proc) == 0, output(out)[-3000:]
+    assert "ray modules imported: []" in output(out).splitlines(), output(out)[-3000:]
     stats = httpx.get(f"{url}/v1/engine/stats", headers=AUTH, timeout=30).json()
     assert set(local) == {f.name for f in dataclasses.fields(EngineConfig)} | {"dtype_auto"}
     assert local["cpu_linear"]["digits"] == "onednn" and local["cpu_allocator"] == "reuse"  # what auto chose here

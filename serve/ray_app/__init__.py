@@ -56,13 +56,13 @@ def build_application(args: dict | ScaleOutConfig, app_id: str | None = None):
     # file of this app under --lora-dir, so that the record survives its actor (Ray Serve restarts it empty)
     lora_dir = cfg.settings.get("lora_dir")
     record = (serve.deployment(LoraRecord, name=LORA_RECORD_DEPLOYMENT, num_replicas=1,
-                               ray_actor_options={"num_cpus": 0}).bind(
+                               ray_actor_options={"num_cpus": 0}, **cfg.actor_options()).bind(
                   record_file(lora_dir, app_id or uuid.uuid4().hex[:16]), lora_dir)
               if lora_dir else None)
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, **options).bind(cfg.to_dict(), thinkers, record)
     ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
-                               graceful_shutdown_timeout_s=cfg.shutdown_timeout_s)
+                               graceful_shutdown_timeout_s=cfg.shutdown_timeout_s, **cfg.actor_options())
     return ingress.bind(engine, cfg.settings, thinkers, record)
 
 
@@ -70,7 +70,8 @@ def _thinker_deployment(cfg: ScaleOutConfig, name: str):
     engine = EngineConfig(**cfg.engine)  # the thinker choice as every replica would resolve it
     options = {"kv_cache_gb": engine.thinker_kv_cache_gb, "memory_utilization": engine.thinker_memory_utilization}
     stage = serve.deployment(ThinkerStage, name=f"Thinker_{name}", num_replicas=cfg.thinker_replicas,
-                             ray_actor_options={"num_cpus": cfg.thinker_cpus}, max_ongoing_requests=64)
+                             ray_actor_options={"num_cpus": cfg.thinker_cpus}, max_ongoing_requests=64,
+                             **cfg.actor_options())
     # dtype auto is a measurement of the DiT's shapes; the shared thinker stays in fp32 then
     dtype = "float32" if engine.dtype == "auto" else engine.dtype
     return stage.bind(cfg.models[name], engine.thinker, dtype, engine.device, options,

@@ -19,6 +19,14 @@ AUTOSCALING_FIELDS = ("min_replicas", "max_replicas", "initial_replicas", "targe
                       "metrics_interval_s", "look_back_period_s", "smoothing_factor", "upscale_smoothing_factor",
                       "downscale_smoothing_factor", "upscaling_factor", "downscaling_factor", "upscale_delay_s",
                       "downscale_delay_s", "downscale_to_zero_delay_s", "aggregation_function")
+# Every deployment of the app (engine replicas, ingress, shared thinker, LoRA record). Ray Serve notices an
+# actor that died at its next health check and only then starts another: Ray's default period is 10 s, all of
+# it without e.g. the LoRA record that POST /v1/loras and starting replicas call. A stopping replica checks for
+# in-flight requests every GRACEFUL_SHUTDOWN_WAIT_LOOP_S (Ray's default 2 s, waited at least once per deployment,
+# one deployment after another, when the app stops); a request that reaches a replica once it has drained is
+# refused by Ray Serve and retried on another replica, so the shorter loop loses none.
+HEALTH_CHECK_PERIOD_S = 2.0
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
 
 
 @dataclass
@@ -132,7 +140,7 @@ class ScaleOutConfig:
             ray_actor_options={"num_cpus": self.replica_cpus if self.replica_cpus is not None else threads},
             max_ongoing_requests=self.max_ongoing_requests or 2 * self.max_batch_size,
             graceful_shutdown_timeout_s=self.shutdown_timeout_s,
-            health_check_period_s=2.0,
+            **self.actor_options(),
         )
         if self.max_replicas:
             options["autoscaling_config"] = {
@@ -142,6 +150,11 @@ class ScaleOutConfig:
         else:
             options["num_replicas"] = self.replicas
         return options
+
+    def actor_options(self) -> dict:
+        """Ray Serve options every deployment of the app gets (health checks, shutdown)."""
+        return {"health_check_period_s": HEALTH_CHECK_PERIOD_S,
+                "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
 
     def logical_cpus(self) -> float:
         """Ray logical CPUs the application needs at its largest (for a Ray started by omnidit)."""
