@@ -1,8 +1,8 @@
 """LoRA adapters with block offload (``offload=blocks:N`` / ``disk:N``, ``max_resident_gb``) on the tiny FLUX:
 the adapters stay on the device while the blocks stream, so a mixed batch's rows equal the same requests on an
 engine without offload and their solo runs; adapters load, evict and unload while blocks stream; a memory
-budget counts the adapters' bound; only parallel degrees are still refused with adapters (cache-dit is not:
-test_lora_cache_dit.py)."""
+budget counts the adapters' bound; adapters are refused with neither offload, cache-dit nor parallel degrees
+(those combinations are tested in test_lora_cache_dit.py and test_parallel.py)."""
 
 import pytest
 import torch
