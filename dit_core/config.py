@@ -114,14 +114,14 @@ class EngineConfig:
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.
     max_loras: LoRA adapters resident per model (``dit_core.adapters``; requests name them in
-        ``SamplingParams.loras``); 0 (default): no adapters, the linear layers are not hooked. Loading
-        one more evicts the least recently used one no live request holds. FLUX, SD3, Qwen-Image and
-        Wan models; with the per-row step caches (a row's cache decisions use its adapted model), with
-        cache-dit (one request per forward: its residual checks see that request's adapted blocks) and
-        with block offload (the adapters stay on the device while blocks stream; ``max_resident_gb``
-        counts ``max_loras`` adapters of rank ``max_lora_rank`` on every linear layer among the weights
-        it keeps); and with ulysses / ring / row_parallel > 1 (every rank holds the resident adapters, a
-        load or unload reaches every rank, each rank's rows get theirs).
+        ``SamplingParams.loras``); 0 (default): no adapters, the linear layers are not hooked. Loading one
+        more evicts the least recently used one no live request holds. FLUX, SD3, Qwen-Image (and
+        Qwen-Image-Edit) and Wan models; with the per-row step caches (a row's cache decisions use its
+        adapted model), with cache-dit (one request per forward: its residual checks see that request's
+        adapted blocks) and with block offload (the adapters stay on the device while blocks stream;
+        ``max_resident_gb`` counts ``max_loras`` adapters of rank ``max_lora_rank`` on every linear layer
+        among the weights it keeps); and with ulysses / ring / row_parallel > 1 (every rank holds the
+        resident adapters, a load or unload reaches every rank, each rank's rows get theirs).
     max_lora_rank: the highest adapter rank a load accepts (default 64).
     dtype: ``float32``, ``bfloat16``, ``float16`` (not on CPU) or ``auto``: measured once per machine
         and model, see ``dit_core.dtype_auto`` (``Engine.from_models`` resolves it before loading).

@@ -49,7 +49,10 @@ def models(tiny_models, wan_tiny, tmp_path_factory):
         index = json.loads((copy / "model_index.json").read_text())
         index["_omnidit_teacache"] = {"coefficients": coefficients}
         (copy / "model_index.json").write_text(json.dumps(index))
-    return {"flux": tiny_models["flux"], "qwenimage": tiny_models["qwenimage"], **copies}
+    from dit_core.random_models.qwenimage import build_edit
+
+    edit = build_edit(root / "qwen-edit", reference_area=32 * 32)  # Qwen-Image-Edit, references of ~32 x 32
+    return {"flux": tiny_models["flux"], "qwenimage": tiny_models["qwenimage"], "qwen-edit": edit, **copies}
 
 
 @contextlib.contextmanager
@@ -303,3 +306,49 @@ def test_lora_rows_match_world_size_one(parallel, reference, lora_files, cache_o
         assert (g - w).abs().max().item() <= TOL, f"request {i} ({LORA_BATCH[i][0]})"
     assert (got[0] - got[2]).abs().max().item() > 1e-2  # the adapter really changes the image
     assert (got[4] - got[2]).abs().max().item() <= TOL  # scale 0: the model without the adapter
+
+
+@pytest.fixture(scope="module")
+def edit_lora(models, tmp_path_factory):
+    """test_lora's random adapter (rank 4) for the Qwen-Image-Edit checkpoint's transformer."""
+    from test_lora import OTHER_TARGETS, make_family_lora
+
+    return make_family_lora(models["qwen-edit"], tmp_path_factory.mktemp("edit-lora"), OTHER_TARGETS["qwenimage"][0],
+                            r=4, alpha=8, seed=1)
+
+
+def edit_specs():
+    """Qwen-Image-Edit requests: two edits of one reference grid (16 + 16 image tokens; one with adapter e, one
+    with true CFG: one dense forward), an edit at an odd size with a wider reference (15 + 32), an edit of one
+    generated token (1 + 16: only the reference makes it long enough to split over 4 sequence ranks), text to
+    image with e at 0.5, image-to-image."""
+    from test_qwen_edit import picture
+
+    common = dict(num_inference_steps=4)
+    return [("make it red", params(image=picture(40, 48), seed=1, loras=[("e", 1.0)], **common)),
+            ("make it blue", params(image=picture(40, 48, seed=5), seed=2, **CFG["qwenimage"], **common)),
+            ("make it wide", params(image=picture(32, 96, seed=4), height=24, width=40, seed=3, **common)),
+            ("make it small", params(image=picture(40, 48, seed=6), height=8, width=8, seed=4, **common)),
+            ("a cat", params(seed=5, loras=[("e", 0.5)], **common)),
+            ("a cat", params(image=picture(40, 48), strength=0.7, seed=6, **common))]
+
+
+@pytest.mark.parametrize("cache_on", [False, True], ids=["plain", "teacache"])
+def test_qwen_edit_rows_match_world_size_one(parallel, reference, edit_lora, cache_on):
+    """Qwen-Image-Edit under every plan: each row's reference tokens are joined to its image sequence and split
+    with it (Ulysses / Ring) or travel with its row (row parallel); edits, an adapter on an edit and on a
+    text-to-image row, image-to-image: each request equals world size 1 (<= 1e-5), batched the same way."""
+    got = {}
+    for engine in (parallel, reference.engine):
+        if not engine.loras("qwen-edit"):
+            engine.load_lora("e", edit_lora, model="qwen-edit")
+        with cache(engine, cache_on):
+            finals, sizes = run_staggered(_Bound(engine, "qwen-edit"), edit_specs(), arrivals=[0, 0, 1, 0, 2, 1])
+        skipped = [finals[i].output.metrics["cache_skipped_rows"] for i in range(len(finals))]
+        got[engine is parallel] = [assert_finished(finals[i]) for i in range(len(finals))], sizes, skipped
+    parallel.unload_lora("e", model="qwen-edit")  # (the next plan's engine loads it again)
+    (outs, sizes, skipped), (want, ref_sizes, ref_skipped) = got[True], got[False]
+    assert sizes == ref_sizes and max(sizes) >= 2  # the same batches; the two edits of one grid share a forward
+    assert skipped == ref_skipped  # TeaCache's decisions made on rank 0, as at world size 1
+    for i, (g, w) in enumerate(zip(outs, want)):
+        assert (g - w).abs().max().item() <= TOL, f"request {i}"

@@ -1,7 +1,9 @@
 """Qwen-Image-Edit reference-image editing: one request equals diffusers' QwenImageEditPipeline (fp32,
 <= 1e-4, same seed), with and without true CFG; text-to-image, image-to-image and edit rows with
 references of different token counts share a step (packed, or dense when their shapes match), each
-row getting what it gets alone (<= 1e-5); bad inputs name their field.
+row getting what it gets alone (<= 1e-5); bad inputs name their field. With a LoRA adapter, an edit equals
+the stock pipeline after ``load_lora_weights`` (<= 1e-4), and edit, image-to-image and text rows with and
+without adapters each get what they get alone (<= 1e-5). (Parallel plans: tests/test_parallel.py.)
 
 The tiny checkpoint sets ``reference_area`` to 32 * 32: the stock pipeline is run with its
 ``calculate_dimensions`` given that area instead of its fixed 1024 * 1024 (everything else stock)."""
@@ -217,6 +219,76 @@ def test_bad_edit_inputs_name_the_field(edit):
         assert err.value.field == field, kw
     assert engine.family.describe()["inputs"] == ["text", "image", "mask", "reference_images"]
     assert math.isclose(engine.family.reference_area, AREA)
+
+
+@pytest.fixture(scope="module")
+def lora_edit(edit, tmp_path_factory):
+    """(engine with LoRA adapters, the adapter file): test_lora's random PEFT adapter (rank 4, alpha 8) on
+    attention, MLP, modulation and output linears of the edit checkpoint's transformer, loaded as "a"."""
+    from test_lora import OTHER_TARGETS, make_family_lora
+
+    model = edit[0].family.model_id
+    path = make_family_lora(model, tmp_path_factory.mktemp("edit-lora"), OTHER_TARGETS["qwenimage"][0], r=4, alpha=8,
+                            seed=1)
+    engine = Engine.from_pretrained(model, max_batch_size=8, max_loras=2, max_lora_rank=8)
+    engine.load_lora("a", path)
+    return engine, path
+
+
+def test_lora_equals_diffusers_on_edit_img2img_and_text_rows(edit, lora_edit):
+    """An adapter on an edit (with true CFG) equals QwenImageEditPipeline after ``load_lora_weights`` +
+    ``set_adapters``; on an image-to-image and a text-to-image request of the same checkpoint, the
+    Img2Img / plain pipelines sharing that transformer (<= 1e-4, same seed)."""
+    from diffusers import QwenImagePipeline
+
+    _, pipe = edit
+    engine, path = lora_edit
+    image = picture(40, 48)
+    cfg = dict(negative_prompt="blurry", true_cfg_scale=3.0)
+    pipe.load_lora_weights(str(path), adapter_name="a")
+    try:
+        pipe.set_adapters(["a"], [0.8])
+        want_edit = stock(pipe, image, 7, num_inference_steps=2, **cfg)
+        want_img2img = QwenImageImg2ImgPipeline.from_pipe(pipe)(
+            PROMPT, image=image, strength=0.7, height=32, width=32, num_inference_steps=3,
+            generator=torch.Generator().manual_seed(5), output_type="pt").images
+        pipe.set_adapters(["a"], [0.5])
+        want_text = QwenImagePipeline.from_pipe(pipe)(PROMPT, height=32, width=32, num_inference_steps=2,
+                                                      generator=torch.Generator().manual_seed(3),
+                                                      output_type="pt").images
+    finally:
+        pipe.delete_adapters(["a"])
+    got_edit = run(engine, SamplingParams(image=image, seed=7, num_inference_steps=2, loras=[("a", 0.8)], **cfg))
+    plain_edit = run(engine, SamplingParams(image=image, seed=7, num_inference_steps=2, **cfg))
+    assert (got_edit - plain_edit).abs().max().item() > 1e-2  # the adapter really changes the edit
+    assert (got_edit - want_edit).abs().max().item() <= 1e-4
+    got = run(engine, params(image=image, strength=0.7, seed=5, num_inference_steps=3, loras=[("a", 0.8)]))
+    assert (got - want_img2img).abs().max().item() <= 1e-4
+    got = run(engine, params(seed=3, num_inference_steps=2, loras=[("a", 0.5)]))
+    assert (got - want_text).abs().max().item() <= 1e-4
+
+
+def test_lora_mixed_batch_rows_equal_alone(lora_edit):
+    """Edits with adapter a, without one and with a at another scale and true CFG (one reference grid: one
+    dense forward, rows with different adapters), then text-to-image with a at 0.5, image-to-image with a
+    and text-to-image without (their own forward: adapters keep sizes apart, ``mixed_sizes``): each row as
+    alone (<= 1e-5)."""
+    engine, _ = lora_edit
+    common = dict(num_inference_steps=3)
+    edits = [params(seed=1, image=picture(40, 48), loras=[("a", 1.0)], **common),
+             params(seed=2, image=picture(40, 48, seed=5), **common),
+             params(seed=3, image=picture(48, 40, seed=6), loras=[("a", 0.6)], negative_prompt="blurry",
+                    true_cfg_scale=3.0, **common)]
+    others = [params(seed=4, loras=[("a", 0.5)], **common),
+              params(seed=5, image=picture(40, 48), strength=0.7, loras=[("a", 1.0)], **common),
+              params(seed=4, **common)]
+    specs = edits + others
+    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 1, 0, 1, 0])
+    assert sorted(sizes, reverse=True)[:2] == [3, 3]  # each kind ran as one batch of three
+    for i, ref in enumerate(alone):
+        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+    assert (alone[3] - alone[5]).abs().max().item() > 1e-2  # a at 0.5 changes the text-to-image row
 
 
 def test_openai_client_edits_with_a_reference_over_http(edit):

@@ -45,8 +45,9 @@ class AdapterInUseError(AdapterError):
 
 # family name -> the diffusers LoRA loader mixin whose ``lora_state_dict`` converts its file layouts
 # (a name in diffusers.loaders.lora_pipeline, imported when first used)
+# (Qwen-Image-Edit: QwenImageEditPipeline loads LoRA files with Qwen-Image's mixin, the transformer is the same class)
 LOADERS = {"flux": "FluxLoraLoaderMixin", "sd3": "SD3LoraLoaderMixin", "qwenimage": "QwenImageLoraLoaderMixin",
-           "wan": "WanLoraLoaderMixin"}
+           "qwenimage_edit": "QwenImageLoraLoaderMixin", "wan": "WanLoraLoaderMixin"}
 
 
 def _state_dict(family_name: str, tensors: dict) -> tuple[dict, dict | None]:

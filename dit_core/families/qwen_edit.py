@@ -36,6 +36,11 @@ share one packed forward (``qwen_packed``: each row's own tokens and rotary tabl
 the engine mixes sizes, else the batch key keeps each shape apart. Either way a row gets what it gets
 alone. An edit's conditioning depends on its image, so it skips the prompt cache; its reference is
 VAE-encoded alone (one call per reference), so its latents never depend on what it was admitted with.
+
+LoRA adapters and parallel plans work as on Qwen-Image: files convert with Qwen-Image's loader mixin
+(``adapters.files.LOADERS``), and Qwen-Image's plan splits an edit row's [generated; reference] tokens as
+one image sequence (``parallel.plans``; ``sequence_tokens`` counts both). Either keeps sizes apart
+(``dit_core.mixed_sizes``): the batch key then holds the reference grid, so every forward is dense.
 """
 
 from __future__ import annotations
@@ -210,6 +215,12 @@ class QwenImageEditFamily(QwenImageFamily):
         rh, rw = inputs.pixels.shape[2:]
         m = self.size_multiple
         return self.latent_tokens(params) + (rh // m) * (rw // m) + inputs.text_tokens
+
+    def sequence_tokens(self, params: SamplingParams) -> int:
+        """A row's image-stream tokens: the generated ones, then an edit's reference tokens (what a parallel
+        plan splits over the sequence ranks, ``dit_core.parallel.plans``)."""
+        grid = self.reference_grid(params)
+        return self.latent_tokens(params) + (0 if grid is None else grid[0] * grid[1])
 
     def batch_key(self, params: SamplingParams) -> tuple:
         key = super().batch_key(params)

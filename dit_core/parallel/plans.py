@@ -16,8 +16,8 @@ A plan says:
 * ``blocks``: for the block loop the step caches drive (``Family.run_blocks``), how the
   ``BlockInputs`` are split: ``img`` along the sequence, entries of ``shared`` by spec; ``txt`` and
   the per-row tensors are split by rows only.
-* ``image_tokens``: the family method giving a request's image-token count (requests with fewer
-  tokens than sequence ranks are refused).
+* ``image_tokens``: the family method giving a request's image-token count, the tokens split over the
+  sequence ranks (requests with fewer tokens than sequence ranks are refused).
 * ``unsupported``: (attribute path, message): configurations the plan does not cover.
 
 Text tokens are REPLICATED on every sequence rank in all three image families (and Wan, whose text
@@ -115,6 +115,11 @@ PLANS: dict[str, dict] = {
         "unsupported": (),
     },
 }
+
+# Qwen-Image-Edit: Qwen-Image's transformer. An edit row's image stream is [generated; reference] tokens with
+# both grids in ``img_shapes`` (the rotary table's image half covers both), split as one sequence like a
+# plain row's; the gathered output is cut back to the generated tokens on rank 0 (``qwen_edit.predict``).
+PLANS["qwenimage_edit"] = {**PLANS["qwenimage"], "image_tokens": "sequence_tokens"}
 
 
 def plan_for(family) -> dict | None:
