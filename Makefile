@@ -35,8 +35,9 @@ CHROMIUM ?= /usr/bin/chromium
 chromium:
 	test -x $(CHROMIUM) || (apt-get update && apt-get install -y --no-install-recommends chromium)
 
+# Two pytest-xdist workers: each group of modules runs whole on one of them (tests/lanes.py says why and how)
 test: install chromium
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --no-loadscope-reorder tests
 
 # The documentation site into site/ (offline; broken links, missing pages and unknown anchors fail).
 # The configuration, command-line, HTTP API and results pages are generated from the code and

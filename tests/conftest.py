@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from dit_core import Engine  # noqa: E402
 from dit_core.random_models import build  # noqa: E402
+from tests import lanes  # noqa: E402
 # the playground's browser and server, shared by the page tests of several modules
 from tests.playground_fixtures import playground_browser, playground_server  # noqa: E402, F401
 
@@ -80,6 +81,17 @@ def compiled_flux(tiny_models):
     engine = Engine.from_pretrained(tiny_models["flux"], compile=True, compile_warmup="32x32")
     engine.warmup_graphs = counters["stats"]["unique_graphs"] - before  # the first compile of these classes
     return engine
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `make test`'s two xdist workers: the heaviest groups of modules first (tests/lanes.py)."""
+    if hasattr(config, "workerinput"):
+        lanes.order(items)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s xdist scheduler: each group of modules runs whole on one worker (tests/lanes.py)."""
+    return lanes.make_scheduler(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,8 @@
 """Live servers for the serve/ tests: in-process (uvicorn on a thread) or as an ``omnidit serve`` process."""
 
+import asyncio
 import base64
+import contextlib
 import io
 import os
 import subprocess
@@ -113,3 +115,23 @@ def server_processes(*specs):
 def server_process(model, *flags):
     with server_processes((model, flags)) as [(proc, url)]:
         yield proc, url
+
+
+def post_then_hang_up(url: str, body: dict, until, *, headers=None, timeout_s: float = 60.0) -> None:
+    """POST ``body`` to ``url`` and hang up (close the connection, as a client that gives up does) as
+    soon as ``until()`` is true, polled every 0.1 s. For tests of what a disconnect stops while it runs:
+    a fixed client timeout hangs up too early on a busy machine. Fails if the response arrives first."""
+
+    async def run():
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            request = asyncio.create_task(client.post(url, json=body, headers=headers))
+            deadline = time.monotonic() + timeout_s
+            while not await asyncio.to_thread(until):
+                assert not request.done(), f"the response came before the hang-up: {request.result().text[:300]}"
+                assert time.monotonic() < deadline, "the condition to hang up on never held"
+                await asyncio.sleep(0.1)
+            request.cancel()  # httpx closes the connection of a cancelled request
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+    asyncio.run(run())
