@@ -1,7 +1,8 @@
 """Wan image-to-video: a single request equals diffusers' WanImageToVideoPipeline (with a CLIP image encoder,
-as Wan 2.1 I2V, and without one) for the same seed (fp32, <= 1e-4); requests with different images share
-forwards and each gets what it gets alone (<= 1e-5), with and without step caches; the defaults and the
-bad inputs; and ``input_reference`` on POST /v1/videos through the ``openai`` client."""
+as Wan 2.1 I2V, and without one; first-last-frame, as Wan 2.1 FLF2V and without an encoder; Wan 2.2 TI2V's
+expand_timesteps, and its text-only WanPipeline) for the same seed (fp32, <= 1e-4); requests with different
+images share forwards and each gets what it gets alone (<= 1e-5), with and without step caches; the
+defaults and the bad inputs; and ``input_reference`` on POST /v1/videos through the ``openai`` client."""
 
 import functools
 import io
@@ -10,7 +11,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, WanImageToVideoPipeline
 from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 
 from dit_core import Engine, InvalidParamError, SamplingParams
@@ -38,7 +39,7 @@ def vparams(**kw) -> SamplingParams:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan-i2v")
-    return {size: build("wan-i2v", size, root / size) for size in ("tiny", "tiny-noencoder")}
+    return {size: build("wan-i2v", size, root / size) for size in ("tiny", "tiny-noencoder", "tiny-flf", "tiny-ti2v")}
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,10 @@ def engines(models):
 
 
 @functools.lru_cache(maxsize=None)
-def pipeline(path):
-    pipe = DiffusionPipeline.from_pretrained(path)
-    assert type(pipe).__name__ == "WanImageToVideoPipeline"
+def pipeline(path, image_to_video=False):
+    """The checkpoint's own pipeline; ``image_to_video``: a TI2V (WanPipeline) folder as WanImageToVideoPipeline."""
+    pipe = WanImageToVideoPipeline.from_pretrained(path) if image_to_video else DiffusionPipeline.from_pretrained(path)
+    assert type(pipe).__name__ in ("WanImageToVideoPipeline", "WanPipeline")
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -60,7 +62,7 @@ def stock(monkeypatch):
     otherwise identical prompt_clean, which the engine uses): the T2V one stands in where ftfy is missing."""
     if not pipeline_wan.is_ftfy_available():
         monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
-    return lambda path: pipeline(str(path))
+    return lambda path, image_to_video=False: pipeline(str(path), image_to_video)
 
 
 # Wan 2.1 I2V's layout needs 512 text tokens in diffusers (its attention takes all but the last 512
@@ -82,6 +84,50 @@ def test_single_request_equals_the_pipeline(case, models, engines, stock):
                               num_videos_per_prompt=n, generator=torch.Generator().manual_seed(7), output_type="pt",
                               **kw).frames
     out = torch.stack(engines[size].generate(PROMPT, vparams(image=image, seed=7, num_outputs=n, **kw)))
+    assert out.shape == ref.shape == (n, 9, 3, 32, 48)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+# first-last-frame: Wan 2.1 FLF2V's layout (512 text tokens in diffusers, as above) and the one without an encoder
+FLF_CASES = {"flf2v": ("tiny-flf", dict(guidance_scale=5.0, max_sequence_length=512)),
+             "no-encoder": ("tiny-noencoder", dict(guidance_scale=4.0, max_sequence_length=16))}
+
+
+@pytest.mark.parametrize("case", list(FLF_CASES))
+def test_first_last_frame_equals_the_pipeline(case, models, engines, stock):
+    size, kw = FLF_CASES[case]
+    first, last = picture(1), picture(6, h=48, w=40)
+    ref = stock(models[size])(image=first, last_image=last, prompt=PROMPT, height=32, width=48, num_frames=9,
+                              num_inference_steps=3, generator=torch.Generator().manual_seed(7), output_type="pt",
+                              **kw).frames
+    out = torch.stack(engines[size].generate(PROMPT, vparams(image=[first, last], seed=7, **kw)))
+    assert out.shape == ref.shape == (1, 9, 3, 32, 48)
+    assert (out - ref).abs().max().item() <= 1e-4
+    # the last frame matters (FLF2V takes two images: another last one; else: the first alone)
+    other = [first, picture(2)] if size == "tiny-flf" else first
+    other = torch.stack(engines[size].generate(PROMPT, vparams(image=other, seed=7, **kw)))
+    assert (out - other).abs().max().item() > 1e-2
+
+
+# Wan 2.2 TI2V (expand_timesteps): with an image, WanImageToVideoPipeline; text only, the folder's WanPipeline
+TI2V_CASES = {"image-cfg": dict(image=True, guidance_scale=5.0), "image-two-outputs": dict(image=True, num_outputs=2,
+                                                                                         guidance_scale=1.0),
+              "text-cfg": dict(image=False, guidance_scale=4.0, negative_prompt="blurry")}
+
+
+@pytest.mark.parametrize("case", list(TI2V_CASES))
+def test_ti2v_equals_the_pipeline(case, models, engines, stock):
+    kw = dict(TI2V_CASES[case])
+    n, image = kw.pop("num_outputs", 1), picture(1) if kw.pop("image") else None
+    pipe = stock(models["tiny-ti2v"], image is not None)
+    extra = {} if image is None else {"image": image}
+    ref = pipe(prompt=PROMPT, height=32, width=48, num_frames=9, num_inference_steps=3, num_videos_per_prompt=n,
+               generator=torch.Generator().manual_seed(7), output_type="pt", max_sequence_length=16, **extra,
+               **kw).frames
+    engine = engines["tiny-ti2v"]
+    assert engine.family.name == "wan-ti2v"
+    out = torch.stack(engine.generate(PROMPT, vparams(image=image, seed=7, num_outputs=n, max_sequence_length=16,
+                                                      **kw)))
     assert out.shape == ref.shape == (n, 9, 3, 32, 48)
     assert (out - ref).abs().max().item() <= 1e-4
 
@@ -112,6 +158,36 @@ def test_requests_with_different_images_do_not_depend_on_their_batchmates(size, 
         assert (got - alone[i]).abs().max().item() <= 1e-5, f"request {i}"
 
 
+BATCHES = {  # per checkpoint: requests that share forwards (first-last with first-only; TI2V text with image)
+    "tiny-noencoder": lambda: [(PROMPT, vparams(image=[picture(1), picture(6)], seed=1, num_inference_steps=5,
+                                                 guidance_scale=5.0, max_sequence_length=16)),
+                               ("a dog runs", vparams(image=picture(2), seed=2, guidance_scale=1.0,
+                                                      max_sequence_length=16)),
+                               ("waves", vparams(image=[picture(3), picture(4)], seed=3, num_inference_steps=4,
+                                                 guidance_scale=3.0, num_outputs=2, max_sequence_length=16))],
+    "tiny-flf": lambda: [(PROMPT, vparams(image=[picture(1), picture(6)], seed=1, num_inference_steps=5,
+                                          guidance_scale=5.0, max_sequence_length=16)),
+                         ("a dog runs", vparams(image=[picture(2), picture(5)], seed=2, guidance_scale=1.0,
+                                                max_sequence_length=16))],
+    "tiny-ti2v": lambda: [(PROMPT, vparams(image=picture(1), seed=1, num_inference_steps=5, guidance_scale=5.0,
+                                           max_sequence_length=16)),
+                          ("a dog runs", vparams(seed=2, guidance_scale=1.0, max_sequence_length=16)),
+                          ("waves", vparams(image=picture(3), seed=3, num_inference_steps=4, guidance_scale=3.0,
+                                            num_outputs=2, max_sequence_length=16))]}
+
+
+@pytest.mark.parametrize("size", list(BATCHES))
+def test_first_last_and_ti2v_rows_do_not_depend_on_their_batchmates(size, engines):
+    engine, specs = engines[size], BATCHES[size]()
+    alone = [assert_finished(run_staggered(engine, [s], arrivals=[0])[0][0]) for s in specs]
+    finals, sizes = run_staggered(engine, specs, arrivals=[0] + [1] * (len(specs) - 1))
+    assert max(sizes) == len(specs)  # all shared forwards, at different steps
+    for i in range(len(specs)):
+        got = assert_finished(finals[i])
+        assert got.shape == alone[i].shape
+        assert (got - alone[i]).abs().max().item() <= 1e-5, f"request {i}"
+
+
 def test_the_image_conditions_the_video(engines):
     """Same prompt and seed, another first frame: another video, whose first frame follows its image."""
     engine = engines["tiny"]
@@ -127,11 +203,12 @@ def test_rows_count_the_image_tokens(engines):
     assert family.image_tokens == 5 and req.tokens == 2 * (18 + 16 + 5)
 
 
+@pytest.mark.parametrize("size", ["tiny", "tiny-ti2v"])  # TI2V: the block loop with per-token timesteps
 @pytest.mark.parametrize("spec", ["teacache:0", "fbcache:0"])
-def test_step_caches_at_threshold_zero_change_nothing(spec, models, engines):
-    specs = mixed(16)
-    plain, _ = run_staggered(engines["tiny"], specs, arrivals=[0, 1, 1])
-    cached = Engine.from_pretrained(models["tiny"], cache=spec)
+def test_step_caches_at_threshold_zero_change_nothing(spec, size, models, engines):
+    specs = mixed(16) if size == "tiny" else BATCHES[size]()
+    plain, _ = run_staggered(engines[size], specs, arrivals=[0, 1, 1])
+    cached = Engine.from_pretrained(models[size], cache=spec)
     got, sizes = run_staggered(cached, specs, arrivals=[0, 1, 1])
     assert max(sizes) == 3
     for i in range(len(specs)):
@@ -151,13 +228,18 @@ def test_size_defaults_to_the_images_aspect_ratio_at_the_default_area(engines):
     assert family.describe()["inputs"] == ["text", "image"]
 
 
-@pytest.mark.parametrize("kw,field", [(dict(), "image"), (dict(image=[picture(1), picture(2)]), "image"),
-                                      (dict(image=picture(1), strength=0.5), "strength"),
-                                      (dict(image=picture(1), mask=PIL.Image.new("L", (56, 40))), "mask"),
-                                      (dict(image=picture(1), height=40), "height")])
-def test_bad_inputs_name_the_field(kw, field, engines):
+@pytest.mark.parametrize("size,kw,field", [
+    ("tiny", dict(), "image"), ("tiny", dict(image=[picture(1), picture(2)]), "image"),
+    ("tiny", dict(image=picture(1), strength=0.5), "strength"),
+    ("tiny", dict(image=picture(1), mask=PIL.Image.new("L", (56, 40))), "mask"),
+    ("tiny", dict(image=picture(1), height=40), "height"),
+    ("tiny-flf", dict(image=picture(1)), "image"),  # the pipeline cannot run FLF2V on one image
+    ("tiny-noencoder", dict(image=[picture(1)] * 3), "image"),
+    ("tiny-ti2v", dict(image=[picture(1), picture(2)]), "image"),
+    ("tiny-ti2v", dict(image=picture(1), strength=0.5), "strength")])
+def test_bad_inputs_name_the_field(size, kw, field, engines):
     with pytest.raises(InvalidParamError) as e:
-        engines["tiny"].make_request(PROMPT, SamplingParams(num_frames=9, **kw))
+        engines[size].make_request(PROMPT, SamplingParams(num_frames=9, **kw))
     assert e.value.field == field
 
 
@@ -173,11 +255,14 @@ def test_a_mismatched_checkpoint_is_refused(models, tmp_path):
     import json
     import shutil
 
-    folder = tmp_path / "ti2v"
+    folder = tmp_path / "ti2v"  # an I2V transformer (condition channels) marked expand_timesteps
     shutil.copytree(models["tiny-noencoder"], folder)
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
     with pytest.raises(UnknownModelError, match="expand_timesteps"):
+        Engine.from_pretrained(folder)
+    (folder / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.9}))
+    with pytest.raises(UnknownModelError, match="two-stage"):
         Engine.from_pretrained(folder)
 
 

@@ -23,6 +23,7 @@ from .speech import SpeechFamily
 from .stable_audio import StableAudioFamily
 from .wan import WanFamily
 from .wan_i2v import WanI2VFamily
+from .wan_ti2v import WanTI2VFamily
 
 # A checkpoint may declare its own serving defaults (any SamplingParams fields) under this key of
 # model_index.json; diffusers ignores keys that start with "_".
@@ -42,6 +43,13 @@ for _cls in (FluxFamily, FluxKontextFamily, SD3Family, QwenImageFamily, WanFamil
     register(_cls)
 
 
+# Checkpoints of one pipeline class that a flag of model_index.json turns into another model: (pipeline
+# class, flag) -> the family serving them when the flag is set. Wan 2.2 TI2V: WanPipeline or
+# WanImageToVideoPipeline with expand_timesteps.
+VARIANTS: dict[tuple[str, str], type[Family]] = {("WanPipeline", "expand_timesteps"): WanTI2VFamily,
+                                                 ("WanImageToVideoPipeline", "expand_timesteps"): WanTI2VFamily}
+
+
 def family_class(path: str | Path) -> type[Family]:
     index = read_model_index(path)
     name = index.get("_class_name")
@@ -50,6 +58,9 @@ def family_class(path: str | Path) -> type[Family]:
             f"{str(path)!r} holds a {name!r} checkpoint, which omnidit does not support; "
             f"supported pipeline classes: {sorted(FAMILIES)}"
         )
+    for (pipeline, flag), cls in VARIANTS.items():
+        if pipeline == name and index.get(flag):
+            return cls
     return FAMILIES[name]
 
 

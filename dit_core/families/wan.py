@@ -57,6 +57,7 @@ class WanFamily(DiffusersFamily):
     decode_alone = False  # AutoencoderKLWan batched vs alone: not measured yet (chunks by the budget)
     takes_image = False  # image-to-video (wan_i2v.py): the transformer also takes the input image
     packable = True  # (not image-to-video: its image tokens and condition channels are not packed)
+    expand_timesteps = False  # Wan 2.2 TI2V's per-token timesteps (wan_ti2v.py)
 
     def __init__(self, components: dict[str, Any], dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
@@ -81,8 +82,9 @@ class WanFamily(DiffusersFamily):
         if index.get("transformer_2", [None])[0] is not None or index.get("boundary_ratio") is not None:
             raise UnknownModelError(f"{path}: two-stage Wan 2.2 checkpoints (transformer_2 / boundary_ratio) "
                                     "are not supported")
-        if index.get("expand_timesteps"):
-            raise UnknownModelError(f"{path}: Wan 2.2 TI2V checkpoints (expand_timesteps) are not supported")
+        if bool(index.get("expand_timesteps")) != cls.expand_timesteps:  # (family_class picks wan_ti2v for them)
+            raise UnknownModelError(f"{path}: {cls.name} serves checkpoints with expand_timesteps="
+                                    f"{cls.expand_timesteps}, not {bool(index.get('expand_timesteps'))}")
         return super().load(path, index, dtype, device, thinker, thinker_options)
 
     @property

@@ -1,30 +1,36 @@
 """Wan image-to-video, as diffusers' ``WanImageToVideoPipeline`` does it, inside the batched step loop.
 
-A request carries one ``image``: the first frame of the video. What the pipeline does with it, and where
-it happens here:
+A request carries ``image``: the first frame of the video, or ``[first, last]`` (first-last-frame, the
+pipeline's ``image=first, last_image=last``; the Python API's list shape, as reference images elsewhere).
+What the pipeline does with them, and where it happens here:
 
 * preprocessing (``validate_input``, at ``make_request``, any thread): the pipeline's ``VideoProcessor``
-  resizes the image to the request's height x width (PIL Lanczos, no crop: another aspect ratio is
+  resizes each image to the request's height x width (PIL Lanczos, no crop: another aspect ratio is
   stretched) and scales it to [-1, 1]; for a checkpoint with an image encoder its ``image_processor``
-  (``CLIPImageProcessor``) prepares the original image (resize to its side, centre crop).
+  (``CLIPImageProcessor``) prepares the original images (resize to its side, centre crop).
 * encoding (``encode``, when the step loop admits the request; the requests admitted in one step
   together): the image encoder's second-to-last hidden states are the image tokens
-  (``encoder_hidden_states_image``); the VAE encodes the video condition (the image, then
-  ``num_frames - 1`` black frames) to the distribution's mode, normalized by the VAE's
-  ``latents_mean`` / ``latents_std``; a mask marks the first frame (one channel per frame of a latent
-  frame). Mask + latents are the request's ``condition``. VAE calls hold at most
-  ``decode_pixel_budget`` pixels (videos x frames x height x width).
+  (``encoder_hidden_states_image``; first-last: both images', which the transformer's image embedding
+  joins and adds its ``pos_embed`` to); the VAE encodes the video condition (the image, then
+  ``num_frames - 1`` black frames; first-last: the first image, ``num_frames - 2`` black frames, the last
+  image) to the distribution's mode, normalized by the VAE's ``latents_mean`` / ``latents_std``; a mask
+  marks the first frame (first-last: and the last; one channel per frame of a latent frame). Mask +
+  latents are the request's ``condition``. VAE calls hold at most ``decode_pixel_budget`` pixels
+  (videos x frames x height x width).
 * every step: the condition channels are concatenated to the row's latents; the sampler steps only
   the noise channels. Rows with different images share a forward like any rows.
 
-Defaults: ``height`` and ``width`` unset take the image's aspect ratio at the model's default pixel area
-(480 x 832 for Wan 2.1), rounded down to the size multiple, the recipe of the pipeline's documented
-example (the pipeline itself stretches any image to 480 x 832). Arrays are read as pictures (uint8, or
-floats in [0, 1] rounded to 8 bits), since the pipeline takes PIL images.
+Defaults: ``height`` and ``width`` unset take the (first) image's aspect ratio at the model's default
+pixel area (480 x 832 for Wan 2.1), rounded down to the size multiple, the recipe of the pipeline's
+documented example (the pipeline itself stretches any image to 480 x 832). Arrays are read as pictures
+(uint8, or floats in [0, 1] rounded to 8 bits), since the pipeline takes PIL images.
 
 Checkpoints: Wan 2.1 I2V (a CLIP vision encoder whose tokens the transformer's cross attention also
-attends to) and the single-transformer layout without an image encoder. Refused at load: two-stage
-Wan 2.2 (``transformer_2`` / ``boundary_ratio``) and Wan 2.2 TI2V (``expand_timesteps``).
+attends to; one image per request, as the pipeline's image embedding takes one), Wan 2.1 FLF2V (the
+same with ``pos_embed_seq_len``: two images per request, as the pipeline cannot run it on one) and the
+single-transformer layout without an image encoder (one or two images; a batch mixes them). Wan 2.2
+TI2V (``expand_timesteps``) is ``wan_ti2v.py``'s. Refused at load: two-stage Wan 2.2
+(``transformer_2`` / ``boundary_ratio``).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch
 from ..errors import InvalidParamError, UnknownModelError
 from ..params import SamplingParams
 from ..request import Request
-from .image_inputs import first_image, image_size, pixel_chunks
+from .image_inputs import image_size, pixel_chunks
 from .processors.wan import WanProcessor
 from .wan import WanFamily
 
@@ -51,7 +57,8 @@ class VideoImageInputs:
     """A request's first frame, preprocessed: for the VAE at the request's size, and for the image encoder."""
 
     pixels: torch.Tensor  # [1, 3, H, W] in [-1, 1]
-    clip_pixels: torch.Tensor | None  # [1, 3, S, S], the image processor's output; None without an encoder
+    clip_pixels: torch.Tensor | None  # [k, 3, S, S], the image processor's output per image; None without an encoder
+    last_pixels: torch.Tensor | None = None  # [1, 3, H, W]: the last frame's (first-last-frame requests)
 
 
 def as_picture(image) -> PIL.Image.Image:
@@ -60,6 +67,21 @@ def as_picture(image) -> PIL.Image.Image:
         return image if image.mode == "RGB" else image.convert("RGB")
     array = image if image.dtype == np.uint8 else (image.astype(np.float64) * 255).round().astype(np.uint8)
     return PIL.Image.fromarray(array).convert("RGB")
+
+
+def default_size(family: WanFamily, image, params: SamplingParams) -> dict:
+    """Height and width from the image's aspect ratio at the default pixel area (the pipeline's example);
+    with one side given, the other follows the aspect ratio. Rounded down to the size multiple."""
+    h, w = image_size(image)
+    defaults = {**family.defaults, **family.checkpoint_defaults}
+    m, aspect = family.size_multiple, h / w
+    if params.height is not None:
+        return {"width": max(m, round(params.height / aspect) // m * m)}
+    if params.width is not None:
+        return {"height": max(m, round(params.width * aspect) // m * m)}
+    area = defaults["height"] * defaults["width"]
+    return {"height": max(m, round(math.sqrt(area * aspect)) // m * m),
+            "width": max(m, round(math.sqrt(area / aspect)) // m * m)}
 
 
 class WanI2VFamily(WanFamily):
@@ -85,21 +107,20 @@ class WanI2VFamily(WanFamily):
             raise UnknownModelError(f"a Wan image-to-video transformer takes noise, mask and image latents: in_channels "
                                     f"{2 * z + self.t_scale} and out_channels {z} for this VAE, not "
                                     f"{config.in_channels} / {config.out_channels}")
-        self.image_tokens = None
+        self.image_tokens = None  # per image
+        self.first_last = config.pos_embed_seq_len is not None  # FLF2V: the image embedding takes two images
+        # images per request: 1 (Wan 2.1 I2V), 2 (FLF2V), 1 or 2 (no image encoder)
+        self.image_counts = (2,) if self.first_last else (1, 2) if self.image_encoder is None else (1,)
         if self.image_encoder is not None:
             vision = self.image_encoder.config
             self.image_tokens = (vision.image_size // vision.patch_size) ** 2 + 1  # patches + class token
-            if config.pos_embed_seq_len is not None:
-                raise UnknownModelError("first-last-frame Wan checkpoints (pos_embed_seq_len) are not supported")
-
-    @classmethod
-    def load(cls, path, index, dtype, device, thinker="auto", thinker_options=None) -> "WanI2VFamily":
-        if index.get("expand_timesteps"):
-            raise UnknownModelError(f"{path}: Wan 2.2 TI2V checkpoints (expand_timesteps) are not supported")
-        return super().load(path, index, dtype, device, thinker, thinker_options)
+            if self.first_last and config.pos_embed_seq_len != 2 * self.image_tokens:
+                raise UnknownModelError(f"a first-last-frame Wan transformer's pos_embed_seq_len is two images' "
+                                        f"tokens: {2 * self.image_tokens}, not {config.pos_embed_seq_len}")
 
     def set_attention(self, backends: dict) -> None:
-        self.transformer.set_attn_processor(WanProcessor(backends, image_tokens=self.image_tokens))
+        tokens = None if self.image_tokens is None else self.image_tokens * max(self.image_counts)
+        self.transformer.set_attn_processor(WanProcessor(backends, image_tokens=tokens))
 
     @property
     def latent_channels(self) -> int:
@@ -112,36 +133,37 @@ class WanI2VFamily(WanFamily):
             self.check_fields(params)
             raise InvalidParamError("image", None, "an image: image-to-video models animate an input image (its "
                                                    "first frame)")
-        first_image(params, self.name)
+        self.images(params)
         if params.height is None or params.width is None:
             params = params.with_defaults(**self.default_size(params))
         return super().resolve(params)
 
     def default_size(self, params: SamplingParams) -> dict:
-        """Height and width from the image's aspect ratio at the default pixel area (the pipeline's example);
-        with one side given, the other follows the aspect ratio. Rounded down to the size multiple."""
-        h, w = image_size(first_image(params, self.name))
-        defaults = {**self.defaults, **self.checkpoint_defaults}
-        m, aspect = self.size_multiple, h / w
-        if params.height is not None:
-            return {"width": max(m, round(params.height / aspect) // m * m)}
-        if params.width is not None:
-            return {"height": max(m, round(params.width * aspect) // m * m)}
-        area = defaults["height"] * defaults["width"]
-        return {"height": max(m, round(math.sqrt(area * aspect)) // m * m),
-                "width": max(m, round(math.sqrt(area / aspect)) // m * m)}
+        return default_size(self, self.images(params)[0], params)
+
+    def images(self, params: SamplingParams) -> list:
+        """The request's images ([first] or [first, last]), checked against what this checkpoint takes."""
+        images = list(params.image) if isinstance(params.image, (list, tuple)) else [params.image]
+        if len(images) not in self.image_counts:
+            allowed = {(1,): "one image (the first frame) for this Wan image-to-video checkpoint",
+                       (2,): "two images, [first frame, last frame], for this first-last-frame Wan checkpoint",
+                       (1, 2): "one image (the first frame) or two, [first frame, last frame]"}[self.image_counts]
+            raise InvalidParamError("image", f"{len(images)} images", allowed)
+        return images
 
     def validate_input(self, value: Any, params: SamplingParams) -> tuple[str, Any]:
         text, _ = super().validate_input(value, params)
-        picture = as_picture(first_image(params, self.name))
-        pixels = self.processor.preprocess(picture, height=params.height, width=params.width)
+        pictures = [as_picture(image) for image in self.images(params)]
+        pixels = [self.processor.preprocess(p, height=params.height, width=params.width).to(torch.float32)
+                  for p in pictures]
         clip = None
         if self.image_processor is not None:
-            clip = self.image_processor(images=picture, return_tensors="pt").pixel_values
-        return text, VideoImageInputs(pixels.to(torch.float32), clip)
+            clip = self.image_processor(images=pictures, return_tensors="pt").pixel_values
+        return text, VideoImageInputs(pixels[0], clip, pixels[1] if len(pixels) == 2 else None)
 
     def row_tokens(self, prompt: str, params: SamplingParams, inputs=None) -> int:
-        return super().row_tokens(prompt, params, inputs) + (self.image_tokens or 0)
+        count = len(params.image) if isinstance(params.image, (list, tuple)) else 1
+        return super().row_tokens(prompt, params, inputs) + (self.image_tokens or 0) * count
 
     # ---- conditioning ----
 
@@ -169,30 +191,40 @@ class WanI2VFamily(WanFamily):
         states = self.image_encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
         if states.shape[1] != self.image_tokens:
             raise UnknownModelError(f"the image encoder made {states.shape[1]} tokens, not {self.image_tokens}")
-        for req, tokens in zip(requests, states):
-            req.state["image_tokens"] = tokens.unsqueeze(0).to(self.dtype)
+        start = 0
+        for req in requests:  # [k, tokens, dim]: the transformer's image embedding joins a first-last pair
+            k = req.inputs.clip_pixels.shape[0]
+            req.state["image_tokens"] = states[start:start + k].to(self.dtype)
+            start += k
 
     @torch.no_grad()
     def encode_condition(self, requests: list[Request]) -> None:
         """The pipeline's ``prepare_latents`` condition of each request (one shape: they share a batch key)."""
         p = requests[0].params
         vae, z = self.vae, self.vae.config.z_dim
-        image = torch.cat([r.inputs.pixels for r in requests]).to(self.device).unsqueeze(2)
-        video = torch.cat([image, image.new_zeros(image.shape[0], 3, p.num_frames - 1, p.height, p.width)], dim=2)
+        video = torch.cat([self.condition_video(r) for r in requests]).to(self.device)
         latents = vae.encode(video.to(vae.dtype)).latent_dist.mode().to(torch.float32)
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, torch.float32)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, torch.float32)
         latents = (latents - mean) * inv_std
-        mask = self.first_frame_mask(p).to(latents.device)
         for i, req in enumerate(requests):
+            mask = self.first_frame_mask(p, req.inputs.last_pixels is not None).to(latents.device)
             req.state["condition"] = torch.cat([mask, latents[i:i + 1]], dim=1)
 
-    def first_frame_mask(self, params: SamplingParams) -> torch.Tensor:
-        """[1, t, F', h, w]: 1 on the first frame (the image), 0 on the rest, ``t`` frames per latent frame."""
+    @staticmethod
+    def condition_video(req: Request) -> torch.Tensor:
+        """[1, 3, F, H, W]: the first image, then black frames (first-last: then the last image)."""
+        p, first, last = req.params, req.inputs.pixels.unsqueeze(2), req.inputs.last_pixels
+        black = first.new_zeros(1, 3, p.num_frames - (1 if last is None else 2), p.height, p.width)
+        return torch.cat([first, black] + ([] if last is None else [last.unsqueeze(2)]), dim=2)
+
+    def first_frame_mask(self, params: SamplingParams, last: bool = False) -> torch.Tensor:
+        """[1, t, F', h, w]: 1 on the first frame (the image; with ``last``, also on the last frame), 0 on
+        the rest, ``t`` frames per latent frame."""
         _, h, w = self.latent_shape(params)
         t = self.t_scale
         mask = torch.ones(1, 1, params.num_frames, h, w)
-        mask[:, :, 1:] = 0
+        mask[:, :, 1:params.num_frames - 1 if last else params.num_frames] = 0
         mask = torch.cat([torch.repeat_interleave(mask[:, :, 0:1], t, dim=2), mask[:, :, 1:]], dim=2)
         return mask.view(1, -1, t, h, w).transpose(1, 2)
 

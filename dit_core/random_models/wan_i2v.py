@@ -3,11 +3,16 @@
 CLIP vision encoder and its image processor, a transformer that takes their image tokens
 (``image_dim``, ``added_kv_proj_dim``) and whose input channels are the noise, the first-frame mask
 (one channel per frame of a latent frame) and the first frame's latents (z + t + z). ``tiny-noencoder``
-has the same channels without an image encoder (the single-transformer layout Wan 2.2's I2V uses)."""
+has the same channels without an image encoder (the single-transformer layout Wan 2.2's I2V uses).
+``tiny-flf`` is Wan 2.1 FLF2V's layout: ``tiny`` whose image embedding takes two images (``pos_embed_seq_len``,
+its positional embedding random here, zeros in diffusers' init). ``tiny-ti2v`` is Wan 2.2 TI2V's: a
+``WanPipeline`` with ``expand_timesteps``, a transformer that takes the latents alone (z channels in and out),
+no image encoder."""
 
 from __future__ import annotations
 
-from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
+import torch
+from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from .tokenizers import t5_tokenizer
@@ -19,6 +24,8 @@ TEMPORAL = 4  # the Wan VAE's temporal factor: frames per latent frame, and mask
 # vision: (hidden size, layers, image side, patch): side // patch squared + 1 image tokens
 SIZES = {"tiny": dict(T2V_SIZES["tiny"], vision=(16, 2, 32, 16)),
          "tiny-noencoder": dict(T2V_SIZES["tiny"], vision=None),
+         "tiny-flf": dict(T2V_SIZES["tiny"], vision=(16, 2, 32, 16), first_last=True),
+         "tiny-ti2v": dict(T2V_SIZES["tiny"], vision=None, ti2v=True),
          "small": dict(T2V_SIZES["small"], vision=(64, 2, 112, 14))}
 
 
@@ -30,7 +37,7 @@ def vision_encoder(hidden: int, layers: int, side: int, patch: int) -> tuple[CLI
     return CLIPVisionModel(config).eval(), processor
 
 
-def make_pipeline(size: str) -> WanImageToVideoPipeline:
+def make_pipeline(size: str) -> WanImageToVideoPipeline | WanPipeline:
     c = SIZES[size]
     tokenizer = t5_tokenizer()
     z = c["latent"]
@@ -38,15 +45,24 @@ def make_pipeline(size: str) -> WanImageToVideoPipeline:
                            temperal_downsample=[False, True, True], latents_mean=[0.1 * i for i in range(z)],
                            latents_std=[1.0 + 0.25 * i for i in range(z)]).eval()
     encoder = processor = None
-    image_dim = kv_dim = None
+    image_dim = kv_dim = pos_len = None
     if c["vision"] is not None:
         encoder, processor = vision_encoder(*c["vision"])
         image_dim, kv_dim = c["vision"][0], c["heads"] * c["head_dim"]
+        if c.get("first_last"):
+            pos_len = 2 * ((c["vision"][2] // c["vision"][3]) ** 2 + 1)  # two images' tokens
+    ti2v = c.get("ti2v", False)
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=c["heads"], attention_head_dim=c["head_dim"],
-        in_channels=2 * z + TEMPORAL, out_channels=z, text_dim=c["text"], freq_dim=64, ffn_dim=c["ffn"],
-        num_layers=c["layers"], cross_attn_norm=True, rope_max_seq_len=64, image_dim=image_dim,
-        added_kv_proj_dim=kv_dim).eval()
+        in_channels=z if ti2v else 2 * z + TEMPORAL, out_channels=z, text_dim=c["text"], freq_dim=64,
+        ffn_dim=c["ffn"], num_layers=c["layers"], cross_attn_norm=True, rope_max_seq_len=64, image_dim=image_dim,
+        added_kv_proj_dim=kv_dim, pos_embed_seq_len=pos_len).eval()
+    if pos_len is not None:
+        with torch.no_grad():
+            transformer.condition_embedder.image_embedder.pos_embed.normal_(std=0.5)
+    if ti2v:
+        return WanPipeline(tokenizer=tokenizer, text_encoder=umt5(c["text"], c["text_layers"], tokenizer), vae=vae,
+                           scheduler=scheduler(), transformer=transformer, expand_timesteps=True)
     return WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=umt5(c["text"], c["text_layers"], tokenizer),
                                    vae=vae, scheduler=scheduler(), image_processor=processor, image_encoder=encoder,
                                    transformer=transformer)
