@@ -1,6 +1,7 @@
-"""Edit quality on the embedded digits model (Qwen-Image family, 32x32): image-to-image and inpainting.
+"""Edit quality on the embedded digits models (32x32): image-to-image and inpainting on ``digits``
+(Qwen-Image family), instruction editing on ``digits_edit`` (Qwen-Image-Edit family).
 
-    python -m benchmarks.edit_quality [--per-digit 20] [--steps 20] [--quick] [--grid out.png]
+    python -m benchmarks.edit_quality [--per-digit 20] [--steps 20] [--edit-count N] [--quick] [--grid out.png]
 
 Fixed seeds throughout; the digit classifier is the quality harness's (``dit_core.eval.digits``: an RBF SVM
 on sklearn's real 8x8 digits). Sources are the model's own text-to-image digits (``--per-digit`` per digit,
@@ -27,11 +28,16 @@ through one engine together (continuously batched: img2img at two strengths and 
   (another source; the next one of that class). The engine's own outputs play no part in the bound.
   For scale: ``unkept_outside_mad`` is the outside MAD between a source and that target digit, what an
   edit that does not keep the left half would show.
+* ``edit_model_accuracy`` / ``edit_model_class_accuracy``: the instruction-editing model
+  (``dit_core/zoo/digits_edit``) on held-out digits (``dit_core.eval.digits_edit``; ``--edit-count``
+  held-out digits per instruction, all 297 by default): the output closer (MSE) to the true transform
+  than to the source, over the six transforms (target >= 0.9); for ``make it a N``, the classifier reads
+  N (target >= 0.9). ``edit_model_by_instruction``: the rate per instruction.
 
 Writes ``benchmarks/results/edit_quality.json`` (top-level ``summary``, the machine; benchmarks/edits.py
 reads its quality keys from there); ``--quick``: 3 sources per digit, the same keys, in
-``edit_quality_quick.json``, well under 5 minutes. Exit status 1 when a target is missed (the results
-are written first).
+``edit_quality_quick.json``, well under 5 minutes (20 held-out digits per instruction for the editing
+model). Exit status 1 when a target is missed (the results are written first).
 """
 
 from __future__ import annotations
@@ -45,13 +51,15 @@ import torch
 from benchmarks.common import machine, write_json
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import generate, requests, train_classifier
+from dit_core.eval.digits_edit import measure as measure_edit_model
 from dit_core.families.image_inputs import encode_images
 from dit_core.families.latents import pack_2x2
-from dit_core.zoo import default_model, digits_data
+from dit_core.zoo import default_model, digits_data, digits_edit_model
 
 SIZE = 32
 KEEP_STRENGTH, FOLLOW_STRENGTH, INPAINT_STRENGTH = 0.3, 0.9, 1.0
-TARGETS = {"img2img_keep_rate": 0.9, "img2img_follow_rate": 0.9, "inpaint_change_rate": 0.8}
+TARGETS = {"img2img_keep_rate": 0.9, "img2img_follow_rate": 0.9, "inpaint_change_rate": 0.8,
+           "edit_model_accuracy": 0.9, "edit_model_class_accuracy": 0.9}
 
 
 def right_half_mask() -> np.ndarray:
@@ -130,7 +138,8 @@ def save_grid(rows: list[torch.Tensor], path: str, scale: int = 3) -> None:
     img.resize((img.width * scale, img.height * scale), Image.NEAREST).save(path)
 
 
-def run(model=None, per_digit: int = 20, steps: int = 20, grid: str | None = None) -> dict:
+def run(model=None, per_digit: int = 20, steps: int = 20, grid: str | None = None, edit_model=None,
+        edit_count: int | None = None) -> dict:
     clf = train_classifier()
     # thinker "hf": the thinker is not what this measures
     engine = Engine.from_pretrained(model or default_model(), max_batch_size=32, thinker="hf")
@@ -165,6 +174,11 @@ def run(model=None, per_digit: int = 20, steps: int = 20, grid: str | None = Non
         "seconds": seconds, "vae_encodes": engine.stats.vae_encodes, "images_encoded": engine.stats.images_encoded,
         "max_batch_size": max(engine.stats.batch_sizes),
     }
+    edit_engine = Engine.from_pretrained(edit_model or digits_edit_model(), max_batch_size=32)
+    start = time.perf_counter()
+    edited = measure_edit_model(edit_engine, clf, edit_count, steps)
+    result.update({k: v for k, v in edited.items() if k not in ("outputs", "cases")},
+                  edit_model_seconds=time.perf_counter() - start)
     met = {k: result[k] >= v for k, v in TARGETS.items()}
     met["inpaint_outside_mad"] = result["inpaint_outside_mad"] <= result["inpaint_outside_mad_bound"]
     result["targets_met"] = met
@@ -177,7 +191,8 @@ def run(model=None, per_digit: int = 20, steps: int = 20, grid: str | None = Non
 
 SUMMARY = ("img2img_keep_rate", "img2img_follow_rate", "inpaint_change_rate", "inpaint_outside_mad",
            "inpaint_outside_mad_bound", "vae_roundtrip_outside_mad", "unkept_outside_mad", "inpaint_target_rate",
-           "sources", "steps", "targets_met")
+           "sources", "steps", "edit_model_accuracy", "edit_model_class_accuracy", "edit_model_by_instruction",
+           "edit_model_cases", "targets_met")
 
 
 def main(argv=None):
@@ -186,14 +201,19 @@ def main(argv=None):
     ap.add_argument("--per-digit", type=int, default=20, help="source digits per digit (default 20)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--grid", default=None, help="write a PNG: sources, strength 0.3, strength 0.9, inpainted")
-    ap.add_argument("--quick", action="store_true", help="3 sources per digit")
+    ap.add_argument("--edit-model", default=None,
+                    help="instruction-editing model folder (default: the embedded digits_edit)")
+    ap.add_argument("--edit-count", type=int, default=None,
+                    help="held-out digits per instruction for the editing model (default: all 297)")
+    ap.add_argument("--quick", action="store_true", help="3 sources per digit, 20 held-out digits per instruction")
     ap.add_argument("--name", default=None,
                     help="results file name under benchmarks/results/ (default edit_quality, edit_quality_quick)")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_digit = min(args.per_digit, 3)
+        args.edit_count = min(args.edit_count or 20, 20)
     args.name = args.name or ("edit_quality_quick" if args.quick else "edit_quality")
-    result = run(args.model, args.per_digit, args.steps, args.grid)
+    result = run(args.model, args.per_digit, args.steps, args.grid, args.edit_model, args.edit_count)
     summary = {k: result[k] for k in SUMMARY}
     payload = {"benchmark": "edit_quality", "machine": machine(), "args": vars(args), "summary": summary,
                "result": result}

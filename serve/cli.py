@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-style HTTP API")
     srv.add_argument("model", nargs="?", default=None,
-                     help="a model folder (default: every embedded model: digits, digits_video, tts and reach, "
-                          "as with --model digits --model digits_video --model tts --model reach); for several "
-                          "folders, use --model")
+                     help="a model folder (default: the embedded models digits, digits_video, tts and reach, "
+                          "as with --model digits --model digits_video --model tts --model reach; the editing "
+                          "model digits_edit only with --model digits_edit); for several folders, use --model")
     srv.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
                      help="serve this model under NAME (repeatable: several models share one engine); "
                           "a bare NAME is an embedded model (e.g. --model digits)")
@@ -333,15 +333,16 @@ def cmd_serve(args) -> int:
 
 def served_model_paths(args) -> dict[str, str]:
     """NAME -> folder from ``--model NAME=PATH`` / ``--model NAME`` (embedded), or the positional folder; with
-    neither, every embedded model under its name (digits, digits_video, tts, reach)."""
+    neither, the embedded models served by default under their names (digits, digits_video, tts, reach;
+    ``digits_edit`` only when named)."""
     from dit_core.errors import InvalidParamError
-    from dit_core.zoo import EMBEDDED, embedded_model
+    from dit_core.zoo import SERVED_BY_DEFAULT, embedded_model
 
     if args.models and (args.model or args.model_name):
         raise InvalidParamError("--model", args.models, "either NAME=PATH options or one positional model folder "
                                                         "(with --model-name), not both")
     if not args.models and args.model is None and args.model_name is None:
-        return {name: str(embedded_model(name)) for name in EMBEDDED}  # every tab of the playground works
+        return {name: str(embedded_model(name)) for name in SERVED_BY_DEFAULT}  # every tab of the playground works
     if not args.models:
         model = resolve_model(args.model)
         return {args.model_name or Path(model).resolve().name: model}

@@ -47,8 +47,9 @@ def test_two_seeds_give_different_images(engine):
 
 
 def test_serve_without_a_model_serves_every_embedded_model():
-    """``omnidit serve`` (and ``make run``) with no model: every embedded model, so each playground tab works;
-    ``--model`` picks a subset and a positional folder serves that one alone."""
+    """``omnidit serve`` (and ``make run``) with no model: every embedded model but ``digits_edit``, so each
+    playground tab works; ``--model`` picks a subset (``digits_edit`` is served when named) and a positional
+    folder serves that one alone."""
     from dit_core.zoo import EMBEDDED
     from serve.cli import build_parser, default_policy, served_model_paths
 
@@ -56,10 +57,12 @@ def test_serve_without_a_model_serves_every_embedded_model():
         return served_model_paths(build_parser().parse_args(["serve", *argv]))
 
     every = served()
-    assert every == {name: str(folder) for name, folder in EMBEDDED.items()}
+    assert every == {name: str(EMBEDDED[name]) for name in every}
     assert list(every) == ["digits", "digits_video", "tts", "reach"]
     assert default_policy(every.values()) == "edf"  # a robot policy is among them: deadlines first
     assert served("--model", "digits", "--model", "tts") == {"digits": every["digits"], "tts": every["tts"]}
     assert served(every["reach"]) == {"reach": every["reach"]}
+    # the editing model is embedded but served only when named
+    assert served("--model", "digits_edit") == {"digits_edit": str(EMBEDDED["digits_edit"])}
     assert served("--model-name", "mine") == {"mine": every["digits"]}
     assert default_policy(served("--model", "digits").values()) == "fifo"

@@ -1,6 +1,7 @@
 """Models shipped inside the package, by name. ``digits``: the embedded default (image) model;
 ``digits_video``: the embedded video model ("moving digits", a Wan 2.1-shaped checkpoint);
-``reach``: the embedded robot policy for the reaching task (``reach_env``).
+``reach``: the embedded robot policy for the reaching task (``reach_env``); ``digits_edit``: the embedded
+instruction-editing model (Qwen-Image-Edit shaped, ``train_digits_edit``).
 
 Each entry maps a name (usable as ``omnidit serve --model NAME``) to its folder."""
 
@@ -12,8 +13,12 @@ ROOT = Path(__file__).parent
 DEFAULT_MODEL = ROOT / "digits"
 DEFAULT_VIDEO_MODEL = ROOT / "digits_video"
 DEFAULT_POLICY = ROOT / "reach"
+DIGITS_EDIT = ROOT / "digits_edit"
 EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL, "digits_video": DEFAULT_VIDEO_MODEL, "tts": ROOT / "tts",
-                             "reach": DEFAULT_POLICY}
+                             "reach": DEFAULT_POLICY, "digits_edit": DIGITS_EDIT}
+# what ``omnidit serve`` (``make run``) serves with no --model: every embedded model but ``digits_edit``
+# (served on request, ``--model digits_edit``: its thinker and processor would lengthen every start-up)
+SERVED_BY_DEFAULT = ("digits", "digits_video", "tts", "reach")
 
 
 def embedded_model(name: str) -> Path:
@@ -40,6 +45,11 @@ def default_policy() -> Path:
 def default_video_model() -> Path:
     """The folder of the embedded video model (a diffusers-format WanPipeline checkpoint)."""
     return embedded_model("digits_video")
+
+
+def digits_edit_model() -> Path:
+    """The folder of the embedded instruction-editing model (a diffusers QwenImageEditPipeline checkpoint)."""
+    return embedded_model("digits_edit")
 
 
 TTS_MODEL = ROOT / "tts"
