@@ -1,6 +1,7 @@
 """The optimisation the embedded DiTs (digits, moving digits) train with: rectified-flow
 targets at logit-normal noise levels, AdamW with a linear warm-up then cosine decay, gradient
-clipping, and an EMA copy of the weights (the copy that ships)."""
+clipping, and an EMA copy of the weights (the copy that ships); and the VAE encoding the image trainers
+(LoRA, instruction edits) precompute their latents with."""
 
 from __future__ import annotations
 
@@ -47,3 +48,18 @@ class FlowTrainer:
             decay = min(self.ema_decay, (1 + step) / (10 + step))
             for pe, p in zip(self.ema.parameters(), self.model.parameters()):
                 pe.lerp_(p, 1 - decay)
+
+
+@torch.no_grad()
+def encode_images(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Posterior mean and std of every image, normalised by the VAE's latents_mean / latents_std
+    (what the sampler's latents are)."""
+    means, stds = [], []
+    for chunk in pixels.split(256):
+        dist = vae.encode(chunk[:, :, None]).latent_dist
+        means.append(dist.mean[:, :, 0])
+        stds.append(dist.std[:, :, 0])
+    z = vae.config.z_dim
+    mu = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1)
+    sd = torch.tensor(vae.config.latents_std).view(1, z, 1, 1)
+    return (torch.cat(means) - mu) / sd, torch.cat(stds) / sd

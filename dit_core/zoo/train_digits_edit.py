@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from ..families.latents import pack_2x2, pad_stack
 from ..families.qwen_edit import EDIT_TEMPLATE, EDIT_TEMPLATE_DROP, OPTIONS_KEY
 from . import digits_edits
-from .flow_training import FlowTrainer, flow_sample
+from .flow_training import FlowTrainer, encode_images, flow_sample
 
 logger = logging.getLogger(__name__)
 
@@ -132,28 +132,14 @@ def conditioning(components: dict, pictures: list, instructions: list[str]) -> l
     return [h[m.bool()][EDIT_TEMPLATE_DROP:] for h, m in zip(hidden, out["attention_mask"])]
 
 
-@torch.no_grad()
-def encode(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Posterior mean and std of every image, normalised by the VAE's latents_mean / latents_std."""
-    means, stds = [], []
-    for chunk in pixels.split(256):
-        dist = vae.encode(chunk[:, :, None]).latent_dist
-        means.append(dist.mean[:, :, 0])
-        stds.append(dist.std[:, :, 0])
-    z = vae.config.z_dim
-    mu = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1)
-    sd = torch.tensor(vae.config.latents_std).view(1, z, 1, 1)
-    return (torch.cat(means) - mu) / sd, torch.cat(stds) / sd
-
-
 def prepare(components: dict, cfg: TrainConfig) -> dict:
     """Everything the steps sample from, computed once: per training source its reference tokens (the
     VAE's mode, as the pipeline encodes a reference) and picture, each transform's target latents, and
     the ``make it a N`` target table."""
     pixels, labels, images = digits_edits.load()
     n = cfg.sources
-    base_mean, base_std = encode(components["vae"], pixels)
-    targets = [encode(components["vae"], digits_edits.transform(t, pixels[:n])) for t in digits_edits.TRANSFORMS]
+    base_mean, base_std = encode_images(components["vae"], pixels)
+    targets = [encode_images(components["vae"], digits_edits.transform(t, pixels[:n])) for t in digits_edits.TRANSFORMS]
     return {
         "reference": pack_2x2(base_mean[:n]),
         "pictures": [picture(p) for p in pixels[:n]],

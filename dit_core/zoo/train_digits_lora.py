@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import digits_data
-from .flow_training import flow_sample
+from .flow_training import encode_images, flow_sample
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +74,6 @@ def load_base(folder: Path):
     family.thinker = HFThinker(components["text_encoder"], components["tokenizer"], "train-lora",
                                QwenImageFamily.thinker_max_length)
     return family, components
-
-
-@torch.no_grad()
-def encode_images(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Posterior mean and std of every image, normalised by the VAE's latents_mean / latents_std
-    (what the sampler's latents are)."""
-    means, stds = [], []
-    for chunk in pixels.split(256):
-        dist = vae.encode(chunk[:, :, None]).latent_dist
-        means.append(dist.mean[:, :, 0])
-        stds.append(dist.std[:, :, 0])
-    z = vae.config.z_dim
-    mu = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1)
-    sd = torch.tensor(vae.config.latents_std).view(1, z, 1, 1)
-    return (torch.cat(means) - mu) / sd, torch.cat(stds) / sd
 
 
 def add_lora(transformer, cfg: TrainConfig):
