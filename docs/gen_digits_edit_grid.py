@@ -1,6 +1,6 @@
 """The examples grid of the instruction-editing model (docs/digits_edit_grid.png), made through the engine.
 
-    python -m benchmarks.digits_edit_grid [OUT.png] [--model FOLDER] [--columns 10]
+    python docs/gen_digits_edit_grid.py [OUT.png] [--model FOLDER] [--columns 10]
 
 Columns: held-out digits (the first of each class, 0..9, from ``digits_edits``' held-out split). Rows: the
 source, then one row per instruction (labelled on the left): the six transforms and ``make it a 0``,
