@@ -13,7 +13,11 @@ through one engine together (continuously batched: img2img at two strengths and 
   >= 0.9): a light edit keeps the digit although the prompt asks for another;
 * ``img2img_follow_rate``: at strength 0.9 it reads the prompted digit (target >= 0.9);
 * ``inpaint_change_rate``: inpainting the right half (mask = columns 16..31, strength 1.0) toward the
-  target changes the class the classifier reads (target >= 0.8); ``inpaint_target_rate``: reads the target;
+  target changes the class the classifier reads (target >= 0.8); ``inpaint_target_rate``: reads the target.
+  The inpaint request prompts the target digit and, as a user moving a digit away from what it is would,
+  names the source digit in ``negative_prompt`` (the model's default ``true_cfg_scale`` 2.0, untuned).
+  ``inpaint_change_rate_plain``: the same inpaints with the model's default empty negative prompt, for
+  scale (the kept left half often pulls the completion back to the source digit);
 * ``inpaint_outside_mad``: mean absolute difference (images in [0, 1]) between output and source over the
   pixels outside the mask (the left half), asserted <= ``inpaint_outside_mad_bound``, derived per source:
 
@@ -43,6 +47,7 @@ model). Exit status 1 when a target is missed (the results are written first).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -87,9 +92,16 @@ def edit_requests(srcs: torch.Tensor, classes: np.ndarray, steps: int, seed0: in
         common = dict(image=as_array(img), height=SIZE, width=SIZE, num_inference_steps=steps, output_type="pt")
         out.append(("keep", target, prompt, SamplingParams(strength=KEEP_STRENGTH, seed=seed0 + i, **common)))
         out.append(("follow", target, prompt, SamplingParams(strength=FOLLOW_STRENGTH, seed=seed0 + i, **common)))
-        out.append(("inpaint", target, prompt, SamplingParams(strength=INPAINT_STRENGTH, mask=right_half_mask(),
-                                                              seed=seed0 + i, **common)))
+        out.append(("inpaint", target, prompt, SamplingParams(
+            strength=INPAINT_STRENGTH, mask=right_half_mask(), negative_prompt=digits_data.prompt(int(cls), i),
+            seed=seed0 + i, **common)))
     return out
+
+
+def plain_inpaints(edits):
+    """The inpaint requests again with the model's default (empty) negative prompt."""
+    return [(t, prompt, dataclasses.replace(p, negative_prompt=None))
+            for kind, t, prompt, p in edits if kind == "inpaint"]
 
 
 @torch.no_grad()
@@ -150,6 +162,7 @@ def run(model=None, per_digit: int = 20, steps: int = 20, grid: str | None = Non
     outs = generate(engine, [(target, prompt, p) for _, target, prompt, p in edits])
     seconds = time.perf_counter() - start
     read = clf.predict(outs)
+    plain_read = clf.predict(generate(engine, plain_inpaints(edits)))
     kinds = np.array([e[0] for e in edits])
     targets = np.array([e[1] for e in edits])
     source_class = np.repeat(classes, 3)
@@ -160,6 +173,7 @@ def run(model=None, per_digit: int = 20, steps: int = 20, grid: str | None = Non
         "img2img_follow_rate": float((read[follow] == targets[follow]).mean()),
         "inpaint_change_rate": float((read[inpaint] != source_class[inpaint]).mean()),
         "inpaint_target_rate": float((read[inpaint] == targets[inpaint]).mean()),
+        "inpaint_change_rate_plain": float((plain_read != classes).mean()),
         # per source class (what the classifier read on the source): how often inpainting changed it
         "inpaint_change_by_class": {str(c): float((read[inpaint & (source_class == c)] != c).mean())
                                     for c in range(10) if (inpaint & (source_class == c)).any()},
@@ -191,6 +205,7 @@ def run(model=None, per_digit: int = 20, steps: int = 20, grid: str | None = Non
 
 SUMMARY = ("img2img_keep_rate", "img2img_follow_rate", "inpaint_change_rate", "inpaint_outside_mad",
            "inpaint_outside_mad_bound", "vae_roundtrip_outside_mad", "unkept_outside_mad", "inpaint_target_rate",
+           "inpaint_change_rate_plain",
            "sources", "steps", "edit_model_accuracy", "edit_model_class_accuracy", "edit_model_by_instruction",
            "edit_model_cases", "targets_met")
 
