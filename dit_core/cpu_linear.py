@@ -358,7 +358,8 @@ def apply(family, config, name: str = "") -> str:
     choice, reason = resolve(config)
     transformer = getattr(family, "transformer", None)
     if choice == "onednn" and isinstance(transformer, nn.Module):
-        count = pack(transformer)
+        # a family's ``denoisers`` when it has several (two-stage Wan 2.2: both transformers)
+        count = sum(pack(m) for m in (getattr(family, "denoisers", None) or {"transformer": transformer}).values())
         logger.info("cpu_linear=%s -> onednn for model %s: %d linear layers of the transformer packed (%s)",
                     config.cpu_linear, name, count, reason)
     else:

@@ -96,6 +96,8 @@ class Engine:
         self.prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         max_batch = {}
         self.attention_by_model = {}  # model -> its role -> backend map
+        for family in self.models.values():
+            family.check_config(config)  # settings the model cannot honour, refused before anything is set up
         for name, family in self.models.items():
             backends = resolve_attention(config.attention, config.device, config.torch_dtype, family.head_dims())
             self.attention_by_model[name] = backends
@@ -433,6 +435,7 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
             with component_loader(offload_loader(cfg)):  # offload: leave streamed blocks unread
                 models[name] = load_family(path, cfg.torch_dtype, torch.device(cfg.device),
                                            thinkers.get(name, cfg.thinker), stage_options)
+            models[name].check_config(cfg)  # before quantizing or offloading it (Engine asks again)
             apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
             cpu_linear.apply(models[name], cfg, name)  # EngineConfig.cpu_linear: oneDNN-packed linears
             apply_offload(models[name], cfg)  # after loading, before the engine sees the family

@@ -32,6 +32,10 @@ class SamplingParams:
       Qwen-Image only guidance-distilled checkpoints use it.
     * ``true_cfg_scale``: classifier-free guidance for FLUX and Qwen-Image; CFG
       runs when it is > 1 and a ``negative_prompt`` is given.
+    * ``guidance_scale_2``: two-stage Wan 2.2 checkpoints (``transformer_2`` /
+      ``boundary_ratio``): the CFG scale of the low-noise stage (``transformer_2``);
+      None: ``guidance_scale``, as in diffusers. Whether CFG runs at all follows
+      ``guidance_scale`` (> 1), as in diffusers.
     """
 
     height: int | None = None
@@ -40,6 +44,7 @@ class SamplingParams:
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
+    guidance_scale_2: float | None = None
     negative_prompt: str | None = None
     seed: int | None = None
     num_outputs: int = 1
@@ -74,7 +79,7 @@ class SamplingParams:
             _check_int(name, getattr(self, name), 1, MAX_SIDE, optional=True)
         _check_int("num_frames", self.num_frames, 1, 1024, optional=True)
         _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS, optional=True)
-        for name in ("guidance_scale", "true_cfg_scale"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
             _check_float(name, getattr(self, name))
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise InvalidParamError("negative_prompt", self.negative_prompt, "a string or None")

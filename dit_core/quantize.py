@@ -48,13 +48,17 @@ def validate_quant(value, device: str) -> str | None:
 
 
 def apply_quant(family, value: str | None) -> None:
-    """Quantize the components ``value`` names (the transformer by default) in place; the family's
+    """Quantize the components ``value`` names (by default the transformer, or a family's ``denoisers``:
+    both transformers of a two-stage Wan 2.2) in place; the family's
     code keeps calling the same modules. Records ``family.quant_reports``."""
     family.quant_reports = getattr(family, "quant_reports", {})
     if value is None:
         return
     spec = quant.parse_spec(value)
-    for name in spec.components:
+    names = spec.components
+    if names == quant.spec.DEFAULT_COMPONENTS:  # the default: every denoiser (two-stage Wan 2.2: both transformers)
+        names = tuple(getattr(family, "denoisers", None) or names)
+    for name in names:
         module = getattr(family, "components", {}).get(name)
         if not isinstance(module, torch.nn.Module):
             loaded = sorted(k for k, v in getattr(family, "components", {}).items() if isinstance(v, torch.nn.Module))

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="random seed; prompt i uses seed + i (default: a random seed, printed)")
     gen.add_argument("--guidance", type=float, default=None,
                      help="guidance_scale: CFG scale for SD3, embedded guidance for FLUX.1-dev")
+    gen.add_argument("--guidance-2", type=float, default=None,
+                     help="guidance_scale_2: two-stage Wan 2.2 models' CFG scale below the boundary (default: "
+                          "--guidance)")
     gen.add_argument("--true-cfg", type=float, default=None,
                      help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
     gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
@@ -243,7 +246,8 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
                                 image=image, mask=mask, strength=args.strength,
                                 audio_end_in_s=args.seconds,
                                 seed=None if args.seed is None else args.seed + i,
-                                guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
+                                guidance_scale=args.guidance, guidance_scale_2=args.guidance_2,
+                                true_cfg_scale=args.true_cfg,
                                 negative_prompt=args.negative_prompt, num_outputs=args.num_outputs,
                                 num_frames=args.frames, loras=args.loras)
         ids.append(engine.add_request(prompt, params))

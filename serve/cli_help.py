@@ -28,8 +28,8 @@ ENGINE_GROUPS = {
 }
 GROUPS = {
     "generate": {
-        "what to generate": ["model", "output", "steps", "size", "seed", "guidance", "true_cfg", "negative_prompt",
-                             "num_outputs"],
+        "what to generate": ["model", "output", "steps", "size", "seed", "guidance", "guidance_2", "true_cfg",
+                             "negative_prompt", "num_outputs"],
         "video and audio": ["frames", "fps", "seconds"],
         "image inputs": ["image", "mask", "strength"],
         **ENGINE_GROUPS,

@@ -203,6 +203,10 @@ class Family(abc.ABC):
             kinds.append("mask")
         return kinds
 
+    def check_config(self, config) -> None:
+        """Refuse engine settings (an ``EngineConfig``) this model cannot honour: raise InvalidParamError
+        naming the setting. Asked at engine start, before the model is quantized, offloaded or wrapped."""
+
     def health(self) -> str | None:
         """None while the family can serve; else why not (its AR stage's engine process died: see
         ar_adapters.supervised)."""

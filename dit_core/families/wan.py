@@ -12,6 +12,12 @@ Decoding: the requests that finish on one step share their shape; they are decod
 in chunks of at most ``decode_pixel_budget`` output pixels (videos x frames x height x width,
 default 2^24, ~64 MiB per float32 RGB plane of the output), so one 81 x 480 x 832 video decodes
 alone and many small clips decode in one VAE call.
+
+Two-stage Wan 2.2 (A14B: ``transformer_2`` and ``boundary_ratio`` in model_index.json, high-noise
+``transformer`` while t >= boundary_ratio x num_train_timesteps, ``transformer_2`` below, with
+``guidance_scale`` / ``guidance_scale_2``): ``wan_stages``. Each step runs one forward per stage among its
+requests; step caches drop a request's state when it crosses the boundary; TeaCache needs fitted
+coefficients; offload, LoRA, parallel degrees and cache-dit are refused at start (see ``wan_stages``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from diffusers.video_processor import VideoProcessor
 from ..errors import InvalidParamError, UnknownModelError
 from ..params import SamplingParams
 from ..request import Request
-from . import wan_packed
+from . import wan_packed, wan_stages
 from .base import BlockInputs, TextCond, gather_rows
 from .packed_rows import DENSE, DenseRows
 from .image import DiffusersFamily
@@ -58,6 +64,7 @@ class WanFamily(DiffusersFamily):
     takes_image = False  # image-to-video (wan_i2v.py): the transformer also takes the input image
     packable = True  # (not image-to-video: its image tokens and condition channels are not packed)
     expand_timesteps = False  # Wan 2.2 TI2V's per-token timesteps (wan_ti2v.py)
+    two_stage = True  # takes two-stage Wan 2.2 checkpoints (transformer_2 / boundary_ratio: wan_stages.py)
 
     def __init__(self, components: dict[str, Any], dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
@@ -74,18 +81,33 @@ class WanFamily(DiffusersFamily):
         self.processor = VideoProcessor(vae_scale_factor=self.s_scale)
         # the frame rate its clips are meant to play at (MP4s, and seconds <-> frames in the Videos API)
         self.fps = int(checkpoint.get(FPS_KEY) or DEFAULT_FPS)
-        if not checkpoint.get("_omnidit_teacache"):
+        self.fitted_teacache = bool(checkpoint.get("_omnidit_teacache"))
+        if not self.fitted_teacache:
             self.teacache_coefficients = TEACACHE_14B if len(self.transformer.blocks) > 30 else TEACACHE_1_3B
+        wan_stages.setup(self, None)  # one transformer until ``load`` says otherwise
 
     @classmethod
     def load(cls, path, index, dtype, device, thinker="auto", thinker_options=None) -> "WanFamily":
-        if index.get("transformer_2", [None])[0] is not None or index.get("boundary_ratio") is not None:
-            raise UnknownModelError(f"{path}: two-stage Wan 2.2 checkpoints (transformer_2 / boundary_ratio) "
-                                    "are not supported")
         if bool(index.get("expand_timesteps")) != cls.expand_timesteps:  # (family_class picks wan_ti2v for them)
             raise UnknownModelError(f"{path}: {cls.name} serves checkpoints with expand_timesteps="
                                     f"{cls.expand_timesteps}, not {bool(index.get('expand_timesteps'))}")
-        return super().load(path, index, dtype, device, thinker, thinker_options)
+        wan_stages.check_index(cls, path, index)
+        family = super().load(path, index, dtype, device, thinker, thinker_options)
+        wan_stages.setup(family, index.get("boundary_ratio"))
+        return family
+
+    @property
+    def denoisers(self) -> dict:
+        """The transformers the steps run (``quant`` and ``cpu_linear`` treat each): both for two-stage Wan 2.2."""
+        return dict(zip(("transformer", "transformer_2"), self.stage_models))
+
+    def check_config(self, config) -> None:
+        wan_stages.check_config(self, config)
+
+    def set_attention(self, backends: dict) -> None:
+        self.attention_backends = backends  # the packed forward calls attention itself
+        for transformer in self.stage_models:
+            transformer.set_attn_processor(self.attention_processor(backends))
 
     @property
     def size_multiple(self) -> int:
@@ -94,7 +116,7 @@ class WanFamily(DiffusersFamily):
 
     def describe(self) -> dict:
         return {**super().describe(), "size_multiple": self.size_multiple, "frame_step": self.t_scale * self.patch[0],
-                "frame_base": self.frame_base, "fps": self.fps,
+                "frame_base": self.frame_base, "fps": self.fps, "boundary_ratio": self.boundary_ratio,
                 "max_text_tokens": self.max_text_tokens, "max_side": 8192,
                 "inputs": ["text", "image"] if self.takes_image else ["text"]}
 
@@ -114,7 +136,7 @@ class WanFamily(DiffusersFamily):
         if params.max_sequence_length > self.max_text_tokens:
             raise InvalidParamError("max_sequence_length", params.max_sequence_length,
                                     f"an integer in [1, {self.max_text_tokens}]")
-        return params
+        return wan_stages.resolve(self, params) if self.boundary_timestep is not None else params
 
     @property
     def frame_base(self) -> int:
@@ -198,6 +220,12 @@ class WanFamily(DiffusersFamily):
         return dict(hidden_states=latents.to(self.dtype), timestep=timesteps, encoder_hidden_states=embeds)
 
     def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One forward (two-stage: one per stage among ``requests``, ``wan_stages``)."""
+        if self.boundary_timestep is not None:
+            return wan_stages.predict(self, requests, self.predict_stage)
+        return self.predict_stage(requests)
+
+    def predict_stage(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         out = super().predict(requests)
         if out[0][0].dim() == 3:  # packed: each request's output tokens back to its grid
             grid = lambda t, req: None if t is None else wan_packed.unpatchify(self, t, req)  # noqa: E731
@@ -207,7 +235,9 @@ class WanFamily(DiffusersFamily):
     def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
         if uncond is None:
             return cond
-        return uncond + req.params.guidance_scale * (cond - uncond)
+        p = req.params
+        scale = p.guidance_scale if wan_stages.stage_of(self, req) == 0 else p.guidance_scale_2
+        return uncond + scale * (cond - uncond)
 
     # ---- the block loop of WanTransformer3DModel.forward (text-to-video, one timestep per row) ----
 

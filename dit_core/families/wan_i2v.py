@@ -28,9 +28,10 @@ documented example (the pipeline itself stretches any image to 480 x 832). Array
 Checkpoints: Wan 2.1 I2V (a CLIP vision encoder whose tokens the transformer's cross attention also
 attends to; one image per request, as the pipeline's image embedding takes one), Wan 2.1 FLF2V (the
 same with ``pos_embed_seq_len``: two images per request, as the pipeline cannot run it on one) and the
-single-transformer layout without an image encoder (one or two images; a batch mixes them). Wan 2.2
-TI2V (``expand_timesteps``) is ``wan_ti2v.py``'s. Refused at load: two-stage Wan 2.2
-(``transformer_2`` / ``boundary_ratio``).
+single-transformer layout without an image encoder (one or two images; a batch mixes them), and
+two-stage Wan 2.2 I2V A14B (that layout with ``transformer_2`` / ``boundary_ratio``: the two
+transformers take the same inputs; ``wan_stages`` picks one per request and step, ``guidance_scale_2``
+below the boundary). Wan 2.2 TI2V (``expand_timesteps``) is ``wan_ti2v.py``'s.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class WanI2VFamily(WanFamily):
 
     def set_attention(self, backends: dict) -> None:
         tokens = None if self.image_tokens is None else self.image_tokens * max(self.image_counts)
-        self.transformer.set_attn_processor(WanProcessor(backends, image_tokens=tokens))
+        for transformer in self.stage_models:  # (two-stage Wan 2.2: both)
+            transformer.set_attn_processor(WanProcessor(backends, image_tokens=tokens))
 
     @property
     def latent_channels(self) -> int:

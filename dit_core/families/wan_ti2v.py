@@ -17,7 +17,9 @@ Rows of text-only and image requests share a forward: every row carries its own 
 (the step's for a text-only row, as ``WanPipeline`` passes them), so no row depends on its batch mates.
 Sizes keep their own batches (not packed). Refused at load: a transformer that takes image tokens or
 condition channels, a patch other than (1, 2, 2) (the pipelines' token timesteps assume it), and
-two-stage checkpoints (``transformer_2`` / ``boundary_ratio``, as for every Wan family).
+two-stage checkpoints (``transformer_2`` / ``boundary_ratio``): diffusers' pipelines would run one
+with ``expand_timesteps``, but none is published (Wan 2.2's two-stage models are the A14B T2V / I2V,
+``wan`` / ``wan-i2v``; TI2V 5B has one transformer), so it stays refused here.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class WanTI2VFamily(WanFamily):
     takes_image = True  # optional here: text-only requests are text-to-video
     packable = False  # per-token timesteps stay dense: sizes keep their own batches
     expand_timesteps = True
+    two_stage = False  # no two-stage TI2V checkpoint exists (see above)
 
     def __init__(self, components: dict[str, Any], dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)

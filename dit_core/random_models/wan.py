@@ -1,6 +1,6 @@
 """Random Wan 2.1 text-to-video checkpoints: UMT5 text encoder, WanTransformer3DModel, the Wan
 causal 3D VAE (spatial factor 8, temporal 4: frame counts 4k + 1) and UniPC with a flow shift,
-as the released Wan2.1-T2V checkpoints ship."""
+as the released Wan2.1-T2V checkpoints ship; ``tiny-two-stage``: Wan 2.2 T2V A14B's two transformers."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ SIZES = {
     "small": dict(heads=6, head_dim=64, layers=8, ffn=1536, text=128, text_layers=2, vae=16,
                   vae_mult=[1, 2, 4, 4], latent=16),
 }
+# two-stage Wan 2.2 (A14B's layout): ``tiny`` with a second, independently random transformer_2 (the
+# low-noise stage) and boundary_ratio 0.875 (Wan2.2-T2V-A14B's)
+SIZES["tiny-two-stage"] = dict(SIZES["tiny"], boundary_ratio=0.875)
 
 
 def umt5(d_model: int, layers: int, tokenizer) -> UMT5EncoderModel:
@@ -45,7 +48,9 @@ def make_pipeline(size: str) -> WanPipeline:
     vae = AutoencoderKLWan(base_dim=c["vae"], z_dim=c["latent"], dim_mult=c["vae_mult"], num_res_blocks=1,
                            temperal_downsample=[False, True, True], latents_mean=[0.0] * c["latent"],
                            latents_std=[1.0] * c["latent"]).eval()
-    return WanPipeline(tokenizer=tokenizer, text_encoder=umt5(c["text"], c["text_layers"], tokenizer),
-                       transformer=transformer(c["heads"], c["head_dim"], c["layers"], c["ffn"], c["text"],
-                                               c["latent"]),
-                       vae=vae, scheduler=scheduler())
+    text_encoder = umt5(c["text"], c["text_layers"], tokenizer)  # (before the transformers: the seeded draws' order)
+    dims = (c["heads"], c["head_dim"], c["layers"], c["ffn"], c["text"], c["latent"])
+    first = transformer(*dims)
+    second = transformer(*dims) if "boundary_ratio" in c else None
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=first, transformer_2=second,
+                       boundary_ratio=c.get("boundary_ratio"), vae=vae, scheduler=scheduler())

@@ -7,7 +7,8 @@ has the same channels without an image encoder (the single-transformer layout Wa
 ``tiny-flf`` is Wan 2.1 FLF2V's layout: ``tiny`` whose image embedding takes two images (``pos_embed_seq_len``,
 its positional embedding random here, zeros in diffusers' init). ``tiny-ti2v`` is Wan 2.2 TI2V's: a
 ``WanPipeline`` with ``expand_timesteps``, a transformer that takes the latents alone (z channels in and out),
-no image encoder."""
+no image encoder. ``tiny-two-stage`` is Wan 2.2 I2V A14B's: ``tiny-noencoder`` with a second transformer
+(the low-noise stage) and ``boundary_ratio``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ SIZES = {"tiny": dict(T2V_SIZES["tiny"], vision=(16, 2, 32, 16)),
          "tiny-noencoder": dict(T2V_SIZES["tiny"], vision=None),
          "tiny-flf": dict(T2V_SIZES["tiny"], vision=(16, 2, 32, 16), first_last=True),
          "tiny-ti2v": dict(T2V_SIZES["tiny"], vision=None, ti2v=True),
+         # Wan 2.2 I2V A14B's: no image encoder, a second transformer (low noise), boundary_ratio 0.9 (its)
+         "tiny-two-stage": dict(T2V_SIZES["tiny"], vision=None, boundary_ratio=0.9),
          "small": dict(T2V_SIZES["small"], vision=(64, 2, 112, 14))}
 
 
@@ -52,11 +55,13 @@ def make_pipeline(size: str) -> WanImageToVideoPipeline | WanPipeline:
         if c.get("first_last"):
             pos_len = 2 * ((c["vision"][2] // c["vision"][3]) ** 2 + 1)  # two images' tokens
     ti2v = c.get("ti2v", False)
-    transformer = WanTransformer3DModel(
+    make = lambda: WanTransformer3DModel(  # noqa: E731
         patch_size=(1, 2, 2), num_attention_heads=c["heads"], attention_head_dim=c["head_dim"],
         in_channels=z if ti2v else 2 * z + TEMPORAL, out_channels=z, text_dim=c["text"], freq_dim=64,
         ffn_dim=c["ffn"], num_layers=c["layers"], cross_attn_norm=True, rope_max_seq_len=64, image_dim=image_dim,
         added_kv_proj_dim=kv_dim, pos_embed_seq_len=pos_len).eval()
+    transformer = make()
+    second = make() if "boundary_ratio" in c else None
     if pos_len is not None:
         with torch.no_grad():
             transformer.condition_embedder.image_embedder.pos_embed.normal_(std=0.5)
@@ -65,4 +70,5 @@ def make_pipeline(size: str) -> WanImageToVideoPipeline | WanPipeline:
                            scheduler=scheduler(), transformer=transformer, expand_timesteps=True)
     return WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=umt5(c["text"], c["text_layers"], tokenizer),
                                    vae=vae, scheduler=scheduler(), image_processor=processor, image_encoder=encoder,
-                                   transformer=transformer)
+                                   transformer=transformer, transformer_2=second,
+                                   boundary_ratio=c.get("boundary_ratio"))

@@ -3,7 +3,8 @@ synchronous ``POST /v1/videos/sync`` that answers with the MP4 itself.
 
 Bodies come as JSON or as a multipart / url-encoded form (the ``openai`` client sends a form).
 Beyond OpenAI's fields (prompt, model, seconds, size) a body may carry omnidit's: num_frames,
-fps, num_inference_steps, guidance_scale, negative_prompt, seed, max_sequence_length, use_cache, and
+fps, num_inference_steps, guidance_scale, guidance_scale_2 (two-stage Wan 2.2: the low-noise stage's),
+negative_prompt, seed, max_sequence_length, use_cache, and
 ``lora`` (adapters loaded with ``POST /v1/loras``; in a form, as JSON text).
 ``seconds`` x fps becomes the nearest frame count the model can make (Wan: 4k + 1).
 ``input_reference`` (image-to-video models: the video's first frame) is OpenAI's: an image file part
@@ -84,6 +85,8 @@ class VideoCreateRequest(BaseModel):
     fps: int | None = Field(None, ge=1, le=120)
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = Field(None, description="two-stage Wan 2.2 models: the CFG scale of the "
+                                                             "low-noise stage (default: guidance_scale)")
     negative_prompt: str | None = None
     seed: int | None = None
     max_sequence_length: int | None = None
@@ -230,7 +233,8 @@ async def plan(request: Request, body: VideoCreateRequest,
         frames = frame_count(body.seconds, fps, details.get("frame_step", 1), details.get("frame_base"))
     width, height = parse_size(body.size)
     params = SamplingParams(height=height, width=width, num_frames=frames, num_inference_steps=body.num_inference_steps,
-                            guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt, seed=body.seed,
+                            guidance_scale=body.guidance_scale, guidance_scale_2=body.guidance_scale_2,
+                            negative_prompt=body.negative_prompt, seed=body.seed,
                             max_sequence_length=body.max_sequence_length, use_cache=body.use_cache,
                             loras=lora_pairs(body.lora), image=image)
     return name, public, params, fps

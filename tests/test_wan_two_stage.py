@@ -1,0 +1,232 @@
+"""Two-stage Wan 2.2 (``transformer_2`` / ``boundary_ratio``, dit_core/families/wan_stages.py): one request
+equals diffusers' WanPipeline / WanImageToVideoPipeline with both transformers for the same seed (fp32,
+<= 1e-4), guidance_scale_2 included; rows on the two sides of the boundary share engine steps (one forward
+per stage) and each gets what it gets alone (<= 1e-5), with and without step caches; a step cache's state
+does not cross the boundary; the settings that would handle one transformer are refused, naming them."""
+
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+from dit_core import Engine, InvalidParamError, SamplingParams
+from dit_core.errors import UnknownModelError
+from dit_core.random_models import build
+from helpers import assert_finished, run_staggered
+from test_wan_i2v import picture
+
+PROMPT = "the cat turns its head"
+# 4 UniPC steps (flow shift 3) run at t = 999, 900, 750, 500: two above each boundary (T2V 875, I2V 900,
+# where t = 900 is on the high-noise side: the pipelines compare t >= boundary)
+BASE = dict(height=32, width=48, num_frames=9, num_inference_steps=4, max_sequence_length=16)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan-two-stage")
+    return {family: build(family, "tiny-two-stage", root / family) for family in ("wan", "wan-i2v")}
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    return {family: Engine.from_pretrained(path, max_batch_size=8) for family, path in models.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline(path):
+    pipe = DiffusionPipeline.from_pretrained(path)
+    assert pipe.transformer_2 is not None and pipe.config.boundary_ratio is not None
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture
+def stock(monkeypatch):
+    """The checkpoint's own pipeline (its I2V module's prompt_clean needs ftfy: test_wan_i2v's stand-in)."""
+    if not pipeline_wan.is_ftfy_available():
+        monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+    return lambda path: pipeline(str(path))
+
+
+def image_kw(family: str, seed: int = 1) -> dict:
+    return {"image": picture(seed)} if family == "wan-i2v" else {}
+
+
+CASES = {"t2v-cfg": ("wan", dict(guidance_scale=5.0)),
+         "t2v-cfg2-negative-two-outputs": ("wan", dict(guidance_scale=4.0, guidance_scale_2=2.0,
+                                                       negative_prompt="blurry", num_outputs=2)),
+         "t2v-no-cfg": ("wan", dict(guidance_scale=1.0)),
+         "i2v-cfg2": ("wan-i2v", dict(guidance_scale=5.0, guidance_scale_2=2.5))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_single_request_equals_the_pipeline(case, models, engines, stock):
+    family, kw = CASES[case]
+    kw = dict(kw)
+    n = kw.pop("num_outputs", 1)
+    pipe = stock(models[family])
+    call = dict(prompt=PROMPT, num_videos_per_prompt=n, generator=torch.Generator().manual_seed(7), output_type="pt",
+                **BASE, **image_kw(family), **kw)
+    ref = pipe(**call).frames
+    out = torch.stack(engines[family].generate(PROMPT, SamplingParams(seed=7, num_outputs=n, output_type="pt",
+                                                                      **BASE, **image_kw(family), **kw)))
+    assert out.shape == ref.shape == (n, 9, 3, 32, 48)
+    assert (out - ref).abs().max().item() <= 1e-4
+    if case.endswith("cfg"):  # the low-noise transformer matters: the pipeline with transformer_2 := transformer
+        second = pipe.transformer_2
+        try:
+            pipe.transformer_2 = pipe.transformer
+            one = pipe(**{**call, "generator": torch.Generator().manual_seed(7)}).frames
+        finally:
+            pipe.transformer_2 = second
+        assert (out - one).abs().max().item() > 1e-3
+
+
+def test_guidance_scale_2_defaults_to_guidance_scale_and_matters(engines):
+    engine = engines["wan-i2v"]
+    run = lambda **kw: torch.stack(engine.generate(PROMPT, SamplingParams(  # noqa: E731
+        seed=3, output_type="pt", guidance_scale=4.0, **BASE, **image_kw("wan-i2v"), **kw)))
+    same = run()
+    assert torch.equal(same, run(guidance_scale_2=4.0))
+    assert (same - run(guidance_scale_2=1.5)).abs().max().item() > 1e-3
+    assert engine.make_request(PROMPT, SamplingParams(**BASE, guidance_scale=4.0, **image_kw("wan-i2v"))
+                               ).params.guidance_scale_2 == 4.0
+    assert engine.family.describe()["boundary_ratio"] == 0.9
+
+
+def specs(family: str) -> list:
+    """Different step counts (so the boundary falls at other indices), CFG and not, guidance_scale_2 or not,
+    two outputs, and (text-to-video) another frame count: that stage's rows run packed."""
+    p = lambda seed, **kw: SamplingParams(**{**BASE, "seed": seed, "output_type": "pt",  # noqa: E731
+                                             **image_kw(family, seed), **kw})
+    return [("a cat", p(1, guidance_scale=5.0, guidance_scale_2=3.0)),
+            ("a dog running", p(2, guidance_scale=1.0, num_inference_steps=6)),
+            ("waves", p(3, guidance_scale=3.0, negative_prompt="dark", num_outputs=2)),
+            ("a red car", p(4, guidance_scale=2.0, num_inference_steps=5,
+                            **({"num_frames": 5} if family == "wan" else {})))]
+
+
+ARRIVALS = [0, 2, 2, 3]  # at step 2 the first request is below the boundary, the two new ones above
+
+
+def record_stages(monkeypatch, engine) -> list:
+    """(engine step, stage, requests) of every forward."""
+    family, calls = engine.family, []
+    original = family.predict_stage
+
+    def recording(requests):
+        calls.append((engine.stats.steps, family.stage_models.index(family.transformer), len(requests)))
+        return original(requests)
+
+    monkeypatch.setattr(family, "predict_stage", recording)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["wan", "wan-i2v"])
+def test_rows_on_both_sides_of_the_boundary_do_not_depend_on_their_batchmates(family, engines, monkeypatch):
+    engine, batch = engines[family], specs(family)
+    alone = [assert_finished(run_staggered(engine, [s], arrivals=[0])[0][0]) for s in batch]
+    calls = record_stages(monkeypatch, engine)
+    finals, sizes = run_staggered(engine, batch, arrivals=ARRIVALS)
+    assert max(sizes) == len(batch)
+    steps = {}
+    for step, stage, n in calls:
+        steps.setdefault(step, {})[stage] = n
+    assert any(len(stages) == 2 for stages in steps.values())  # a step ran both transformers, a forward each
+    for i in range(len(batch)):
+        got = assert_finished(finals[i])
+        assert got.shape == alone[i].shape
+        assert (got - alone[i]).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def with_fitted_teacache(path, tmp_path):
+    """A copy whose model_index.json carries fitted TeaCache coefficients (identity: acc = rel_l1)."""
+    folder = tmp_path / "fitted"
+    shutil.copytree(path, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["_omnidit_teacache"] = {"coefficients": [0.0, 0.0, 0.0, 1.0, 0.0]}
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["teacache", "fbcache"])
+def test_step_caches_do_not_carry_state_across_the_boundary(kind, models, engines, tmp_path):
+    path = models["wan"]
+    if kind == "teacache":
+        with pytest.raises(InvalidParamError) as e:  # the published Wan 2.1 polynomials are not these transformers'
+            Engine.from_pretrained(path, cache="teacache:0.1")
+        assert e.value.field == "cache" and "fit" in str(e.value)
+        path = with_fitted_teacache(path, tmp_path)
+    batch = specs("wan")
+    plain, _ = run_staggered(engines["wan"], batch, arrivals=ARRIVALS)
+    exact, _ = run_staggered(Engine.from_pretrained(path, cache=f"{kind}:0"), batch, arrivals=ARRIVALS)
+    for i in range(len(batch)):
+        assert (assert_finished(exact[i]) - assert_finished(plain[i])).abs().max().item() <= 1e-6
+    # a threshold nothing reaches: every row skips whenever it may. 4 steps at t = 999, 900 | 750, 500: the
+    # first computes, the second skips, the first below the boundary computes (its state was dropped), the
+    # last computes. With state carried across, it would skip twice.
+    engine = Engine.from_pretrained(path, cache=f"{kind}:1e9")
+    p = SamplingParams(**BASE, seed=5, guidance_scale=3.0, output_type="pt")
+    req = engine.make_request(PROMPT, p)
+    alone = torch.stack(engine.generate(PROMPT, p))
+    done = run_staggered(engine, [(PROMPT, p)], arrivals=[0])[0][0]
+    assert done.output.metrics["cache_skipped_rows"] == req.rows * 1
+    assert (assert_finished(done) - alone).abs().max().item() == 0
+    # and batched across the boundary, each row still gets what it gets alone
+    solo = [assert_finished(run_staggered(engine, [s], arrivals=[0])[0][0]) for s in batch]
+    finals, sizes = run_staggered(engine, batch, arrivals=ARRIVALS)
+    assert max(sizes) == len(batch)
+    for i in range(len(batch)):
+        assert (assert_finished(finals[i]) - solo[i]).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_default_quantization_covers_both_transformers(models):
+    engine = Engine.from_pretrained(models["wan"], quant="int8-weight")
+    assert set(engine.family.quant_reports) == {"transformer", "transformer_2"}
+    out = engine.generate(PROMPT, SamplingParams(**BASE, seed=1, guidance_scale=3.0, output_type="pt"))
+    assert torch.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("options,field", [
+    (dict(offload="components"), "offload"), (dict(max_loras=1), "max_loras"),
+    (dict(cache="cache-dit:0.1"), "cache"), (dict(row_parallel=2), "row_parallel")])
+def test_settings_for_one_transformer_are_refused(options, field, models):
+    with pytest.raises(InvalidParamError) as e:
+        Engine.from_pretrained(models["wan"], **options)
+    assert e.value.field.split()[0] == field and "two-stage" in str(e.value)
+
+
+def test_bad_guidance_scale_2_names_the_field(engines, wan_tiny):
+    with pytest.raises(InvalidParamError) as e:  # CFG follows guidance_scale, as in diffusers: it would be ignored
+        engines["wan"].make_request(PROMPT, SamplingParams(**BASE, guidance_scale=1.0, guidance_scale_2=3.0))
+    assert e.value.field == "guidance_scale_2"
+    with pytest.raises(InvalidParamError) as e:  # a single-transformer checkpoint has no second stage
+        Engine.from_pretrained(wan_tiny).make_request(PROMPT, SamplingParams(**BASE, guidance_scale_2=3.0))
+    assert e.value.field == "guidance_scale_2"
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(transformer_2=[None, None]), "needs transformer, transformer_2 and boundary_ratio"),
+    (dict(boundary_ratio=None), "needs transformer, transformer_2 and boundary_ratio"),
+    (dict(boundary_ratio=1.5), r"boundary_ratio must be a number in \(0, 1\)"),
+    (dict(expand_timesteps=True), "not supported for wan-ti2v")])
+def test_incomplete_two_stage_folders_are_refused(change, match, models, tmp_path):
+    folder = tmp_path / "changed"
+    shutil.copytree(models["wan"], folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, **change}))
+    with pytest.raises(UnknownModelError, match=match):
+        Engine.from_pretrained(folder)
+
+
+def test_cpu_linear_treats_both_transformers_alike(engines):
+    from dit_core.cpu_linear import PackedLinear
+
+    family = engines["wan"].family
+    packed = [sum(isinstance(m, PackedLinear) for m in t.modules()) for t in family.stage_models]
+    assert packed[0] == packed[1] == (packed[0] if family.cpu_linear == "onednn" else 0)
+    assert family.cpu_linear == "aten" or packed[0] > 0
