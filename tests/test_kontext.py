@@ -1,7 +1,8 @@
 """FLUX Kontext reference-image editing: one request equals diffusers' FluxKontextPipeline (fp32, <= 1e-4,
 same seed), the reference preprocessing (auto-resize to the preferred resolutions) equals the pipeline's,
 and rows with references of different token counts, none, or start images share one forward with each
-row getting what it gets alone (<= 1e-5), with and without TeaCache."""
+row getting what it gets alone (<= 1e-5), with and without TeaCache: packed (the default, ``mixed_sizes``),
+and padded or one forward per length where sizes are kept apart (``mixed_sizes=False``)."""
 
 import functools
 from dataclasses import replace
@@ -40,6 +41,13 @@ def kontext(tmp_path_factory):
     """(path, engine) of a tiny Kontext checkpoint whose references keep their own size."""
     path = build_kontext("tiny", tmp_path_factory.mktemp("kontext") / "own-size", auto_resize=False)
     return path, Engine.from_pretrained(path, max_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def unmixed(kontext):
+    """An engine on the same checkpoint that keeps sizes apart: rows of one size with references of
+    different lengths run padded (or one forward per length)."""
+    return Engine.from_pretrained(kontext[0], max_batch_size=8, mixed_sizes=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,11 +166,32 @@ def mixed_specs(steps: int = 6):
     ]
 
 
-def test_mixed_batch_rows_equal_alone(kontext):
+def forwards(engine) -> dict:
+    return dict(engine.family.__dict__.get("forwards", {"padded": 0, "by_length": 0, "packed": 0}))
+
+
+def test_mixed_batch_rows_equal_alone_packed(kontext):
+    """References of 0, 120 and 36 tokens, start images and another output size in one packed forward
+    per step (no padding, no split), each row as alone."""
     _, engine = kontext
+    specs = mixed_specs() + [params(seed=7, image=picture(40, 48, seed=6), num_inference_steps=6, height=48,
+                                    width=32)]
+    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+    before = forwards(engine)
+    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1, 1, 2, 0])
+    assert max(sizes) == len(specs)
+    after = forwards(engine)
+    assert after.get("packed", 0) > before.get("packed", 0)
+    assert (after["padded"], after["by_length"]) == (before["padded"], before["by_length"])
+    for i, ref in enumerate(alone):
+        assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
+
+
+def test_mixed_batch_rows_equal_alone_padded(unmixed):
+    engine = unmixed
     specs = mixed_specs()
     alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
-    before = dict(engine.family.__dict__.get("forwards", {"padded": 0, "by_length": 0}))
+    before = forwards(engine)
     finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1, 1, 2])
     assert max(sizes) == len(specs)  # references of 0, 120 and 36 tokens and start images in one step
     # 512 text tokens each: padding to the longest reference is a small share, so they shared one forward
@@ -172,15 +201,15 @@ def test_mixed_batch_rows_equal_alone(kontext):
         assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
 
 
-def test_rows_of_very_different_lengths_run_per_length(kontext):
+def test_rows_of_very_different_lengths_run_per_length(unmixed):
     """Short text and a 256-token reference beside reference-less rows: padding would more than double
     their token rows, so the step runs one forward per length; each row still gets what it gets alone."""
-    _, engine = kontext
+    engine = unmixed
     common = dict(num_inference_steps=5, max_sequence_length=8)
     specs = [params(seed=1, **common), params(seed=2, image=picture(64, 64), **common),
              params(seed=3, image=picture(40, 48), strength=0.6, **common), params(seed=4, **common)]
     alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
-    before = dict(engine.family.__dict__.get("forwards", {"padded": 0, "by_length": 0}))
+    before = forwards(engine)
     finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1])
     assert max(sizes) == len(specs)
     assert engine.family.forwards["by_length"] > before["by_length"]
@@ -189,10 +218,10 @@ def test_rows_of_very_different_lengths_run_per_length(kontext):
         assert (assert_finished(finals[i]) - ref).abs().max().item() <= 1e-5, f"request {i}"
 
 
-def test_padded_rows_are_masked_not_attended(kontext):
+def test_padded_rows_are_masked_not_attended(unmixed):
     """A padded batch really carries a validity mask and per-row positions (not one shared table)."""
-    _, engine = kontext
-    fam = engine.family
+    fam = unmixed.family
+    engine = unmixed
     reqs = [engine.make_request(PROMPT, p) for p in mixed_specs()[:4]]
     fam.encode(reqs)
     for r in reqs:
@@ -205,11 +234,14 @@ def test_padded_rows_are_masked_not_attended(kontext):
     assert (inputs["img_ids"][1, 64:, 0] == 1).all() and (inputs["img_ids"][:, :64, 0] == 0).all()
 
 
-def test_teacache_with_edits(kontext):
-    """TeaCache on: edit rows with references of different lengths (so padding changes from step to
-    step as requests join) skip work and still get what they get alone."""
+@pytest.mark.parametrize("cache,mixed", [("teacache:0.6", True), ("teacache:0.6", False), ("fbcache:0.3", True)],
+                         ids=["teacache-packed", "teacache-padded", "fbcache-packed"])
+def test_step_cache_with_edits(kontext, cache, mixed):
+    """A step cache on: edit rows with references of different lengths (packed, or padded so padding
+    changes from step to step as requests join) skip work and still get what they get alone. (fbcache's
+    change signal is the whole image stream, padding included, so only packed batches are checked.)"""
     path, _ = kontext
-    engine = Engine.from_pretrained(path, cache="teacache:0.6", max_batch_size=8)
+    engine = Engine.from_pretrained(path, cache=cache, max_batch_size=8, mixed_sizes=mixed)
     specs = mixed_specs(steps=10)[:4]
     assert_cached_rows_equal_alone(engine, PROMPT, specs, arrivals=[0, 1, 0, 2])
 

@@ -26,13 +26,19 @@ What the pipeline does, matched here:
   reference's size (the pipeline takes its square default).
 
 Batching: rows with references of different token counts (and text-to-image rows, with none) share
-a step. The image stream of each row is [generated tokens, its reference tokens]; rows of one
-reference grid run as the transformer's own batch. Rows of different lengths either share ONE forward,
-right-padded to the longest row (attention gets the validity mask, so it runs packed on the valid
-tokens with a varlen backend or masked otherwise: ``attention.attend``; each row gets its own rotary
-table), or run as one forward per reference length, whichever costs fewer token rows: the token-wise
-layers (linears, norms) run over the padded rectangle, so padding pays off only while it is a small
-share (``PAD_SHARE``). Padded tokens never reach a valid one; either way a row gets what it gets alone.
+a step. The image stream of each row is [generated tokens, its reference tokens]; rows of one shape
+(output size, text length, reference grid: ``row_shape``) run as the transformer's own batch. Rows of
+different shapes share ONE packed forward when the engine mixes sizes (``mixed_sizes``, the default:
+``flux_packed`` appends each row's reference tokens, every linear runs once over the step's real tokens,
+attention per row with its own rotary table; no padding); the output is cut back to the generated
+tokens. Where sizes are kept apart (``mixed_sizes`` off, or compile, LoRA, block offload:
+``dit_core.mixed_sizes``) rows of one output size with different reference lengths either share ONE
+forward, right-padded to the longest row (attention gets the validity mask, so it runs packed on the
+valid tokens with a varlen backend or masked otherwise: ``attention.attend``; each row gets its own
+rotary table), or run as one forward per reference length, whichever costs fewer token rows: the
+token-wise layers (linears, norms) run over the padded rectangle, so padding pays off only while it is
+a small share (``PAD_SHARE``). Padded tokens never reach a valid one; either way a row gets what it gets
+alone.
 """
 
 from __future__ import annotations
@@ -52,14 +58,16 @@ from .base import BlockInputs, split_rows
 from .flux import FluxFamily, image_ids
 from .image_inputs import _processor_input, first_image, image_size, scaled_latents
 from .latents import pack_2x2
+from .packed_rows import DenseRows, RowTokens
 
 OPTIONS_KEY = "_omnidit_kontext"  # model_index.json: {"auto_resize": bool}
-# One padded forward while its token rows exceed those of one forward per length group by at most this
-# share (each extra forward has its own fixed cost and smaller GEMMs). Measured on the small FLUX Kontext
-# (benchmarks/edits.py, 2 cores, 8 mixed requests): at 64x64 (64 text, 16 image, 15-16 reference tokens)
-# padding adds ~14%, the rows share one forward: x2.10 of diffusers; at 256x256 (256 image, 240-256
-# reference tokens) padding would add ~50%: one padded forward ran x1.02 (--quick), one forward per
-# length group x1.29 (text-to-image alone: x1.54 in the same run).
+# Without packing (sizes kept apart): one padded forward while its token rows exceed those of one forward
+# per length group by at most this share (each extra forward has its own fixed cost and smaller GEMMs).
+# Measured on the small FLUX Kontext (benchmarks/edits.py, 2 cores, 8 mixed requests): at 64x64 (64 text,
+# 16 image, 15-16 reference tokens) padding adds ~14%, the rows share one forward: x2.10 of diffusers; at
+# 256x256 (256 image, 240-256 reference tokens) padding would add ~50%: one padded forward ran x1.02
+# (--quick), one forward per length group x1.29 (text-to-image alone: x1.54 in the same run). Packed
+# (the default) beats both: see benchmarks/results/edits.json.
 PAD_SHARE = 0.25
 
 
@@ -78,10 +86,9 @@ def is_edit(params: SamplingParams) -> bool:
 class FluxKontextFamily(FluxFamily):
     name = "flux_kontext"
     pipeline_class = "FluxKontextPipeline"
-    # not packed (``EngineConfig.mixed_sizes``): the reference tokens extend each row's image stream and
-    # the output is cut back to the generated tokens, which the packed loop (``flux_packed``) does not
-    # do yet; sizes and text lengths keep their own batches, as before
-    packable = False
+    # packed (``EngineConfig.mixed_sizes``): ``flux_packed`` appends each row's reference tokens to its image
+    # stream; rows of different sizes, text lengths or reference grids share one forward without padding
+    packable = True
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
@@ -135,6 +142,11 @@ class FluxKontextFamily(FluxFamily):
             extra = (inputs.pixels.shape[2] // self.size_multiple) * (inputs.pixels.shape[3] // self.size_multiple)
         return super().row_tokens(prompt, params, inputs) + extra
 
+    def row_shape(self, req: Request) -> tuple:
+        """A dense batch's rows share the output size, text length and reference grid (or have none)."""
+        ref = req.inputs.pixels.shape[2:] if isinstance(req.inputs, ReferenceInputs) else None
+        return super().row_shape(req) + (None if ref is None else tuple(ref),)
+
     def batch_key(self, params: SamplingParams) -> tuple:
         key = super().batch_key(params)
         if self.parallel is not None:  # processes split the sequence: no padded rows there
@@ -182,6 +194,8 @@ class FluxKontextFamily(FluxFamily):
         carry the same reference grid (or none), these are the transformer's own arguments; otherwise
         rows are right-padded and ``valid`` marks each row's real tokens of the joint sequence."""
         inputs = super().transformer_inputs(requests)
+        if "layout" in inputs:  # packed: ``flux_packed`` appended the references
+            return inputs
         latents, ids = inputs["hidden_states"], inputs["img_ids"]
         owners = [req for req in requests for _ in range(req.rows)]
         refs = [o.state.get("reference") for o in owners]
@@ -213,7 +227,8 @@ class FluxKontextFamily(FluxFamily):
         """The forwards of one step. Rows grouped by length (text + generated + reference tokens) are
         merged in order of length while padding the merged rows to the longest adds at most
         ``PAD_SHARE`` token rows; each merged group is one forward. Counted in ``forwards``: "padded"
-        (forwards over rows of different lengths) and "by_length" (steps split into several)."""
+        (forwards over rows of different lengths) and "by_length" (steps split into several); "packed"
+        counts the packed forwards of ``predict``."""
         text = requests[0].params.max_sequence_length + requests[0].latents.shape[1]  # text + generated tokens
         length = {r.id: text + (r.state["reference"].shape[1] if "reference" in r.state else 0) for r in requests}
         by_length: dict[int, list[Request]] = {}
@@ -229,13 +244,22 @@ class FluxKontextFamily(FluxFamily):
             else:
                 groups.append(list(reqs))
                 rows, exact = n, n * tokens
-        counts = self.__dict__.setdefault("forwards", {"padded": 0, "by_length": 0})
+        counts = self.__dict__.setdefault("forwards", {"padded": 0, "by_length": 0, "packed": 0})
         counts["padded"] += sum(len({length[r.id] for r in g}) > 1 for g in groups)
         counts["by_length"] += int(len(groups) > 1)
         return groups if len(groups) > 1 else [requests]
 
     @torch.no_grad()
     def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One packed forward for rows of several shapes (``mixed_sizes``), cut back to each request's
+        generated tokens; otherwise the dense forward(s) of ``forward_groups``."""
+        if self.packs(requests):
+            self.__dict__.setdefault("forwards", {"padded": 0, "by_length": 0, "packed": 0})["packed"] += 1
+            out = []
+            for req, (cond, uncond) in zip(requests, super().predict(requests)):
+                n = req.latents.shape[1]
+                out.append((cond[:, :n], None if uncond is None else uncond[:, :n]))
+            return out
         groups = self.forward_groups(requests)
         if len(groups) == 1:
             return self.predict_rows(requests)
@@ -265,6 +289,10 @@ class FluxKontextFamily(FluxFamily):
         return split_rows(out[:, :requests[0].latents.shape[1]], requests)
 
     def block_inputs(self, inputs: dict) -> BlockInputs:
+        if "layout" in inputs:  # packed rows: where each row's generated tokens are (``cache_signal``)
+            x = super().block_inputs(inputs)
+            x.shared["generated"] = generated_tokens(x.rows_of("img"), inputs["generated"])
+            return x
         ids = inputs["img_ids"]
         if "valid" not in inputs:
             x = super().block_inputs(inputs)
@@ -292,5 +320,18 @@ class FluxKontextFamily(FluxFamily):
 
     def cache_signal(self, x: BlockInputs) -> torch.Tensor:
         """TeaCache's signal on the generated tokens only: a row's decisions must not depend on its
-        reference's padding (its batchmates)."""
+        reference's padding (its batchmates), and are the same in a dense, padded or packed batch."""
+        if x.layout is not None:
+            return super().cache_signal(x).index_select(0, x.shared["generated"][1])
         return super().cache_signal(x)[:, :x.shared["generated"]]
+
+    def signal_rows(self, x: BlockInputs) -> DenseRows:
+        return x.shared["generated"][0] if x.layout is not None else super().signal_rows(x)
+
+
+def generated_tokens(stream: RowTokens, generated: list[int]) -> tuple[RowTokens, torch.Tensor]:
+    """The generated tokens of a packed image stream whose rows are [generated; reference] tokens: their
+    rows (``RowTokens``) and their positions in the stream [sum(generated)]."""
+    positions = torch.cat([torch.arange(start, start + n, device=stream.device)
+                           for start, n in zip(stream.starts, generated)])
+    return RowTokens(generated, stream.device), positions

@@ -19,15 +19,22 @@ from .processors.flux import _project
 
 
 def packed_inputs(family, requests: list[Request]) -> dict:
-    """The rows of ``requests`` (``gather_rows``' order) as packed streams and per-row tensors."""
+    """The rows of ``requests`` (``gather_rows``' order) as packed streams and per-row tensors; ``generated``:
+    each row's generated image tokens (the first of its image-stream tokens; the rest are a reference's)."""
     latents, texts, pooled, timesteps, owners, img_counts, txt_counts = [], [], [], [], [], [], []
     rope = {"img": {"cos": [], "sin": []}, "txt": {"cos": [], "sin": []}}
+    generated = []
     for req in requests:
         tables = rotary_tables(family, req)
-        n, length = req.latents.shape[:2]
+        # a FLUX Kontext edit's reference tokens (``flux_kontext``) follow each row's generated tokens
+        ref = req.state.get("reference")
+        image = req.latents if ref is None else torch.cat([req.latents, ref.expand(req.latents.shape[0], -1, -1)
+                                                           .to(req.latents.dtype)], dim=1)
+        n, length = image.shape[:2]
         for cond in (req.cond, req.uncond) if req.cfg else (req.cond,):
-            latents.append(req.latents.reshape(n * length, -1))
+            latents.append(image.reshape(n * length, -1))
             for _ in range(n):
+                generated.append(req.latents.shape[1])
                 texts.append(cond.embeds)
                 pooled.append(cond.pooled)
                 img_counts.append(length)
@@ -43,16 +50,18 @@ def packed_inputs(family, requests: list[Request]) -> dict:
     hidden = torch.cat(latents)
     return dict(hidden_states=hidden, timestep=torch.cat(timesteps).to(hidden.dtype) / 1000,
                 guidance=family.guidance(owners), pooled_projections=torch.stack(pooled),
-                encoder_hidden_states=torch.cat(texts), layout=layout)
+                encoder_hidden_states=torch.cat(texts), layout=layout, generated=generated)
 
 
 def rotary_tables(family, req: Request) -> dict:
-    """A request's rotary cos/sin for its text tokens (ids 0) and its image grid, made once (``req.state``).
-    The tables are elementwise in the ids, so these equal the parts of the dense forward's joint table."""
+    """A request's rotary cos/sin for its text tokens (ids 0) and its image grid (and its reference's, for a
+    Kontext edit), made once (``req.state``). The tables are elementwise in the ids, so these equal the parts
+    of the dense forward's joint table."""
     if "packed_rope" not in req.state:
         length = req.cond.embeds.shape[0]
         text_ids = torch.zeros(length, 3, device=family.device, dtype=family.components["text_encoder"].dtype)
-        cos, sin = family.transformer.pos_embed(torch.cat((text_ids, req.state["img_ids"]), dim=0))
+        ids = [text_ids, req.state["img_ids"]] + ([req.state["reference_ids"]] if "reference" in req.state else [])
+        cos, sin = family.transformer.pos_embed(torch.cat(ids, dim=0))
         req.state["packed_rope"] = {"txt": {"cos": cos[:length], "sin": sin[:length]},
                                     "img": {"cos": cos[length:], "sin": sin[length:]}}
     return req.state["packed_rope"]
