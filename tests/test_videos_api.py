@@ -118,6 +118,8 @@ def test_a_failing_job_reports_its_error(client, live, monkeypatch):
     ({"model": "sora-2"}, "model"),
     ({"steps": 3}, "steps"),
     ({"guidance_scale": -1}, "guidance_scale"),
+    ({"guidance_scale_2": -1}, "guidance_scale_2"),  # reaches SamplingParams
+    ({"guidance_scale_2": 3.0}, "guidance_scale_2"),  # a single-transformer Wan has no second stage
     ({"prompt": ""}, "prompt"),
 ])
 def test_bad_input_is_400_naming_the_field(live, body, param):
