@@ -19,10 +19,13 @@ Scenarios, at 64x64 and 256x256, T5 text of ``--text-tokens`` (64) on both sides
 * "t2i" at 256x256 only: the same number of text-to-image requests, for the text-to-image engine's
   ratio over diffusers measured in this run (the target: the mix at 256 no slower than it).
 
-Method (benchmarks.common.interleaved): the sides of a scenario run once per round, the order rotated
-every round, after one warm-up each; fresh prompts every round and the engine's prompt cache off;
-ratios are medians of per-round ratios (throughput = images / wall seconds). Outputs are compared
-request by request (``outputs_identical``: max abs diff <= 1e-4 on every image of every round).
+Method (benchmarks.common.interleaved): the sides of a scenario run once per round (``--repeats``, 5),
+the order rotated every round, after one warm-up each; fresh prompts every round and the engine's
+prompt cache off; ratios are medians of per-round ratios (throughput = images / wall seconds). Outputs are compared
+request by request (``outputs_identical``: max abs diff <= 1e-4 on every image of every round). Per
+scenario, ``engine_forwards`` counts the Kontext family's packed / padded / per-length forwards and
+``engine_allocator`` the CPU reuse allocator's hits, resizes and misses over the engine's measured rounds
+(a resize or a miss page-faults its buffer's new pages in).
 
 Quality keys (``img2img_keep_rate`` ... ``edit_model_class_accuracy``) are not measured here: they are
 read from results/edit_quality.json (benchmarks/edit_quality.py) when it has them, else written as
@@ -129,6 +132,7 @@ def measure(name: str, size: int, args, pipes: dict, engine, kinds=None) -> dict
     pictures = inputs_for(size)
     outputs: dict[str, dict[int, list]] = {"diffusers": {}, "engine": {}}
     batches: list[float] = []
+    allocs: dict[str, int] = {}  # the reuse allocator's counters over the engine's measured rounds
 
     def side(label: str):
         def call(rnd: int) -> dict:
@@ -138,9 +142,13 @@ def measure(name: str, size: int, args, pipes: dict, engine, kinds=None) -> dict
             if label == "diffusers":
                 out = run_diffusers(pipes, reqs)
             else:
+                before = allocator_counts()
                 out, sizes = run_engine(engine, reqs)
                 if rnd >= 0:
                     batches.append(float(np.mean(sizes)))
+                    after = allocator_counts()
+                    for k in after:
+                        allocs[k] = allocs.get(k, 0) + after[k] - before[k]
             wall = time.perf_counter() - t
             if rnd >= 0:
                 outputs[label][rnd] = out
@@ -158,7 +166,7 @@ def measure(name: str, size: int, args, pipes: dict, engine, kinds=None) -> dict
               "kinds": [k for k, _ in (kinds or KINDS)][:args.requests], "round_orders": cmp.order,
               "outputs_max_abs_diff": diff, "outputs_identical": diff <= 1e-4,
               "sides": {s: cmp.stats(s) for s in cmp.sides}, "engine_mean_batch_size": statistics.median(batches),
-              "engine_forwards": forwards,
+              "engine_forwards": forwards, "engine_allocator": allocs or None,
               "throughput_ratio": cmp.ratio("engine", "diffusers", "throughput_img_s"),
               "throughput_ratio_spread": cmp.ratio_spread("engine", "diffusers", "throughput_img_s"),
               "throughput_ratio_samples": cmp.ratios("engine", "diffusers", "throughput_img_s")}
@@ -168,6 +176,15 @@ def measure(name: str, size: int, args, pipes: dict, engine, kinds=None) -> dict
           f"x{result['throughput_ratio']:.2f} (spread {result['throughput_ratio_spread']:.0%}) | max diff {diff:.1e}",
           flush=True)
     return result
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CPU reuse allocator's large-buffer requests so far (``offload.reuse``: hits, resizes, misses; a
+    resize or miss page-faults its new pages in); empty where it is not installed."""
+    from offload import reuse
+
+    stats = reuse.installed() or {}
+    return {k: stats[k] for k in ("hits", "resizes", "misses") if k in stats}
 
 
 def quality_keys(path=RESULTS / "edit_quality.json") -> tuple[dict, dict]:
@@ -193,7 +210,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--max-batch-size", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    # 5 rounds: on the shared 2-core machine single rounds swing by 30% and more (other processes)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default=None, help="a FLUX Kontext folder (default: build the small random one)")
     args = ap.parse_args(argv)
     if args.quick:
