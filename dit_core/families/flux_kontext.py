@@ -66,8 +66,11 @@ OPTIONS_KEY = "_omnidit_kontext"  # model_index.json: {"auto_resize": bool}
 # Measured on the small FLUX Kontext (benchmarks/edits.py, 2 cores, 8 mixed requests): at 64x64 (64 text,
 # 16 image, 15-16 reference tokens) padding adds ~14%, the rows share one forward: x2.10 of diffusers; at
 # 256x256 (256 image, 240-256 reference tokens) padding would add ~50%: one padded forward ran x1.02
-# (--quick), one forward per length group x1.29 (text-to-image alone: x1.54 in the same run). Packed
-# (the default) beats both: see benchmarks/results/edits.json.
+# (--quick), one forward per length group x1.29 (text-to-image alone: x1.54 in the same run). Packed (the
+# default) against mixed_sizes=False, interleaved on the AVX2 EPYC: 64x64 mix 1.91 s vs 2.16 s (padded);
+# 256x256 mix 9.13 s vs 8.65 s (per length): the packed forward's varied buffer sizes make the CPU reuse
+# allocator resize / miss ~25 times a forward at its 32 MiB slack (22-43k page faults); at 128 MiB none,
+# and packed equals per length (1.12 s vs 1.13 s a step).
 PAD_SHARE = 0.25
 
 
