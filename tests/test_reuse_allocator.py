@@ -119,13 +119,17 @@ print(json.dumps({"idle": idle, "held": held, "held_stats": held_stats, "after":
 
 def test_engine_rss_falls_back_after_a_large_request(tiny_models):
     """An engine on CPU (``cpu_allocator="auto"`` installs the reuse allocator) with
-    ``cpu_allocator_idle_s=0.5``: a 4-image 256x256 request after 64x64 ones leaves >= 32 MiB kept
-    (the VAE's activations); 1.5 s later every kept mapping is unmapped, the RSS fell by at least
-    what was kept, and it is within 32 MiB of the idle RSS before the request (measured: ~18 MiB,
-    the glibc heap's share of the request, not this allocator's)."""
+    ``cpu_allocator_idle_s=0.5``: a 4-image 256x256 request after 64x64 ones leaves >= 16 MiB kept
+    (the VAE's activations), enough for the RSS fall below to be measured; 1.5 s later every kept
+    mapping is unmapped, the RSS fell by at least what was kept, and it is within 32 MiB of the idle
+    RSS before the request (measured: ~18 MiB, the glibc heap's share of the request, not this
+    allocator's). What is still kept when ``held`` is read depends on the machine and its load: >= 32
+    MiB on an AVX-512 EPYC; 29 MiB in three quiet runs on a 2-core AVX2-only EPYC (2026-12-03) and 25
+    MiB there under the two-worker suite, whose slower request leaves more of the kept mappings idle
+    past the 0.5 s bound before ``held`` is read (11 idle unmaps by then)."""
     got = _run(ENGINE_SCRIPT, tiny_models["flux"])
     kept = got["held_stats"]["cached"]
-    assert kept >= 32 * MIB, got
+    assert kept >= 16 * MIB, got
     assert got["after_stats"]["cached"] == 0 and got["after_stats"]["idle_ms"] == 500, got
     assert got["held"] - got["after"] >= kept - 4 * MIB, got
     assert got["after"] - got["idle"] <= 32 * MIB, got
