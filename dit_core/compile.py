@@ -36,6 +36,7 @@ EAGER_FAMILIES = {
                  "a recompile per text length)",
 }
 EAGER_FAMILIES["qwenimage_edit"] = EAGER_FAMILIES["qwenimage"]  # Qwen-Image-Edit: the same blocks and text
+EAGER_FAMILIES["qwenimage_edit_plus"] = EAGER_FAMILIES["qwenimage"]  # and Qwen-Image-Edit Plus
 
 
 @dataclasses.dataclass

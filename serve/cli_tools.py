@@ -35,7 +35,8 @@ def add_model_tools(sub) -> None:
     rnd.add_argument("family", help="flux, sd3, qwenimage, wan, stable-audio or pi0 (a robot policy)")
     rnd.add_argument("size", help="tiny (tests) or small (benchmarks); variants: sd3 tiny-3.5 (dual attention, "
                                   "qk-norm), qwenimage tiny-vl (Qwen2.5-VL text encoder), qwenimage tiny-edit "
-                                  "(QwenImageEditPipeline), flux medium (~415 M "
+                                  "(QwenImageEditPipeline), qwenimage tiny-edit-plus (QwenImageEditPlusPipeline: "
+                                  "several reference images), flux medium (~415 M "
                                   "parameter transformer, the offload benchmark)")
     rnd.add_argument("out_dir", help="folder to write the checkpoint to")
     rnd.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")

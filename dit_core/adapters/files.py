@@ -45,9 +45,10 @@ class AdapterInUseError(AdapterError):
 
 # family name -> the diffusers LoRA loader mixin whose ``lora_state_dict`` converts its file layouts
 # (a name in diffusers.loaders.lora_pipeline, imported when first used)
-# (Qwen-Image-Edit: QwenImageEditPipeline loads LoRA files with Qwen-Image's mixin, the transformer is the same class)
+# (Qwen-Image-Edit and Edit Plus: their pipelines load LoRA files with Qwen-Image's mixin, the same transformer)
 LOADERS = {"flux": "FluxLoraLoaderMixin", "sd3": "SD3LoraLoaderMixin", "qwenimage": "QwenImageLoraLoaderMixin",
-           "qwenimage_edit": "QwenImageLoraLoaderMixin", "wan": "WanLoraLoaderMixin"}
+           "qwenimage_edit": "QwenImageLoraLoaderMixin", "qwenimage_edit_plus": "QwenImageLoraLoaderMixin",
+           "wan": "WanLoraLoaderMixin"}
 
 
 def _state_dict(family_name: str, tensors: dict) -> tuple[dict, dict | None]:

@@ -17,6 +17,7 @@ from .flux_kontext import FluxKontextFamily
 from .image import DiffusersFamily, ImageFamily
 from .pi0 import Pi0Family
 from .qwen_edit import QwenImageEditFamily
+from .qwen_edit_plus import QwenImageEditPlusFamily
 from .qwenimage import QwenImageFamily
 from .sd3 import SD3Family
 from .speech import SpeechFamily
@@ -39,7 +40,7 @@ def register(cls: type[Family]) -> type[Family]:
 
 
 for _cls in (FluxFamily, FluxKontextFamily, SD3Family, QwenImageFamily, WanFamily, StableAudioFamily, SpeechFamily,
-             Pi0Family, WanI2VFamily, QwenImageEditFamily):
+             Pi0Family, WanI2VFamily, QwenImageEditFamily, QwenImageEditPlusFamily):
     register(_cls)
 
 

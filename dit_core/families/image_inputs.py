@@ -56,12 +56,17 @@ def mask_processor(vae_scale_factor: int) -> VaeImageProcessor:
                              do_convert_grayscale=True)
 
 
-def first_image(params: SamplingParams, family: str, limit: int = 1):
-    """The request's image, checked against how many this family takes."""
-    images = params.image if isinstance(params.image, (list, tuple)) else [params.image]
+def all_images(params: SamplingParams, family: str, limit: int = 1) -> list:
+    """The request's images (``image``: one, or a list), checked against how many this family takes."""
+    images = list(params.image) if isinstance(params.image, (list, tuple)) else [params.image]
     if len(images) > limit:
         raise InvalidParamError("image", f"{len(images)} images", f"at most {limit} for {family} models")
-    return images[0]
+    return images
+
+
+def first_image(params: SamplingParams, family: str, limit: int = 1):
+    """The request's image, checked against how many this family takes."""
+    return all_images(params, family, limit)[0]
 
 
 def image_size(image) -> tuple[int, int]:

@@ -61,7 +61,7 @@ from ..params import SamplingParams, describe_image
 from ..request import Request
 from .base import Family, TextCond
 from .flux_kontext import is_edit
-from .image_inputs import first_image, image_size
+from .image_inputs import all_images, image_size
 from .latents import pack_2x2
 from .qwenimage import QwenImageFamily
 
@@ -98,6 +98,11 @@ class EditInputs:
     vision: dict  # pixel_values, image_grid_thw: the processor's image inputs (the same for every text)
 
     @property
+    def references(self) -> list[torch.Tensor]:
+        """Each reference's pixels, in order (one here; ``qwen_edit_plus`` holds several)."""
+        return [self.pixels]
+
+    @property
     def text_tokens(self) -> int:
         """The conditioning length of the longer text (template prefix dropped)."""
         return max(int(t["attention_mask"].sum()) for t in self.texts) - EDIT_TEMPLATE_DROP
@@ -107,15 +112,19 @@ class QwenImageEditFamily(QwenImageFamily):
     name = "qwenimage_edit"
     pipeline_class = "QwenImageEditPipeline"
     # an edit's conditioning is not the prompt's alone (the image is in it): edits skip the prompt cache
+    # the areas a checkpoint may set under OPTIONS_KEY (each an integer of at least 1024 pixels), with defaults
+    area_options = {"reference_area": DEFAULT_AREA}
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
         options = (checkpoint or {}).get(OPTIONS_KEY) or {}
-        area = options.get("reference_area", DEFAULT_AREA)
-        if set(options) - {"reference_area"} or not isinstance(area, int) or isinstance(area, bool) or area < 1024:
-            raise UnknownModelError(f"{OPTIONS_KEY} in model_index.json takes only reference_area (an integer of at "
-                                    f"least 1024 pixels); got {options!r}")
-        self.reference_area = area
+        areas = {**self.area_options, **options}
+        if set(options) - set(self.area_options) or not all(
+                isinstance(a, int) and not isinstance(a, bool) and a >= 1024 for a in areas.values()):
+            raise UnknownModelError(f"{OPTIONS_KEY} in model_index.json takes only {sorted(self.area_options)} "
+                                    f"(integers of at least 1024 pixels); got {options!r}")
+        for key, area in areas.items():
+            setattr(self, key, area)
         self.vl_processor = components["processor"]
         self.processor_lock = threading.Lock()  # its fast tokenizer must not run on two threads at once
 
@@ -146,18 +155,23 @@ class QwenImageEditFamily(QwenImageFamily):
                                     f"{ROPE_POSITIONS // 2 * m} pixels per side; got {width}x{height}")
         return height, width
 
-    def reference_grid(self, params: SamplingParams) -> tuple[int, int] | None:
-        """The reference's token grid (rows, columns) of an edit request; None otherwise."""
+    def edit_images(self, params: SamplingParams) -> list:
+        """An edit's reference images (at most ``max_images``: 400 naming ``image`` otherwise)."""
+        return all_images(params, self.name, self.max_images)
+
+    def reference_grids(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
+        """The references' token grids (rows, columns) of an edit request, in order; None otherwise."""
         if not is_edit(params):
             return None
-        h, w = self.reference_size(first_image(params, self.name))
-        return h // self.size_multiple, w // self.size_multiple
+        m = self.size_multiple
+        return tuple((h // m, w // m) for h, w in map(self.reference_size, self.edit_images(params)))
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         if not is_edit(params):
             return super().resolve(params)
-        h, w = self.reference_size(first_image(params, self.name))
-        params = params.with_defaults(height=h, width=w)  # the pipeline's default: the reference's size
+        # the pipeline's default: the (last) reference's size
+        h, w = self.reference_size(self.edit_images(params)[-1])
+        params = params.with_defaults(height=h, width=w)
         return replace(super().resolve(replace(params, image=None)), image=params.image)
 
     def validate_input(self, value, params: SamplingParams):
@@ -166,27 +180,42 @@ class QwenImageEditFamily(QwenImageFamily):
         if not isinstance(value, str):
             raise InvalidParamError("prompt", type(value).__name__, f"a string ({self.name} models take a text prompt)")
         Family.validate_prompt(self, value, params)
-        image = first_image(params, self.name)
-        h, w = self.reference_size(image)
-        picture = self.processor.resize(as_picture(image), h, w)  # the pipeline resizes, then preprocesses
-        pixels = self.processor.preprocess(picture, height=h, width=w).to(torch.float32)
+        images = [as_picture(image) for image in self.edit_images(params)]
+        sizes = [self.reference_size(image) for image in images]
+        # the pipeline resizes, then preprocesses
+        pictures = [self.processor.resize(image, h, w) for image, (h, w) in zip(images, sizes)]
+        pixels = [self.processor.preprocess(picture, height=h, width=w).to(torch.float32)
+                  for picture, (h, w) in zip(pictures, sizes)]
         texts = [value] + ([params.negative_prompt] if self.uses_cfg(params) else [])
+        template, seen = self.thinker_template(len(images)), self.thinker_images(images, pictures)
         encoded, vision = [], {}
         with self.processor_lock:
             for text in texts:  # one call per text, as the pipeline encodes prompt and negative prompt
-                out = self.vl_processor(text=[EDIT_TEMPLATE.format(text)], images=picture, padding=True,
-                                        return_tensors="pt")
+                out = self.vl_processor(text=[template.format(text)], images=seen, padding=True, return_tensors="pt")
                 encoded.append({k: out[k] for k in ("input_ids", "attention_mask")})
                 vision = vision or {k: out[k] for k in ("pixel_values", "image_grid_thw")}
-        inputs = EditInputs(pixels, encoded, vision)
-        self.check_lengths(inputs, params, (h, w))
+        inputs = self.edit_inputs(pixels, encoded, vision)
+        self.check_lengths(inputs, params, sizes)
         return value, inputs
 
-    def check_lengths(self, inputs: EditInputs, params: SamplingParams, reference: tuple[int, int]) -> None:
+    # the hooks ``qwen_edit_plus`` overrides: the thinker's template and images, and the inputs' shape
+
+    def thinker_template(self, count: int) -> str:
+        """The thinker's text around the prompt (``{}``) for ``count`` images."""
+        return EDIT_TEMPLATE
+
+    def thinker_images(self, images: list, pictures: list):
+        """What the thinker is shown: the resized reference (``pictures``: the VAE's inputs)."""
+        return pictures[0]
+
+    def edit_inputs(self, pixels: list[torch.Tensor], texts: list[dict], vision: dict) -> EditInputs:
+        return EditInputs(pixels[0], texts, vision)
+
+    def check_lengths(self, inputs: EditInputs, params: SamplingParams, references: list[tuple[int, int]]) -> None:
         """Each text (template and image tokens included) within the thinker's positions, and within the
-        transformer's rotary table after the larger token grid."""
+        transformer's rotary table after the largest token grid."""
         limit = getattr(self.thinker_config(), "max_position_embeddings", None) or 1 << 30
-        side = max(s // self.size_multiple for s in (params.height, params.width, *reference))
+        side = max(s // self.size_multiple for s in (params.height, params.width, *(x for r in references for x in r)))
         for field, text in zip(("prompt", "negative_prompt"), inputs.texts):
             tokens = int(text["attention_mask"].sum())
             value = getattr(params, field) if field == "negative_prompt" else "(the prompt)"
@@ -212,23 +241,23 @@ class QwenImageEditFamily(QwenImageFamily):
     def row_tokens(self, prompt: str, params: SamplingParams, inputs=None) -> int:
         if not isinstance(inputs, EditInputs):
             return super().row_tokens(prompt, params, inputs)
-        rh, rw = inputs.pixels.shape[2:]
         m = self.size_multiple
-        return self.latent_tokens(params) + (rh // m) * (rw // m) + inputs.text_tokens
+        refs = sum((p.shape[2] // m) * (p.shape[3] // m) for p in inputs.references)
+        return self.latent_tokens(params) + refs + inputs.text_tokens
 
     def sequence_tokens(self, params: SamplingParams) -> int:
         """A row's image-stream tokens: the generated ones, then an edit's reference tokens (what a parallel
         plan splits over the sequence ranks, ``dit_core.parallel.plans``)."""
-        grid = self.reference_grid(params)
-        return self.latent_tokens(params) + (0 if grid is None else grid[0] * grid[1])
+        grids = self.reference_grids(params) or ()
+        return self.latent_tokens(params) + sum(h * w for h, w in grids)
 
     def batch_key(self, params: SamplingParams) -> tuple:
         key = super().batch_key(params)
-        return key if self.mixed_sizes else key + (self.reference_grid(params),)
+        return key if self.mixed_sizes else key + (self.reference_grids(params),)
 
     def row_shape(self, req: Request) -> tuple:
-        ref = req.inputs.pixels.shape[2:] if isinstance(req.inputs, EditInputs) else None
-        return super().row_shape(req) + (None if ref is None else tuple(ref),)
+        refs = req.inputs.references if isinstance(req.inputs, EditInputs) else None
+        return super().row_shape(req) + (None if refs is None else tuple(tuple(p.shape[2:]) for p in refs),)
 
     # ---- once per request, when admitted ----
 
@@ -243,7 +272,8 @@ class QwenImageEditFamily(QwenImageFamily):
             for req in edits:
                 self.encode_reference(req)
             if self.on_encode is not None:
-                self.on_encode(len(edits), len(edits), time.perf_counter() - start)
+                images = sum(len(r.inputs.references) for r in edits)
+                self.on_encode(images, images, time.perf_counter() - start)
 
     @torch.no_grad()
     def encode_edit_prompts(self, requests: list[Request]) -> None:
@@ -265,20 +295,24 @@ class QwenImageEditFamily(QwenImageFamily):
 
     @torch.no_grad()
     def encode_reference(self, req: Request) -> None:
-        """The pipeline's ``_encode_vae_image``: the encoder's mode, normalized, then 2x2-packed."""
-        pixels = req.inputs.pixels.to(device=self.device, dtype=self.dtype)
-        mode = DiagonalGaussianDistribution(self.vae_moments(pixels)).mode()  # [1, z, 1, h, w]
+        """The pipeline's ``_encode_vae_image``: the encoder's mode, normalized, then 2x2-packed; one VAE call
+        per reference, their tokens joined in order."""
         z = self.vae.config.z_dim
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1).to(mode.device, mode.dtype)
-        std = torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1).to(mode.device, mode.dtype)
-        req.state["reference"] = pack_2x2(((mode - mean) / std)[:, :, 0]).to(self.dtype)
+        tokens = []
+        for pixels in req.inputs.references:
+            mode = DiagonalGaussianDistribution(self.vae_moments(pixels.to(self.device, self.dtype))).mode()
+            mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1).to(mode.device, mode.dtype)
+            std = torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1).to(mode.device, mode.dtype)
+            tokens.append(pack_2x2(((mode - mean) / std)[:, :, 0]).to(self.dtype))  # mode: [1, z, 1, h, w]
+        req.state["reference"] = torch.cat(tokens, dim=1)
 
     def prepare_positions(self, req: Request, h: int, w: int) -> None:
         ref = req.state.get("reference")
         if ref is None:
             return super().prepare_positions(req, h, w)
-        rh, rw = (s // self.size_multiple for s in req.inputs.pixels.shape[2:])
-        req.state["img_shape"] = [(1, h, w), (1, rh, rw)]  # QwenImageEditPipeline's img_shapes of one row
+        m = self.size_multiple
+        # QwenImageEditPipeline's img_shapes of one row: the generated grid, then each reference's
+        req.state["img_shape"] = [(1, h, w)] + [(1, p.shape[2] // m, p.shape[3] // m) for p in req.inputs.references]
 
     # ---- every step ----
 

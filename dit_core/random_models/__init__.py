@@ -6,9 +6,9 @@ load. Sizes: ``tiny`` (tests, under 2 MB on disk) and ``small`` (benchmarks, a
 transformer of 20-60 M parameters), plus variants some families add (``sd3``
 ``tiny-3.5``: SD3.5's dual attention and qk-norm; ``qwenimage`` ``tiny-vl``: the real
 Qwen2.5-VL text encoder class; ``qwenimage`` ``tiny-edit``: that encoder with its vision tower, saved as a
-``QwenImageEditPipeline``) and, for FLUX, ``medium`` (a ~415 M
-parameter transformer, for the offload benchmark). Weights come from a fixed seed, so the same call
-always writes the same checkpoint.
+``QwenImageEditPipeline``; ``tiny-edit-plus``: the same as a ``QwenImageEditPlusPipeline``) and, for
+FLUX, ``medium`` (a ~415 M parameter transformer, for the offload benchmark). Weights come from a fixed
+seed, so the same call always writes the same checkpoint.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ so vLLM can serve it as the thinker), an MMDiT, and the Qwen-Image causal 3D VAE
 ``tiny-edit`` is ``tiny-vl`` saved as a ``QwenImageEditPipeline``: the tokenizer also holds the vision
 tokens, and a ``Qwen2VLProcessor`` (the PIL image processor; saved as ``ImageOnlyQwen2VLProcessor``, which
 needs no torchvision) shows the tower the image;
-``build_edit`` can write ``_omnidit_qwen_edit`` options (``reference_area``) into model_index.json."""
+``tiny-edit-plus`` is the same saved as a ``QwenImageEditPlusPipeline`` (several reference images).
+``build_edit`` can write ``_omnidit_qwen_edit`` options (``reference_area``; Plus: also ``condition_area``)
+into model_index.json."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
     QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
@@ -42,7 +45,10 @@ SIZES = {
                     vae_dim=4, vae_mult=[1, 2, 4], vae_t=[False, True], latent=4, lm="qwen2.5-vl"),
     "tiny-edit": dict(heads=2, head_dim=16, layers=2, rope=(4, 6, 6), lm_hidden=64, lm_layers=2,
                       vae_dim=4, vae_mult=[1, 2, 4], vae_t=[False, True], latent=4, lm="qwen2.5-vl", edit=True),
+    "tiny-edit-plus": dict(heads=2, head_dim=16, layers=2, rope=(4, 6, 6), lm_hidden=64, lm_layers=2, vae_dim=4,
+                           vae_mult=[1, 2, 4], vae_t=[False, True], latent=4, lm="qwen2.5-vl", edit="plus"),
 }
+EDIT_PIPELINES = {True: QwenImageEditPipeline, "plus": QwenImageEditPlusPipeline}
 # Qwen2.5-VL's vision tokens, added to the tokenizer in the order of the ids ``vl_thinker`` gives them
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 EDIT_OPTIONS_KEY = "_omnidit_qwen_edit"
@@ -90,7 +96,7 @@ def vl_thinker(hidden: int, layers: int, tokenizer) -> Qwen2_5_VLForConditionalG
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def make_pipeline(size: str) -> QwenImagePipeline | QwenImageEditPipeline:
+def make_pipeline(size: str) -> QwenImagePipeline | QwenImageEditPipeline | QwenImageEditPlusPipeline:
     c = SIZES[size]
     tokenizer = qwen_tokenizer()
     make_lm = vl_thinker if c.get("lm") == "qwen2.5-vl" else thinker
@@ -112,7 +118,8 @@ def make_pipeline(size: str) -> QwenImagePipeline | QwenImageEditPipeline:
     parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, text_encoder=text_encoder,
                  transformer=transformer)
     if c.get("edit"):
-        return QwenImageEditPipeline(tokenizer=vision_tokenizer(tokenizer), processor=vl_processor(tokenizer), **parts)
+        return EDIT_PIPELINES[c["edit"]](tokenizer=vision_tokenizer(tokenizer), processor=vl_processor(tokenizer),
+                                         **parts)
     return QwenImagePipeline(tokenizer=tokenizer, **parts)
 
 
@@ -134,14 +141,15 @@ def vl_processor(tokenizer) -> ImageOnlyQwen2VLProcessor:
     return ImageOnlyQwen2VLProcessor(image_processor=image, tokenizer=tokenizer)
 
 
-def build_edit(out_dir: str | Path, seed: int = 0, **options) -> Path:
-    """Build the ``tiny-edit`` checkpoint into ``out_dir``; ``options`` (e.g. ``reference_area=4096``) go to
-    model_index.json under ``_omnidit_qwen_edit`` (see ``dit_core.families.qwen_edit``)."""
+def build_edit(out_dir: str | Path, seed: int = 0, size: str = "tiny-edit", **options) -> Path:
+    """Build the ``tiny-edit`` (or ``tiny-edit-plus``) checkpoint into ``out_dir``; ``options`` (e.g.
+    ``reference_area=4096``) go to model_index.json under ``_omnidit_qwen_edit`` (see
+    ``dit_core.families.qwen_edit``, ``qwen_edit_plus``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        pipe = make_pipeline("tiny-edit")
+        pipe = make_pipeline(size)
     pipe.save_pretrained(out)
     if options:
         index = json.loads((out / "model_index.json").read_text())
