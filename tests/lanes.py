@@ -36,9 +36,13 @@ GROUPS = {
 }
 GROUP_OF = {module: group for group, modules in GROUPS.items() for module in modules}
 
-# approximate seconds per group or module on the reference machine (ordering only; unknown: 0)
-WEIGHT = {"ray": 130, "parallel": 120, "compile": 150, "vllm": 110, "reliability": 60, "playground": 70,
-          "test_offload": 50, "test_reuse_allocator": 40, "test_lora": 35, "test_dtype_auto": 30}
+# approximate seconds per group or module (summed test durations of a fresh-clone `make test` on a 2-core
+# AVX2-only EPYC, 2026-12-03; ordering only; unknown: 0)
+WEIGHT = {"ray": 290, "vllm": 235, "compile": 212, "parallel": 207, "playground": 131, "test_offload": 84,
+          "test_lora": 73, "test_reuse_allocator": 71, "reliability": 62, "test_digits_edit": 53,
+          "test_bf16_fidelity": 49, "test_doc_examples": 44, "test_serve": 41, "test_wan_i2v": 41,
+          "test_digits_lora": 38, "test_attention": 38, "test_reach_policy": 33, "test_cli_and_models": 31,
+          "test_tts": 31, "test_step_cache": 29, "test_docs": 25, "test_dtype_auto": 10}
 
 
 def group_of(item: pytest.Item) -> str:
