@@ -26,9 +26,12 @@ round, after the same warm-up, one request of every size, for each):
 Both engines run with every other ``EngineConfig`` field at its default (``batch_limits`` too: fixed
 unless ``max_step_ms`` is set), ``--max-batch-size`` and the prompt cache off; every round sends fresh
 prompts. Per side: throughput (requests / seconds until the last finished) and p95 latency (finish -
-arrival). Every request's output is compared across the three sides (max abs diff): ``outputs_identical``
-holds when packed and per-shape agree within 1e-5 (issue 39's fidelity bound) and both agree with
-diffusers within 1e-4 (every benchmark's bound against diffusers), on every request of every round.
+arrival); per engine side also ``forward_s``, the seconds inside its transformer forwards (``run_engine``),
+and per round ``last_arrival_s`` / ``drain_s`` (last finish - last arrival): no side's wall can be
+shorter than the last arrival plus that request's own latency, which bounds every throughput ratio.
+Every request's output is compared across the three sides (max abs diff): ``outputs_identical`` holds
+when packed and per-shape agree within 1e-5 (issue 39's fidelity bound) and both agree with diffusers
+within 1e-4 (every benchmark's bound against diffusers), on every request of every round.
 
 The other keys reuse the benchmark that owns the measurement:
 
@@ -201,11 +204,30 @@ def run_pipeline(pipe, work: Workload, reqs, arrivals):
 
 
 def run_engine(engine, _work, reqs, arrivals):
+    """The engine fed at the arrival times; ``forward_s`` / ``forwards``: the seconds and calls inside the
+    family's ``predict`` (every transformer forward, dense or packed: the packed loop calls the blocks'
+    submodules, so a hook on ``transformer.forward`` would miss it), the rest of the wall being admission
+    (text encoding), sampler steps, VAE decodes and waits for arrivals."""
     from benchmarks.engine_throughput import run_engine as feed
 
-    done, outputs, timer, info = feed(engine, reqs, arrivals)  # arrivals honoured, stepped until all finish
+    family, spent = engine.family, [0.0, 0]
+    predict = family.predict
+
+    def timed(requests):
+        start = time.perf_counter()
+        try:
+            return predict(requests)
+        finally:
+            spent[0] += time.perf_counter() - start
+            spent[1] += 1
+
+    family.predict = timed
+    try:
+        done, outputs, _, info = feed(engine, reqs, arrivals)  # arrivals honoured, stepped until all finish
+    finally:
+        del family.predict  # the class's method again
     return done, outputs, {"mean_batch_size": info["mean_batch_size"], "max_batch_size": info["max_batch_size"],
-                           "transformer_s": timer.seconds}
+                           "forward_s": spent[0], "forwards": spent[1]}
 
 
 class Mixed:
@@ -231,8 +253,10 @@ class Mixed:
                 self.outputs.setdefault(name, {})[rnd] = outputs
                 self.shapes[rnd] = [(p.height, p.width, p.max_sequence_length) for _, p in reqs]
             lat = percentiles([d - a for d, a in zip(done, arrivals)])
+            # drain_s: from the last arrival to the last finish; the wall is at least the last arrival
             return {"throughput_img_s": len(reqs) / max(done), "wall_s": max(done), "p50_s": lat["p50"],
-                    "p95_s": lat["p95"], **info}
+                    "p95_s": lat["p95"], "last_arrival_s": max(arrivals), "drain_s": max(done) - max(arrivals),
+                    **info}
 
         return call
 
