@@ -1,6 +1,14 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Under `make test`'s pytest-xdist workers, each worker (and every process it starts, which inherits the
+# variable) runs torch's intra-op pool on its share of the cores, set before torch is imported: two
+# workers at torch's default of one thread per core kept four OpenMP threads spinning on two cores
+# (six modules took 295 s that way and 72 s with one thread per worker, on a 2-core EPYC, 2026-12-03).
+# A test run alone keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Engines built by tests run their thinker on transformers unless a test chooses one: a vLLM engine
 # takes tens of seconds to start, so the vLLM tests share one per session (tests/test_thinker.py).
