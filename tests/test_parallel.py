@@ -52,7 +52,9 @@ def models(tiny_models, wan_tiny, tmp_path_factory):
     from dit_core.random_models.qwenimage import build_edit
 
     edit = build_edit(root / "qwen-edit", reference_area=32 * 32)  # Qwen-Image-Edit, references of ~32 x 32
-    return {"flux": tiny_models["flux"], "qwenimage": tiny_models["qwenimage"], "qwen-edit": edit, **copies}
+    plus = build_edit(root / "qwen-edit-plus", size="tiny-edit-plus", reference_area=32 * 32, condition_area=64 * 64)
+    return {"flux": tiny_models["flux"], "qwenimage": tiny_models["qwenimage"], "qwen-edit": edit,
+            "qwen-edit-plus": plus, **copies}
 
 
 @contextlib.contextmanager
@@ -350,5 +352,27 @@ def test_qwen_edit_rows_match_world_size_one(parallel, reference, edit_lora, cac
     (outs, sizes, skipped), (want, ref_sizes, ref_skipped) = got[True], got[False]
     assert sizes == ref_sizes and max(sizes) >= 2  # the same batches; the two edits of one grid share a forward
     assert skipped == ref_skipped  # TeaCache's decisions made on rank 0, as at world size 1
+    for i, (g, w) in enumerate(zip(outs, want)):
+        assert (g - w).abs().max().item() <= TOL, f"request {i}"
+
+
+def test_qwen_edit_plus_rows_match_world_size_one(parallel, reference):
+    """Qwen-Image-Edit Plus under every plan: a row's several reference blocks join its image sequence and
+    are split with it (Ulysses / Ring) or travel with its row; edits of two and three pictures (one at an
+    odd size, one with true CFG) and one picture, arriving at different steps: each equals world size 1."""
+    from test_qwen_edit import picture
+
+    common = dict(num_inference_steps=3)
+    specs = [("make it red", params(image=[picture(40, 48), picture(32, 96, seed=4)], seed=1, **common)),
+             ("make it blue", params(image=[picture(40, 48, seed=5)] * 3, height=24, width=40, seed=2,
+                                     **CFG["qwenimage"], **common)),
+             ("make it small", params(image=picture(40, 48, seed=6), height=8, width=8, seed=3, **common))]
+    got = {}
+    for engine in (parallel, reference.engine):
+        with cache(engine, False):
+            finals, sizes = run_staggered(_Bound(engine, "qwen-edit-plus"), specs, arrivals=[0, 1, 0])
+        got[engine is parallel] = [assert_finished(finals[i]) for i in range(len(finals))], sizes
+    (outs, sizes), (want, ref_sizes) = got[True], got[False]
+    assert sizes == ref_sizes
     for i, (g, w) in enumerate(zip(outs, want)):
         assert (g - w).abs().max().item() <= TOL, f"request {i}"

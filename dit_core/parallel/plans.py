@@ -120,6 +120,9 @@ PLANS: dict[str, dict] = {
 # both grids in ``img_shapes`` (the rotary table's image half covers both), split as one sequence like a
 # plain row's; the gathered output is cut back to the generated tokens on rank 0 (``qwen_edit.predict``).
 PLANS["qwenimage_edit"] = {**PLANS["qwenimage"], "image_tokens": "sequence_tokens"}
+# Qwen-Image-Edit Plus: the same transformer and layout, with one reference block per picture after the
+# generated tokens ([generated; ref 1; ref 2; ...], every grid in ``img_shapes``): split as one sequence.
+PLANS["qwenimage_edit_plus"] = PLANS["qwenimage_edit"]
 
 
 def plan_for(family) -> dict | None:
