@@ -54,7 +54,9 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        # ``died`` is set before the waiters are failed, so a caller woken by that failure already reads False
+        # (the thread itself may still be unwinding)
+        return self.died is None and self._thread.is_alive() and not self._stop.is_set()
 
     @property
     def num_unfinished(self) -> int:
