@@ -86,9 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
     gen.add_argument("--seconds", type=float, default=None,
                      help="audio models: clip length in seconds (default: the model's maximum)")
-    gen.add_argument("--image", default=None, metavar="PATH",
-                     help="image models: start from this picture (image-to-image; PNG, JPEG, WebP, GIF or BMP); the "
-                          "size defaults to its own, rounded down to the model's multiple")
+    gen.add_argument("--image", action="append", default=None, metavar="PATH",
+                     help="an input picture (PNG, JPEG, WebP, GIF or BMP); repeatable, order kept: --image A "
+                          "--image B is the request's image=[A, B]. Alone: an edit on editing models (FLUX Kontext, "
+                          "Qwen-Image-Edit: one picture; Qwen-Image-Edit Plus: one to four), the first frame on "
+                          "Wan image-to-video (first-last-frame checkpoints: --image FIRST --image LAST), else "
+                          "image-to-image at the default --strength; the model checks the count. The size defaults "
+                          "to the model's choice from the picture (image-to-image: its own, rounded down to the "
+                          "model's multiple)")
     gen.add_argument("--mask", default=None, metavar="PATH",
                      help="with --image: repaint only where this picture is white (read as grayscale, white = "
                           "repaint, black = keep, as diffusers' inpaint pipelines take it; resized to the output "
@@ -279,25 +284,27 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
 
 
 def read_image_inputs(args):
-    """``--image`` (as RGB) and ``--mask`` (grayscale, white = repaint), read as the server reads uploads
-    (serve.image_uploads: same formats and conversions) but without its pixel limit."""
+    """``--image`` (each as RGB: one picture, or a list of them, in order, when repeated) and ``--mask``
+    (grayscale, white = repaint), read as the server reads uploads (serve.image_uploads: same formats and
+    conversions) but without its pixel limit. How many pictures the model takes is the family's check."""
+    images = [_read_picture("--image", path, "image") for path in args.image or []]
+    mask = None if args.mask is None else _read_picture("--mask", args.mask, "mask")
+    return (images[0] if len(images) == 1 else images or None), mask
+
+
+def _read_picture(flag: str, path: str, kind: str):
     from dit_core.errors import InvalidParamError
 
     from .errors import APIError
     from .image_uploads import MAX_PIXELS_LIMIT, decode_gray, decode_image
 
-    inputs = []
-    for flag, path, decode in (("--image", args.image, decode_image), ("--mask", args.mask, decode_gray)):
-        if path is None:
-            inputs.append(None)
-            continue
-        try:
-            inputs.append(decode(flag, Path(path).read_bytes(), MAX_PIXELS_LIMIT))
-        except OSError as e:
-            raise InvalidParamError(flag, path, f"a readable image file ({e.strerror})") from None
-        except APIError as e:
-            raise InvalidParamError(flag, path, f"a picture this command reads: {e.message}") from None
-    return tuple(inputs)
+    decode = decode_image if kind == "image" else decode_gray
+    try:
+        return decode(flag, Path(path).read_bytes(), MAX_PIXELS_LIMIT)
+    except OSError as e:
+        raise InvalidParamError(flag, path, f"a readable image file ({e.strerror})") from None
+    except APIError as e:
+        raise InvalidParamError(flag, path, f"a picture this command reads: {e.message}") from None
 
 
 def cmd_serve(args) -> int:

@@ -2,7 +2,12 @@
 (fp32, <= 1e-4, same seed) with one, two and three images, true CFG on once; a text-to-image row and
 edits of one, two (another output size) and three images share one packed forward a step, each row
 getting what it gets alone (<= 1e-5); two-image edits of one shape run dense; the OpenAI client sends
-two images as ``image[]``; more images than the model takes is a 400 naming ``image``.
+two images as ``image[]``; more images than the model takes is a 400 naming ``image``. With a LoRA
+adapter, a two-image edit equals the stock pipeline after ``load_lora_weights`` (<= 1e-4) and rows with and
+without adapters each get what they get alone (<= 1e-5); TeaCache, the first-block cache and cache-dit at
+threshold 0 give exactly the uncached outputs, and with TeaCache or the first-block cache skipping work each
+row of a mixed batch gets what it gets alone (<= 1e-5); ``omnidit generate --image A --image B`` is
+``image=[A, B]``.
 
 The tiny checkpoint sets ``reference_area`` to 32 * 32 and ``condition_area`` to 64 * 64: the stock
 pipeline is run with its ``calculate_dimensions`` given those areas instead of its 1024 * 1024 (VAE
@@ -28,7 +33,7 @@ from dit_core.families.qwen_edit import EDIT_TEMPLATE_DROP
 from dit_core.families.qwen_edit_plus import PLUS_TEMPLATE, PlusInputs
 from dit_core.params import MAX_IMAGES
 from dit_core.random_models.qwenimage import build_edit
-from helpers import assert_finished, params, run_staggered
+from helpers import assert_cached_rows_equal_alone, assert_finished, params, run_staggered
 from serve.app import ServeSettings
 from serve_helpers import live_server, png
 from test_qwen_edit import forwards_of, packed_rows, picture
@@ -181,6 +186,123 @@ def test_image_count_is_checked(plus):
     with pytest.raises(InvalidParamError) as err:  # image-to-image starts from one image
         engine.make_request(PROMPT, params(image=[picture(40, 48)] * 2, strength=0.5))
     assert err.value.field == "image"
+
+
+@pytest.fixture(scope="module")
+def lora_plus(plus, tmp_path_factory):
+    """(engine with LoRA adapters, the adapter file): test_lora's random PEFT adapter (rank 4, alpha 8) on
+    attention, MLP, modulation and output linears of the Plus checkpoint's transformer, loaded as "a"."""
+    from test_lora import OTHER_TARGETS, make_family_lora
+
+    model = plus[0].family.model_id
+    path = make_family_lora(model, tmp_path_factory.mktemp("plus-lora"), OTHER_TARGETS["qwenimage"][0], r=4, alpha=8,
+                            seed=1)
+    engine = Engine.from_pretrained(model, max_batch_size=8, max_loras=2, max_lora_rank=8)
+    engine.load_lora("a", path)
+    return engine, path
+
+
+def test_lora_edit_equals_diffusers(plus, lora_plus):
+    """An adapter on a two-image edit with true CFG equals QwenImageEditPlusPipeline after
+    ``load_lora_weights`` + ``set_adapters`` (<= 1e-4, same seed), and really changes the edit."""
+    _, pipe = plus
+    engine, path = lora_plus
+    images = [picture(40, 48), picture(32, 96, seed=4)]
+    kw = dict(num_inference_steps=2, **CFG)
+    pipe.load_lora_weights(str(path), adapter_name="a")
+    try:
+        pipe.set_adapters(["a"], [0.8])
+        want = stock(pipe, images, 7, **kw)
+    finally:
+        pipe.delete_adapters(["a"])
+    got = run(engine, SamplingParams(image=images, seed=7, loras=[("a", 0.8)], **kw))
+    plain = run(engine, SamplingParams(image=images, seed=7, **kw))
+    assert (got - plain).abs().max().item() > 1e-2  # the adapter really changes the edit
+    diff = (got - want).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_lora_mixed_batch_rows_equal_alone(lora_plus):
+    """Two-image edits with adapter a, without one, and with a at another scale and true CFG (one shape:
+    one dense forward, rows with different adapters), and a one-image edit with a (adapters keep sizes
+    apart: its own forward): each row as alone (<= 1e-5)."""
+    engine, _ = lora_plus
+    two = [picture(40, 48), picture(32, 96, seed=4)]
+    common = dict(num_inference_steps=3)
+    specs = [params(seed=1, image=two, loras=[("a", 1.0)], **common),
+             params(seed=2, image=two, **common),
+             params(seed=3, image=[picture(40, 48, seed=6), picture(32, 96, seed=7)], loras=[("a", 0.6)], **CFG,
+                    **common),
+             params(seed=4, image=picture(40, 48, seed=5), loras=[("a", 1.0)], **common)]
+    alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 1, 0])
+    assert max(sizes) == 3  # the three two-image edits ran as one batch
+    for i, ref in enumerate(alone):
+        diff = (assert_finished(finals[i]) - ref).abs().max().item()
+        assert diff <= 1e-5, f"request {i}: {diff}"
+    assert (alone[0] - alone[1]).abs().max().item() > 1e-2  # a changes the two-image edit
+
+
+CACHE_SPECS = [params(seed=1, num_inference_steps=4),  # text to image
+               params(seed=2, image=picture(40, 48), num_inference_steps=4),  # one 4 x 4 reference
+               params(seed=3, image=[picture(32, 96, seed=4), picture(40, 48, seed=5)], height=48, width=32,
+                      num_inference_steps=4, **CFG)]  # 4 x 8 + 4 x 4 references, true CFG, its own size
+
+
+@pytest.mark.parametrize("kind", ["teacache", "fbcache", "cache-dit"])
+def test_step_cache_at_threshold_zero_equals_no_cache(kind, plus):
+    """At threshold 0 a step cache reuses nothing: edits of one and two images (and a text row) beside each
+    other give exactly what the engine without a cache gives. (cache-dit runs one request per forward: its
+    rows are compared with the requests run alone.)"""
+    engine, _ = plus
+    cached = Engine.from_pretrained(engine.family.model_id, max_batch_size=8, cache=f"{kind}:0")
+    arrivals = [0, 1, 0]
+    got, _ = run_staggered(cached, [(PROMPT, p) for p in CACHE_SPECS], arrivals=arrivals)
+    if kind == "cache-dit":
+        want = [torch.stack(engine.generate(PROMPT, p)) for p in CACHE_SPECS]
+    else:
+        finals, _ = run_staggered(engine, [(PROMPT, p) for p in CACHE_SPECS], arrivals=arrivals)
+        want = [assert_finished(finals[i]) for i in range(len(CACHE_SPECS))]
+    for i, ref in enumerate(want):
+        out = assert_finished(got[i])
+        assert got[i].output.metrics["cache_skipped_rows"] == 0
+        assert torch.equal(out, ref), f"request {i}: {(out - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("cache", ["teacache:0.6", "fbcache:1.0"])
+def test_step_cache_mixed_batch_rows_equal_alone(cache, plus):
+    """A step cache on: edits of one and two images (one with true CFG) beside a text-to-image row, joining
+    at different steps, skip work and still get what they get alone (<= 1e-5)."""
+    engine, _ = plus
+    cached = Engine.from_pretrained(engine.family.model_id, max_batch_size=8, cache=cache)
+    specs = [replace(p, num_inference_steps=6) for p in CACHE_SPECS]
+    assert_cached_rows_equal_alone(cached, PROMPT, specs, arrivals=[0, 1, 0])
+
+
+def test_cli_edits_with_two_images(plus, tmp_path, capsys):
+    """``omnidit generate --image A --image B`` is the request's ``image=[A, B]``: the picture the Python API
+    gives for the same seed; five images exit with status 2 and an error naming ``image`` and the allowed
+    count, no traceback."""
+    from serve.cli import main
+
+    engine, _ = plus
+    sources = [picture(40, 48), picture(32, 96, seed=4)]
+    paths = [tmp_path / f"{i}.png" for i in range(len(sources))]
+    for source, path in zip(sources, paths):
+        source.save(path)
+    (want,) = engine.generate(PROMPT, SamplingParams(image=sources, num_inference_steps=2, seed=5))
+    model = engine.family.model_id
+    common = ["generate", "-m", model, PROMPT, "--steps", "2", "--seed", "5", "--dtype", "float32"]
+    assert main([*common, "--image", str(paths[0]), "--image", str(paths[1]), "-o", str(tmp_path / "out.png")]) == 0
+    got = PIL.Image.open(tmp_path / "out.png")
+    assert got.size == want.size == (64, 32)  # the last image's reference size: the order was kept
+    assert np.array_equal(np.asarray(got.convert("RGB")), np.asarray(want))
+    capsys.readouterr()
+    too_many = [arg for _ in range(MAX_IMAGES + 1) for arg in ("--image", str(paths[0]))]
+    assert main([*common, *too_many, "-o", str(tmp_path / "no.png")]) == 2
+    err = capsys.readouterr().err
+    assert "image=" in err and f"1 to {MAX_IMAGES} images" in err and "Traceback" not in err, err
+    assert not (tmp_path / "no.png").exists()
 
 
 def encoded(image) -> bytes:

@@ -36,6 +36,13 @@ Everything is ``qwen_edit``'s (text to image, image-to-image and inpainting as t
 Batching: as ``qwen_edit``, rows whose output size or reference grids differ (another count of images,
 or other sizes) share one packed forward (``qwen_packed``: each row its own tokens and rotary table),
 when the engine mixes sizes; rows of one shape run as a dense batch. A row gets what it gets alone.
+
+Works with, as ``qwen_edit`` (tests/test_qwen_edit_plus.py): LoRA adapters (Qwen-Image's loader mixin;
+adapters keep sizes apart, so rows of other reference grids run in their own dense forward; an adapted
+edit equals the stock pipeline after ``load_lora_weights``); the step caches (TeaCache, first-block
+cache: per row, on dense and packed forwards; cache-dit: one request per forward); Qwen-Image's
+parallel plans (tests/test_parallel.py); the CLI (``omnidit generate --image A --image B``: the
+pictures in order).
 """
 
 from __future__ import annotations
