@@ -259,15 +259,18 @@ class Engine:
 
     # ---- LoRA adapters (dit_core.adapters; EngineConfig.max_loras) ----
 
-    def load_lora(self, name: str, path: str | Path, model: str | None = None) -> dict:
+    def load_lora(self, name: str, path: str | Path, model: str | None = None, transformers=None) -> dict:
         """Make the LoRA file ``path`` resident for ``model`` as ``name`` (requests then name it in
         ``SamplingParams.loras``); returns its description. ``AdapterError`` on a bad file or name.
+        ``transformers`` (two-stage Wan 2.2): ``"transformer"`` or ``"transformer_2"`` applies it to that
+        one only (diffusers' ``load_lora_weights`` without / with ``load_into_transformer_2=True``); None,
+        to both (``dit_core.adapters.store``).
         Unlike the rest of the engine, ``load_lora``, ``unload_lora`` and ``loras`` may be called from any
         thread while the engine steps (the adapter store changes its set under a lock; the file is read
         outside it): a server loads adapters in a worker thread while an ``AsyncEngine`` serves."""
         model = self.model_name(model)
         store = adapter_store(self.models[model], model)
-        adapter = store.load(name, path)
+        adapter = store.load(name, path, transformers)
         return next(d for d in store.describe() if d["name"] == adapter.name)
 
     def unload_lora(self, name: str, model: str | None = None) -> None:

@@ -6,6 +6,12 @@ in memory) and to load offloaded components into host memory; ``apply_offload(fa
 config)`` then attaches the block streamer and the component hooks. Families and the step
 caches do not learn where weights live: the hooks make a block's weights resident before
 it runs, whoever runs it.
+
+A two-stage Wan 2.2 checkpoint's ``transformer_2`` is treated as ``transformer`` is: its blocks
+stream too, through the same streamer and slots (each transformer's blocks a cycle of their own,
+``BlockStreamer(cycles=...)``: at most N + 1 blocks of the two together are held), and component
+offload leaves both transformers where they are. A memory budget counts both transformers' weights
+outside their blocks as fixed.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from .errors import InvalidParamError, UnknownModelError
 
 logger = logging.getLogger(__name__)
 STREAMED = "transformer"  # the component whose blocks stream
+DENOISERS = (STREAMED, "transformer_2")  # every component whose blocks stream (two-stage Wan 2.2: both)
 
 
 @dataclass
@@ -101,7 +108,7 @@ def offload_loader(config):
         return None
 
     def load(name, cls, library, folder, dtype, device, default):
-        if name == STREAMED and policy.streams_blocks and library == "diffusers":
+        if name in DENOISERS and policy.streams_blocks and library == "diffusers":
             try:
                 index_folder(folder)
             except WeightFileError as e:
@@ -109,7 +116,7 @@ def offload_loader(config):
                     raise UnknownModelError(f"offload={policy}: {e}") from None
                 return default(cls, library, folder, dtype, device)  # .bin weights: load whole, move blocks
             return _wrap_errors(policy, load_without_blocks, cls, folder, dtype, device)
-        if policy.components and name != STREAMED and issubclass(cls, nn.Module):
+        if policy.components and name not in DENOISERS and issubclass(cls, nn.Module):
             return default(cls, library, folder, dtype, torch.device("cpu"))
         return default(cls, library, folder, dtype, device)
 
@@ -136,13 +143,14 @@ def apply_offload(family, config) -> Offload | None:
     if not isinstance(components, dict) or (policy.streams_blocks and not isinstance(components.get(STREAMED), nn.Module)):
         raise InvalidParamError("offload", str(policy), f"'none' for {getattr(family, 'name', type(family).__name__)} "
                                 "models (offload needs a diffusers folder with a transformer)")
-    if policy.streams_blocks and _quantized(components[STREAMED]):
+    streamed = {k: components[k] for k in DENOISERS if isinstance(components.get(k), nn.Module)}
+    if policy.streams_blocks and any(_quantized(m) for m in streamed.values()):
         raise InvalidParamError("offload", str(policy), "'none' or 'components' for a quantized transformer "
                                 "(block streaming of quantized weights is not supported yet)")
-    others = {k: m for k, m in components.items() if isinstance(m, nn.Module) and k != STREAMED}
+    others = {k: m for k, m in components.items() if isinstance(m, nn.Module) and k not in streamed}
     handle = Offload(policy)
     if policy.streams_blocks:
-        handle.blocks = _wrap_errors(policy, _streamer, policy, family, others, config, device)
+        handle.blocks = _wrap_errors(policy, _streamer, policy, family, streamed, others, config, device)
     if policy.components:
         handle.components = ComponentOffloader(others, device)
     _ATTACHED[family] = handle
@@ -170,16 +178,20 @@ def release_offload(family) -> None:
         handle.close()
 
 
-def _streamer(policy: OffloadPolicy, family, others: dict, config, device: torch.device) -> BlockStreamer:
-    model = family.transformer
-    named = find_blocks(model)
-    if not named:
-        raise InvalidParamError("offload", str(policy), f"a policy without blocks: {type(model).__name__} has none")
-    prefixes = [name + "." for name, _ in named]
-    blocks = [m for _, m in named]
+def _streamer(policy: OffloadPolicy, family, streamed: dict, others: dict, config,
+              device: torch.device) -> BlockStreamer:
+    """One streamer over the blocks of every model in ``streamed`` (component name -> transformer)."""
+    named = {}
+    for name, model in streamed.items():
+        named[name] = find_blocks(model)
+        if not named[name]:
+            raise InvalidParamError("offload", str(policy), f"a policy without blocks: {type(model).__name__} has none")
+    blocks = [m for name in streamed for _, m in named[name]]
     ahead, keep_all = policy.ahead or 1, policy.keep_all
     if config.max_resident_gb is not None and policy.ahead is None and not keep_all:
-        fixed = _fixed_bytes(model, blocks, others, policy.components and device.type == "cuda")
+        on_host = policy.components and device.type == "cuda"  # (the components counted once, with the first)
+        fixed = sum(_fixed_bytes(model, [m for _, m in named[name]], {} if i else others, on_host)
+                    for i, (name, model) in enumerate(streamed.items()))
         loras = _lora_bytes(family, config)
         try:
             ahead, keep_all = blocks_for_budget(config.max_resident_gb, fixed + loras,
@@ -191,12 +203,12 @@ def _streamer(policy: OffloadPolicy, family, others: dict, config, device: torch
                                      f"{loras / 2**30:.3f} GiB are kept for LoRA adapters (max_loras="
                                      f"{config.max_loras} of rank up to max_lora_rank={config.max_lora_rank} on "
                                      f"every linear layer): fewer or lower-rank adapters need less") from None
-    folder = Path(family.model_id) / STREAMED
     lazy = any(p.is_meta for b in blocks for p in b.parameters())
     disk = None
     if policy.tier == "disk" or lazy:  # checked now: a missing or truncated file fails the start
-        disk = DiskSource.for_blocks(index_folder(folder), prefixes,
-                                     [{k: p.shape for k, p in b.named_parameters()} for b in blocks])
+        disk = DiskSource([entries for name in streamed for entries in DiskSource.for_blocks(
+            index_folder(Path(family.model_id) / name), [prefix + "." for prefix, _ in named[name]],
+            [{k: p.shape for k, p in b.named_parameters()} for _, b in named[name]]).blocks])
     if policy.tier == "disk":
         source = disk
         if device.type == "cpu" and all(e.dtype == p.dtype for b, entries in zip(blocks, disk.blocks)
@@ -209,7 +221,7 @@ def _streamer(policy: OffloadPolicy, family, others: dict, config, device: torch
             for name, p in module._parameters.items():
                 if p is not None and not p.is_meta:
                     module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-    return BlockStreamer(blocks, source, device, ahead, keep_all)
+    return BlockStreamer(blocks, source, device, ahead, keep_all, cycles=[len(named[name]) for name in streamed])
 
 
 def _host_tensors(k: int, block: nn.Module, disk: DiskSource | None, device: torch.device) -> dict:
@@ -242,7 +254,9 @@ def _fixed_bytes(model: nn.Module, blocks: list[nn.Module], others: dict, compon
 
 def _lora_bytes(family, config) -> int:
     """The device memory the model's LoRA adapters may take (``max_loras`` > 0, a family that takes them):
-    they stay resident while blocks stream, so a memory budget counts their bound with the fixed weights."""
+    they stay resident while blocks stream, so a memory budget counts their bound with the fixed weights.
+    (Two-stage Wan 2.2: an adapter on both transformers shares one set of factors, so one transformer's
+    layers bound it.)"""
     from .adapters import LOADERS, linear_layers, reserve_bytes
 
     if not config.max_loras or family.name not in LOADERS:

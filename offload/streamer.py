@@ -8,6 +8,11 @@ step cache's block loop calling blocks one by one) needs no change:
   wrapping around to block 0 for the next step;
 * after block k runs, its weights go back to the meta device and its slot is free.
 
+Several models' blocks may share one streamer (``cycles``: two-stage Wan 2.2's two transformers):
+each model's blocks form a cycle of their own, so the window after a model's last block wraps to
+that model's block 0 (the model that ran is the likeliest to run next); the first block of another
+model drops the window and waits for its own. The slots are shared, so memory is bounded as for one.
+
 Weights are views into a fixed pool of N + 1 slots (each the size of the largest block), so
 memory stays bounded by construction: no allocator churn, nothing left to release. On CUDA
 the loader thread reads into pinned staging buffers and copies on a side stream with
@@ -73,10 +78,11 @@ class BlockStreamer:
     """Stream ``blocks``' parameters from ``source`` (``sources.HostSource`` / ``DiskSource``)
     onto ``device``, ``ahead`` blocks ahead of the computing one (all of them, and never
     released, with ``keep_all``). Block parameters must already be on the meta device or be
-    the source's own tensors; they are put on meta here."""
+    the source's own tensors; they are put on meta here. ``cycles``: the lengths of the
+    consecutive runs of ``blocks`` that are one model's each (default: one model)."""
 
     def __init__(self, blocks: list[nn.Module], source, device: torch.device | str, ahead: int = 1,
-                 keep_all: bool = False, trace: bool = False):
+                 keep_all: bool = False, trace: bool = False, cycles: list[int] | None = None):
         if not blocks:
             raise ValueError("no blocks to stream")
         self.blocks, self.source, self.device = blocks, source, torch.device(device)
@@ -85,8 +91,13 @@ class BlockStreamer:
         n = len(blocks)
         if ahead < 1:
             raise ValueError(f"ahead={ahead}: at least 1 block must load ahead")
+        cycles = list(cycles or [n])
+        if sum(cycles) != n or min(cycles) < 1:
+            raise ValueError(f"cycles {cycles} do not split {n} blocks")
+        starts = [sum(cycles[:i]) for i in range(len(cycles))]
+        self._cycle = [(start, length) for start, length in zip(starts, cycles) for _ in range(length)]
         self.keep_all = keep_all
-        self.nslots = n if keep_all else min(ahead + 1, n)
+        self.nslots = n if keep_all else min(ahead + 1, max(cycles))
         self.stats = StreamStats(trace=[] if trace else None)
         self.params = [self._layout(b) for b in blocks]
         self.slot_bytes = max(p[-1].offset + p[-1].nbytes if p else 0 for p in self.params)
@@ -197,9 +208,9 @@ class BlockStreamer:
     # ---- the window ----
 
     def _advance(self, k: int) -> None:
-        """Make block k resident and keep blocks k+1 .. k+N loading; drop everything else."""
-        n = len(self.blocks)
-        window = [(k + i) % n for i in range(self.nslots)]
+        """Make block k resident and keep blocks k+1 .. k+N of its cycle loading; drop everything else."""
+        start, n = (0, len(self.blocks)) if self.keep_all else self._cycle[k]
+        window = [start + (k - start + i) % n for i in range(min(self.nslots, n))]
         for j in [j for j in (*self._pending, *self._loaded) if j not in window]:
             self._drop(j)
         for j in window:

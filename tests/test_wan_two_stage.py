@@ -2,8 +2,12 @@
 equals diffusers' WanPipeline / WanImageToVideoPipeline with both transformers for the same seed (fp32,
 <= 1e-4), guidance_scale_2 included; rows on the two sides of the boundary share engine steps (one forward
 per stage) and each gets what it gets alone (<= 1e-5), with and without step caches; a step cache's state
-does not cross the boundary; the settings that would handle one transformer are refused, naming them."""
+does not cross the boundary; block offload streams both transformers (same outputs, at most N + 1 blocks of
+the two resident); a LoRA file applies to the transformers diffusers loads it into (<= 1e-4), and rows with
+adapters batched across the boundary get what they get alone; the settings that would handle one
+transformer are refused, naming them."""
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -110,6 +114,11 @@ def specs(family: str) -> list:
                             **({"num_frames": 5} if family == "wan" else {})))]
 
 
+def dense_specs(family: str) -> list:
+    """``specs`` in one size: block offload and LoRA adapters keep sizes apart (``dit_core.mixed_sizes``)."""
+    return [(prompt, dataclasses.replace(p, num_frames=BASE["num_frames"])) for prompt, p in specs(family)]
+
+
 ARRIVALS = [0, 2, 2, 3]  # at step 2 the first request is below the boundary, the two new ones above
 
 
@@ -124,6 +133,14 @@ def record_stages(monkeypatch, engine) -> list:
 
     monkeypatch.setattr(family, "predict_stage", recording)
     return calls
+
+
+def both_stages_in_a_step(calls) -> bool:
+    """Whether some engine step ran both transformers (``record_stages``' calls)."""
+    steps = {}
+    for step, stage, _ in calls:
+        steps.setdefault(step, set()).add(stage)
+    return any(len(stages) == 2 for stages in steps.values())
 
 
 @pytest.mark.parametrize("family", ["wan", "wan-i2v"])
@@ -192,12 +209,124 @@ def test_default_quantization_covers_both_transformers(models):
 
 
 @pytest.mark.parametrize("options,field", [
-    (dict(offload="components"), "offload"), (dict(max_loras=1), "max_loras"),
     (dict(cache="cache-dit:0.1"), "cache"), (dict(row_parallel=2), "row_parallel")])
 def test_settings_for_one_transformer_are_refused(options, field, models):
     with pytest.raises(InvalidParamError) as e:
         Engine.from_pretrained(models["wan"], **options)
     assert e.value.field.split()[0] == field and "two-stage" in str(e.value)
+
+
+def resident_blocks(family) -> list[int]:
+    """After each block of either transformer, how many blocks of the two hold weights (not meta)."""
+    blocks = [b for t in family.stage_models for b in t.blocks]
+    counts = []
+
+    def count(*_):
+        counts.append(sum(any(not p.is_meta for p in b.parameters()) for b in blocks))
+
+    for block in blocks:  # registered after the streamer's hooks: they see the window it keeps
+        block.register_forward_pre_hook(count)
+    return counts
+
+
+@pytest.mark.parametrize("family,policy", [("wan", "components,blocks:1"), ("wan", "disk:1"), ("wan-i2v", "blocks:1")])
+def test_offload_streams_both_transformers_and_computes_what_none_computes(family, policy, models, monkeypatch):
+    """Both transformers' blocks stream through one set of slots (at most N + 1 blocks of the two hold
+    weights at any time); rows on both sides of the boundary, batched, get what they get without offload
+    (aten linears, as streamed blocks run them; the bound test_offload uses)."""
+    from dit_core.offloading import offload_of
+
+    batch = dense_specs(family)
+    ref, _ = run_staggered(Engine.from_pretrained(models[family], max_batch_size=8, cpu_linear="aten"), batch,
+                           arrivals=ARRIVALS)
+    engine = Engine.from_pretrained(models[family], max_batch_size=8, offload=policy, malloc_mmap_threshold=0,
+                                    cpu_allocator="system")
+    streamer = offload_of(engine.family).blocks
+    n = [len(t.blocks) for t in engine.family.stage_models]
+    assert len(streamer.blocks) == sum(n) and streamer.nslots == min(int(policy[-1]) + 1, max(n))
+    counts, calls = resident_blocks(engine.family), record_stages(monkeypatch, engine)
+    finals, sizes = run_staggered(engine, batch, arrivals=ARRIVALS)
+    assert max(sizes) == len(batch) and both_stages_in_a_step(calls)
+    for i in range(len(batch)):
+        diff = (assert_finished(finals[i]) - assert_finished(ref[i])).abs().max().item()
+        assert diff <= 1e-6, f"request {i}: {diff}"
+    assert counts and max(counts) <= streamer.nslots
+    assert streamer.stats.loads >= sum(n)  # blocks of both transformers were loaded
+    if "components" in policy:
+        assert set(offload_of(engine.family).components.stats) == {"text_encoder", "vae"}  # not the transformers
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def lora_files(models, tmp_path_factory):
+    from test_lora import make_family_lora
+
+    root = tmp_path_factory.mktemp("wan-two-stage-loras")
+    return {"a": make_family_lora(models["wan"], root / "a", ["to_q", "to_v", "to_out.0", "ffn.net.2"], r=4, alpha=8,
+                                  seed=1),
+            "b": make_family_lora(models["wan"], root / "b", ["to_k", "ffn.net.0.proj"], r=2, alpha=3, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def lora_engine(models, lora_files):
+    """``a`` on both transformers (the default), ``b`` on transformer_2 only, ``a1``: ``a``'s file on
+    transformer only."""
+    engine = Engine.from_pretrained(models["wan"], max_batch_size=8, max_loras=3, max_lora_rank=8)
+    engine.load_lora("a", lora_files["a"])
+    engine.load_lora("b", lora_files["b"], transformers="transformer_2")
+    engine.load_lora("a1", lora_files["a"], transformers=["transformer"])
+    return engine
+
+
+def test_lora_applies_to_the_transformers_diffusers_loads_it_into(models, lora_files, lora_engine, stock):
+    """The default equals diffusers' WanPipeline with the file loaded into both transformers under one adapter
+    name; ``transformers="transformer_2"`` equals its ``load_into_transformer_2=True`` alone (<= 1e-4)."""
+    engine = lora_engine
+    assert {d["name"]: d["transformers"] for d in engine.loras()} == {
+        "a": ["transformer", "transformer_2"], "b": ["transformer_2"], "a1": ["transformer"]}
+    assert len({d["bytes"] for d in engine.loras() if d["name"] in ("a", "a1")}) == 1  # the factors shared
+    pipe = DiffusionPipeline.from_pretrained(str(models["wan"]))  # (its own: adapters stay out of the cached one)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora_files["a"]), adapter_name="a")
+    pipe.load_lora_weights(str(lora_files["a"]), adapter_name="a", load_into_transformer_2=True)
+    pipe.load_lora_weights(str(lora_files["b"]), adapter_name="b", load_into_transformer_2=True)
+    run = lambda loras, **kw: torch.stack(engine.generate(PROMPT, SamplingParams(  # noqa: E731
+        seed=7, output_type="pt", loras=loras, **BASE, **kw)))
+    for weights, guidance in (({"a": 0.7}, 5.0), ({"a": 0.6, "b": 1.3}, 1.0)):
+        pipe.transformer.set_adapters(["a"], [weights["a"]])
+        pipe.transformer_2.set_adapters(list(weights), list(weights.values()))
+        ref = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(7), output_type="pt", guidance_scale=guidance,
+                   **BASE).frames
+        got, plain = run(list(weights.items()), guidance_scale=guidance), run([], guidance_scale=guidance)
+        assert (got - plain).abs().max().item() > 1e-2, weights
+        assert (got - ref).abs().max().item() <= 1e-4, weights
+    # both transformers matter: the file on transformer only, or on transformer_2 only, gives other videos
+    both, first = run([("a", 0.7)], guidance_scale=5.0), run([("a1", 0.7)], guidance_scale=5.0)
+    assert (both - first).abs().max().item() > 1e-3
+    assert (run([("b", 1.0)]) - run([])).abs().max().item() > 1e-3  # (transformer_2 only: the low-noise steps)
+
+
+def test_lora_rows_on_both_sides_of_the_boundary_get_what_they_get_alone(lora_engine, monkeypatch):
+    """Adapters on one transformer, on both, none, two composed: rows in both stages' forwards of a step."""
+    loras = [[("a", 1.0)], [], [("b", 0.8)], [("a", 0.5), ("a1", 1.0)]]
+    batch = [(prompt, dataclasses.replace(p, loras=lo)) for (prompt, p), lo in zip(dense_specs("wan"), loras)]
+    alone = [assert_finished(run_staggered(lora_engine, [s], arrivals=[0])[0][0]) for s in batch]
+    calls = record_stages(monkeypatch, lora_engine)
+    finals, sizes = run_staggered(lora_engine, batch, arrivals=ARRIVALS)
+    assert max(sizes) == len(batch) and both_stages_in_a_step(calls)
+    for i in range(len(batch)):
+        diff = (assert_finished(finals[i]) - alone[i]).abs().max().item()
+        assert diff <= 1e-5, f"request {i}: {diff}"
+
+
+def test_lora_transformers_must_be_the_models_own(lora_engine, lora_files, wan_tiny):
+    from dit_core.adapters import AdapterError
+
+    for bad in ("transformer_3", [], ["transformer_2", "transformer_2"]):
+        with pytest.raises(AdapterError, match="transformers="):
+            lora_engine.load_lora("c", lora_files["b"], transformers=bad)
+    with pytest.raises(AdapterError, match="transformers="):  # a one-transformer checkpoint has no transformer_2
+        Engine.from_pretrained(wan_tiny, max_loras=1).load_lora("c", lora_files["b"], transformers="transformer_2")
 
 
 def test_bad_guidance_scale_2_names_the_field(engines, wan_tiny):

@@ -81,9 +81,14 @@ class LoraWeights:
 
 @dataclass
 class Adapter:
+    """``layers``: the hooked layer name (``store.denoiser_layers``) -> its factors; an adapter applied to
+    several transformers (two-stage Wan 2.2) holds each file layer under each transformer's name, the
+    factors shared. ``transformers``: the components it applies to (``AdapterStore.load``)."""
+
     name: str
     path: str
     layers: dict[str, LoraWeights] = field(default_factory=dict)
+    transformers: tuple[str, ...] = ("transformer",)
 
     @property
     def rank(self) -> int:
@@ -91,7 +96,8 @@ class Adapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.A.numel() * w.A.element_size() + w.B.numel() * w.B.element_size() for w in self.layers.values())
+        unique = {id(w): w for w in self.layers.values()}.values()  # (factors shared by two transformers: once)
+        return sum(w.A.numel() * w.A.element_size() + w.B.numel() * w.B.element_size() for w in unique)
 
 
 def _read_safetensors(path: Path) -> tuple[dict, dict | None]:

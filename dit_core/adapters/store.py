@@ -16,6 +16,14 @@ Under parallel degrees the other ranks hold copies of the resident adapters (``r
 failure on any rank leaves the set unchanged everywhere), an unload or eviction after. Loads and unloads
 go through ``_changes`` one at a time (the file reads stay outside it).
 
+Two-stage Wan 2.2 (``family.denoisers``: ``transformer`` and ``transformer_2``): the store hooks the linear
+layers of both, ``transformer_2``'s under their names prefixed ``transformer_2.``. ``load`` applies a file to
+both transformers by default (as diffusers' WanPipeline does when the file is loaded twice under one
+adapter name, ``load_lora_weights(f, adapter_name=n)`` and ``load_lora_weights(f, adapter_name=n,
+load_into_transformer_2=True)``), or to the ones ``transformers`` names (one of them: one such call). The
+factors are shared, so an adapter takes its file's size once whichever it applies to (``reserve_bytes``
+of one transformer's layers bounds the store as before).
+
 An unload across several engines (Ray Serve replicas) is all or nothing: ``retire`` first checks that no
 request holds the adapter and refuses new ones for it, so the ``unload`` that follows cannot be refused;
 ``release`` gives it back when another engine refused.
@@ -46,6 +54,16 @@ def reserve_bytes(layers: dict, max_loras: int, max_rank: int, dtype: torch.dtyp
     return max_loras * max_rank * size * sum(m.in_features + m.out_features for m in layers.values())
 
 
+def denoiser_layers(family) -> dict:
+    """The linear layers the store hooks: every transformer the steps run (``family.denoisers`` where a
+    family has several), the first's under their module names, another's prefixed with its component name."""
+    models = getattr(family, "denoisers", None) or {"transformer": family.transformer}
+    out = {}
+    for i, (component, model) in enumerate(models.items()):
+        out.update({(f"{component}." if i else "") + k: m for k, m in apply.linear_layers(model).items()})
+    return out
+
+
 def _to_device(adapter: Adapter, device: torch.device) -> None:
     for w in adapter.layers.values():
         w.A, w.B = w.A.to(device), w.B.to(device)
@@ -64,22 +82,30 @@ class AdapterStore:
         self._lock = threading.RLock()  # guards adapters and pins (see the module docstring)
         self._changes = threading.Lock()  # one load or unload at a time (they reach the other ranks in order)
         self.ranks = None  # parallel degrees: the other ranks' copies (``load_adapter``, ``unload_adapter``)
-        self.layers = apply.linear_layers(family.transformer)
-        self._hooks = apply.install(self, self.layers)
+        self.denoisers = tuple(getattr(family, "denoisers", None) or ("transformer",))
+        self.layers = apply.linear_layers(family.transformer)  # (what a file's modules are checked against)
+        self._hooks = apply.install(self, denoiser_layers(family))
 
     # ---- the set ----
 
-    def load(self, name: str, path) -> Adapter:
+    def load(self, name: str, path, transformers=None) -> Adapter:
         """Read ``path`` and make it resident as ``name``; evicts the least recently used unheld
-        adapter when ``max_loras`` are resident. Raises ``AdapterError`` (the set unchanged)."""
+        adapter when ``max_loras`` are resident. Raises ``AdapterError`` (the set unchanged).
+        ``transformers``: the components it applies to (None: every transformer the steps run; see the
+        module docstring)."""
         if not isinstance(name, str) or not name.strip():
             raise AdapterError(f"adapter name {name!r}: expected a non-empty string")
+        targets = self._targets(transformers)
         self._refuse_loaded(name)
         # read into host memory outside the lock (the engine keeps stepping); it comes to the device only
         # once the victim (if any) is out, so no more than max_loras adapters are ever on the device (the
         # bound a memory budget counts, ``reserve_bytes``)
         adapter = read_adapter(name, path, self.family.name, self.layers, self.max_rank, self.family.dtype,
                                torch.device("cpu"))
+        if targets != ("transformer",):  # each file layer under the name of each transformer it applies to
+            adapter.layers = {(f"{t}." if t != "transformer" else "") + k: w
+                              for t in targets for k, w in adapter.layers.items()}
+        adapter.transformers = targets
         with self._changes:
             self._refuse_loaded(name)  # (loaded by another caller while this one read the file)
             if self.ranks is not None:  # every other rank first: one that refuses leaves the set unchanged
@@ -96,6 +122,15 @@ class AdapterStore:
         logger.info("LoRA: loaded %r from %s (%d layers, rank %d, %.1f MB)", name, path, len(adapter.layers),
                     adapter.rank, adapter.nbytes / 1e6)
         return adapter
+
+    def _targets(self, transformers) -> tuple[str, ...]:
+        if transformers is None:
+            return self.denoisers
+        chosen = (transformers,) if isinstance(transformers, str) else tuple(transformers)
+        if not chosen or any(t not in self.denoisers for t in chosen) or len(set(chosen)) != len(chosen):
+            raise AdapterError(f"transformers={transformers!r}: expected some of {list(self.denoisers)} (this "
+                               f"{self.family.name} model's transformers), each once, or None for all")
+        return tuple(t for t in self.denoisers if t in chosen)
 
     def _insert(self, name: str, adapter: Adapter) -> str | None:
         """Make the read ``adapter`` resident here (on the device), evicting the least recently used unheld
@@ -190,7 +225,11 @@ class AdapterStore:
     def describe(self) -> list[dict]:
         with self._lock:
             return [{"name": a.name, "path": a.path, "rank": a.rank, "layers": len(a.layers), "bytes": a.nbytes,
-                     "in_use": self.pins[a.name]} for a in self.adapters.values()]
+                     "in_use": self.pins[a.name], **self._describe_targets(a)} for a in self.adapters.values()]
+
+    def _describe_targets(self, adapter: Adapter) -> dict:
+        """Which transformers ``adapter`` applies to, for a model with several (two-stage Wan 2.2)."""
+        return {"transformers": list(adapter.transformers)} if len(self.denoisers) > 1 else {}
 
     # ---- requests ----
 

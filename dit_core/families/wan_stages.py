@@ -28,14 +28,29 @@ What the engine's other features do with two transformers:
 * quantization: ``quant`` with its default components (``transformer``) quantizes both transformers
   (``components=transformer_2`` alone: that one only); ``cpu_linear`` packs both. A GGUF folder loads
   whichever transformers its ``_omnidit_quant`` names (``omnidit quantize`` exports one component).
-* refused at engine start, naming the setting: offload (streaming or components: it handles one
-  transformer), LoRA adapters (``max_loras`` > 0: the store patches one transformer), parallel degrees > 1
-  (the workers run one transformer). ``compile`` does not apply (Wan's blocks stay eager).
+* offload: block streaming (``blocks`` / ``disk``) streams both transformers' blocks through one
+  streamer and one set of slots (each transformer's blocks a cycle of their own: after a transformer's
+  last block the window wraps to its own block 0; the other's first block waits for its load), so at
+  most N + 1 blocks of the two together hold weights, as for one transformer; a memory budget counts
+  both transformers' weights outside their blocks as fixed. ``components`` leaves both transformers on
+  the device (like ``transformer``: combine it with ``blocks`` / ``disk`` to bound them).
+* LoRA adapters (``max_loras`` > 0): the store hooks both transformers' linear layers. An adapter file
+  applies to both by default (diffusers: the file loaded twice under one adapter name, once with
+  ``load_into_transformer_2=True``), or to one (``Engine.load_lora(..., transformers="transformer" |
+  "transformer_2")``: diffusers' single ``load_lora_weights`` call without / with that flag; a Wan 2.2
+  high-noise / low-noise pair is two adapters, one on each, named together in a request's ``loras``).
+  The factors are shared between the two, so ``max_loras`` bounds memory as for one transformer. A
+  stage's forward gets its own rows' adapters (``predict`` narrows the runner's row assignment).
+* refused at engine start, naming the setting: parallel degrees > 1 (the workers run one transformer).
+  ``compile`` does not apply (Wan's blocks stay eager).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+
+import torch
 
 from ..errors import InvalidParamError, UnknownModelError
 from ..request import Request
@@ -113,14 +128,19 @@ def predict(family, requests: list[Request], run) -> list:
     groups: dict[int, list[Request]] = {}
     for req in requests:
         groups.setdefault(stage_of(family, req), []).append(req)
-    cache = family.step_cache
+    cache, adapters = family.step_cache, getattr(family, "adapters", None)
+    starts = dict(zip((r.id for r in requests), itertools.accumulate((r.rows for r in requests), initial=0)))
     out, lasts = {}, []
     for k, group in sorted(groups.items()):
         for req in group:
             if req.state.get(STATE, k) != k and cache is not None:
                 req.state.pop(cache.key, None)  # crossed the boundary: no cached work of the other transformer
             req.state[STATE] = k
-        with stage(family, k):
+        rows = [i for r in group for i in range(starts[r.id], starts[r.id] + r.rows)]
+        # LoRA: the runner set the rows of all ``requests``; this forward runs the group's rows only
+        subset = adapters.subset(torch.tensor(rows, device=family.device)) if adapters is not None and \
+            len(groups) > 1 else contextlib.nullcontext()
+        with stage(family, k), subset:
             results = run(group)
         out.update(zip((r.id for r in group), results))
         if cache is not None and cache.last:
@@ -131,19 +151,11 @@ def predict(family, requests: list[Request], run) -> list:
 
 
 def check_config(family, config) -> None:
-    """Refuse the engine settings that would handle one of the two transformers only."""
+    """Refuse the engine settings that would handle one of the two transformers only (parallel degrees,
+    cache-dit); offload and LoRA adapters handle both."""
     if len(family.stage_models) < 2:
         return
-    from ..offloading import effective_policy
-
     why = "two-stage Wan 2.2 models (transformer_2 / boundary_ratio)"
-    policy = effective_policy(config)
-    if policy.streams_blocks or policy.components:
-        raise InvalidParamError("offload", str(policy), f"'none' for {why}: offload handles one transformer")
-    from ..adapters import LOADERS
-
-    if config.max_loras and family.name in LOADERS:  # (a family LoRA does not reach gets no store anyway)
-        raise InvalidParamError("max_loras", config.max_loras, f"0 for {why}: LoRA adapters patch one transformer")
     if config.parallel.enabled:
         from ..parallel.validate import degrees_flag
 
