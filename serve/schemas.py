@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from dit_core import InvalidParamError, SamplingParams
-from dit_core.params import MAX_LORAS_PER_REQUEST
+from dit_core.params import MAX_IMAGES, MAX_LORAS_PER_REQUEST
 
 MAX_N = 10  # images per HTTP request (the engine allows more; GET /v1/models/{id} states the lower one)
 
@@ -113,9 +113,11 @@ class ImageGenerationRequest(ImageRequestFields):
     # strict: 0 is not false and "1" is not 1 (a JSON body says what it means)
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    image: str | None = Field(None, min_length=1, description="an earlier output of this server to start from "
-                                                              "(image-to-image): the file id, or the url, that "
-                                                              "response_format=url answered with")
+    image: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(
+        min_length=1, max_length=MAX_IMAGES)] | None = Field(
+        None, description="earlier outputs of this server to start from (image-to-image) or to edit: the file id, "
+                          "or the url, that response_format=url answered with; a list of up to "
+                          f"{MAX_IMAGES} for models that take several pictures (reference-image editing)")
 
 
 class ImageEditRequest(ImageRequestFields):

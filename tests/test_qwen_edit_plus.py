@@ -326,8 +326,27 @@ def test_openai_client_edits_with_two_images_over_http(plus):
                                     extra_body={"num_inference_steps": 2, "seed": 11})
         too_many = httpx.post(f"{srv.url}/v1/images/edits", data={"prompt": PROMPT, "model": "m"},
                               files=[("image[]", files[0])] * (MAX_IMAGES + 1), timeout=30)
+        # earlier outputs, by their urls, as a list of references on /v1/images/generations: the same
+        # as uploading those files to the edits route
+        steps = {"num_inference_steps": 2, "seed": 3}
+        urls = [d.url for d in client.images.edit(image=files, prompt=PROMPT, model="m", n=2, response_format="url",
+                                                  extra_body=steps).data]
+        stored = [httpx.get(u, timeout=30).content for u in urls]
+        by_ref = client.images.generate(prompt=PROMPT, model="m", response_format="b64_json",
+                                        extra_body={"image": urls, **steps})
+        by_upload = client.images.edit(image=[(f"{i}.png", b, "image/png") for i, b in enumerate(stored)],
+                                       prompt=PROMPT, model="m", response_format="b64_json", extra_body=steps)
+        refs_too_many = httpx.post(f"{srv.url}/v1/images/generations", timeout=30,
+                                   json={"prompt": PROMPT, "model": "m", "image": urls[:1] * (MAX_IMAGES + 1)})
+        missing = httpx.post(f"{srv.url}/v1/images/generations", timeout=30,
+                             json={"prompt": PROMPT, "model": "m", "image": [urls[0], "file-nope"]})
     assert "reference_images" in details["inputs"] and details["max_images"] == 4
     got = png(answer.data[0].b64_json)
     assert got.size == want.size == (64, 32)  # the last image's reference size
     assert np.array_equal(np.asarray(got.convert("RGB")), np.asarray(want.convert("RGB")))
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "image"
+    assert len(urls) == 2 and stored[0] != stored[1]
+    assert png(by_ref.data[0].b64_json).tobytes() == png(by_upload.data[0].b64_json).tobytes()
+    assert refs_too_many.status_code == 400 and refs_too_many.json()["error"]["param"].startswith("image"), \
+        refs_too_many.text
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "image.1", missing.text

@@ -38,10 +38,13 @@ async def create_image(body: ImageGenerationRequest, request: Request):
     model = resolve_model(state, body.model, "image")
     check_prompts(state.settings, body)
     image = None
-    if body.image is not None:  # an earlier output of the caller's, by its file id
+    if body.image is not None:  # earlier outputs of the caller's, by their file ids (one, or a list)
         check_inputs(state, model, ["image"])
-        image = await asyncio.to_thread(stored_image, state.files, owner_of(request), body.image,
-                                        state.settings.max_image_pixels)
+        refs = body.image if isinstance(body.image, list) else [body.image]
+        owner, limit = owner_of(request), state.settings.max_image_pixels
+        images = [await asyncio.to_thread(stored_image, state.files, owner, ref, limit,
+                                          "image" if len(refs) == 1 else f"image.{i}") for i, ref in enumerate(refs)]
+        image = images[0] if len(images) == 1 else images  # one picture as one, like the edits route's image[]
     return await generate(request, body, model, body.sampling_params(image=image))
 
 
