@@ -49,6 +49,13 @@ def models(tiny_models, wan_tiny, tmp_path_factory):
         index = json.loads((copy / "model_index.json").read_text())
         index["_omnidit_teacache"] = {"coefficients": coefficients}
         (copy / "model_index.json").write_text(json.dumps(index))
+    from dit_core.random_models import build
+
+    for name, size in (("wan-i2v", "tiny"), ("wan-ti2v", "tiny-ti2v")):  # Wan 2.1 I2V (CLIP encoder), Wan 2.2 TI2V
+        copy = copies[name] = build("wan-i2v", size, root / name)
+        index = json.loads((copy / "model_index.json").read_text())
+        index["_omnidit_teacache"] = {"coefficients": [0.01, 0.0]}  # (as the tiny Wan's: it skips rows)
+        (copy / "model_index.json").write_text(json.dumps(index))
     from dit_core.random_models.qwenimage import build_edit
 
     edit = build_edit(root / "qwen-edit", reference_area=32 * 32)  # Qwen-Image-Edit, references of ~32 x 32
@@ -376,3 +383,59 @@ def test_qwen_edit_plus_rows_match_world_size_one(parallel, reference):
     assert sizes == ref_sizes
     for i, (g, w) in enumerate(zip(outs, want)):
         assert (g - w).abs().max().item() <= TOL, f"request {i}"
+
+
+def video_specs(family):
+    """Wan image-to-video: two first frames (one request with CFG: 2 rows), the second arriving a step later.
+    TI2V: an image request with CFG and a text-only one (every token at the step's timestep) in one batch.
+    5 frames at 16 x 48: 2 latent frames of 1 x 3 patches, 6 tokens: uneven shards over 4 sequence ranks."""
+    from test_wan_i2v import picture
+
+    common = dict(height=16, width=48, num_frames=5, max_sequence_length=16, num_inference_steps=3)
+    cfg = dict(guidance_scale=4.0, negative_prompt="blurry")
+    second = dict(image=picture(2)) if family == "wan-i2v" else {}
+    return [("the cat turns its head", params(image=picture(1), seed=1, **cfg, **common)),
+            ("a dog runs", params(seed=2, guidance_scale=1.0, **second, **common))]
+
+
+@pytest.fixture(scope="module")
+def video_reference(reference):
+    """video_specs at world size 1, per (family, cache on): (outputs, batch sizes, skipped rows)."""
+    results = {}
+
+    def get(family, cache_on):
+        if (family, cache_on) not in results:
+            results[family, cache_on] = run_videos(reference.engine, family, cache_on)
+        return results[family, cache_on]
+
+    return get
+
+
+def run_videos(engine, family, cache_on):
+    with cache(engine, cache_on):
+        finals, sizes = run_staggered(_Bound(engine, family), video_specs(family), arrivals=[0, 1])
+    return ([assert_finished(finals[i]) for i in range(2)], sizes,
+            [finals[i].output.metrics["cache_skipped_rows"] for i in range(2)])
+
+
+@pytest.mark.parametrize("family", ["wan-i2v", "wan-ti2v"])
+def test_wan_image_to_video_matches_world_size_one(parallel, video_reference, family):
+    """Wan image-to-video under every plan, plain forwards and TeaCache's block loop: the condition channels
+    ride on the split tokens, the image encoder's tokens join the cross-attention context (whole on every
+    rank) and travel with their row; TI2V's per-token timesteps (0 on an image's first frame, the step's on
+    a text-only row) are split with the tokens. Each request equals world size 1 (<= 1e-5). Under sequence
+    plans a video of one token is refused per request (wan-i2v has no image-less default to check at start)."""
+    from test_wan_i2v import picture
+
+    for cache_on in (False, True):
+        outs, sizes, skipped = run_videos(parallel, family, cache_on)
+        want, ref_sizes, ref_skipped = video_reference(family, cache_on)
+        assert sizes == ref_sizes and max(sizes) == 2  # the same batches; both requests share forwards
+        assert skipped == ref_skipped and (sum(skipped) > 0) == cache_on
+        for i, (g, w) in enumerate(zip(outs, want)):
+            assert (g - w).abs().max().item() <= TOL, f"request {i} ({'teacache' if cache_on else 'plain'})"
+    if parallel.config.parallel.seq > 1:  # one video token (16 x 16, one frame): too short to split
+        with pytest.raises(InvalidParamError, match="image tokens") as e:
+            parallel.add_request("a cat", params(image=picture(1), height=16, width=16, num_frames=1,
+                                                 max_sequence_length=16), model=family)
+        assert e.value.field == "height/width"

@@ -32,6 +32,13 @@ single-transformer layout without an image encoder (one or two images; a batch m
 two-stage Wan 2.2 I2V A14B (that layout with ``transformer_2`` / ``boundary_ratio``: the two
 transformers take the same inputs; ``wan_stages`` picks one per request and step, ``guidance_scale_2``
 below the boundary). Wan 2.2 TI2V (``expand_timesteps``) is ``wan_ti2v.py``'s.
+
+Parallel degrees (``dit_core.parallel.plans``, plan ``wan-i2v``): row parallelism and Ulysses / Ring / USP
+as for text-to-video. The condition channels ride on the video tokens that the plan splits (the sequence
+is the text-to-video one); the image encoder's tokens (``encoder_hidden_states_image``) travel with their
+row and are whole on every sequence rank, like the text (cross attention runs locally). Without an image
+there is no default request, so the size check is made per request (at least ulysses x ring video tokens).
+Two-stage checkpoints stay refused with parallel degrees (``wan_stages``).
 """
 
 from __future__ import annotations

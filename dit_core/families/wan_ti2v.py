@@ -20,6 +20,12 @@ condition channels, a patch other than (1, 2, 2) (the pipelines' token timesteps
 two-stage checkpoints (``transformer_2`` / ``boundary_ratio``): diffusers' pipelines would run one
 with ``expand_timesteps``, but none is published (Wan 2.2's two-stage models are the A14B T2V / I2V,
 ``wan`` / ``wan-i2v``; TI2V 5B has one transformer), so it stays refused here.
+
+Parallel degrees (``dit_core.parallel.plans``, plan ``wan-ti2v``): row parallelism and Ulysses / Ring / USP.
+The per-token timesteps are split along the sequence with the video tokens: in the plain forward before
+the time embedding (each rank embeds and modulates its own tokens, the output norm included), in the
+block loop the step caches run as the per-token ``temb`` / ``proj`` rows; rank 0 keeps them whole for
+the cache signal and the head.
 """
 
 from __future__ import annotations

@@ -14,20 +14,22 @@ A plan says:
   position for a module its parent calls with positional arguments) or its output (``Shard`` /
   ``Gather``) are split across the sequence ranks during a plain forward.
 * ``blocks``: for the block loop the step caches drive (``Family.run_blocks``), how the
-  ``BlockInputs`` are split: ``img`` along the sequence, entries of ``shared`` by spec; ``txt`` and
-  the per-row tensors are split by rows only.
+  ``BlockInputs`` are split: ``img`` along the sequence, entries of ``shared`` by spec, entries of
+  ``rows`` named in the optional ``rows`` by spec after the row split (per-token tensors, e.g. Wan
+  TI2V's modulation); ``txt`` and the other per-row tensors are split by rows only.
 * ``image_tokens``: the family method giving a request's image-token count, the tokens split over the
   sequence ranks (requests with fewer tokens than sequence ranks are refused).
 * ``unsupported``: (attribute path, message): configurations the plan does not cover.
 
 Text tokens are REPLICATED on every sequence rank in all three image families (and Wan, whose text
-only enters through cross attention): only image tokens
-are split. Each rank projects the full prompt (text is short next to the image: 77-512 tokens
-against 1,024-16,384), attends with all text keys locally, and -- because every rank holds every
-text query -- gets the text stream's output whole without communication (Ring), or after one
-all-gather of its head slice (Ulysses). Sharding text too would need the text length divisible by
-the degree and, for Qwen-Image, a padding mask split across ranks; replication keeps attention
-exact for any prompt length at the cost of redundant text projections (T/(T+N) of block compute).
+-- and, for image-to-video checkpoints with an image encoder, the encoder's image tokens -- only
+enters through cross attention): only the generated image's (video's) tokens are split. Each rank
+projects the full prompt (text is short next to the image: 77-512 tokens against 1,024-16,384),
+attends with all text keys locally, and -- because every rank holds every text query -- gets the
+text stream's output whole without communication (Ring), or after one all-gather of its head slice
+(Ulysses). Sharding text too would need the text length divisible by the degree and, for Qwen-Image,
+a padding mask split across ranks; replication keeps attention exact for any prompt length at the
+cost of redundant text projections (T/(T+N) of block compute).
 """
 
 from __future__ import annotations
@@ -123,6 +125,21 @@ PLANS["qwenimage_edit"] = {**PLANS["qwenimage"], "image_tokens": "sequence_token
 # Qwen-Image-Edit Plus: the same transformer and layout, with one reference block per picture after the
 # generated tokens ([generated; ref 1; ref 2; ...], every grid in ``img_shapes``): split as one sequence.
 PLANS["qwenimage_edit_plus"] = PLANS["qwenimage_edit"]
+
+
+# Wan image-to-video (``wan_i2v``): Wan's transformer. The condition channels (first-frame mask and latents) join
+# the latents' channels, so the token sequence is the text-to-video one; a checkpoint's image-encoder tokens
+# (``encoder_hidden_states_image``) join the cross-attention context in front of the text, keys and values whole
+# on every rank like the text's: one more per-row argument, nothing else to split.
+PLANS["wan-i2v"] = {**PLANS["wan"], "rows": PLANS["wan"]["rows"] + ("encoder_hidden_states_image",)}
+# Wan 2.2 TI2V (``wan_ti2v``): a timestep per video token ([rows, tokens]). The plain forward splits it with the
+# tokens before the time embedding, so each rank embeds and modulates with its own tokens' timesteps (blocks and
+# output norm); the block loop splits the per-token ``temb`` / ``proj`` rows ([rows, tokens, ...]) the same way.
+PLANS["wan-ti2v"] = {
+    **PLANS["wan"],
+    "forward": {"": {"inputs": {"timestep": Shard(1)}}, **PLANS["wan"]["forward"]},
+    "blocks": {**PLANS["wan"]["blocks"], "rows": {"temb": Shard(1), "proj": Shard(1)}},
+}
 
 
 def plan_for(family) -> dict | None:

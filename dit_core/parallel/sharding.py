@@ -150,5 +150,8 @@ def shard_blocks(x: dict, plan: dict, mesh: Mesh, rows: tuple[int, int], seq_ind
     img, _ = split(x["img"][a:b], spec["img"], mesh, seq_index)
     shared = {k: (split(v, spec["shared"][k], mesh, seq_index, text_len)[0] if k in spec["shared"] else v)
               for k, v in x["shared"].items()}
-    return {"img": img.contiguous(), "txt": None if x["txt"] is None else x["txt"][a:b],
-            "rows": {k: (None if v is None else v[a:b]) for k, v in x["rows"].items()}, "shared": shared}
+    per_token = spec.get("rows", {})  # per-row tensors that also run along the sequence
+    rows = {k: (None if v is None else split(v[a:b], per_token[k], mesh, seq_index)[0].contiguous()
+                if k in per_token else v[a:b]) for k, v in x["rows"].items()}
+    return {"img": img.contiguous(), "txt": None if x["txt"] is None else x["txt"][a:b], "rows": rows,
+            "shared": shared}

@@ -71,7 +71,10 @@ def _check_sequence(name: str, family: Family, plan: dict, config: ParallelConfi
                                         f"an attention backend that returns log-sum-exps for ring attention "
                                         f"(sdpa or math): model {name!r} uses {backend.name!r} for role "
                                         f"{role!r} (choose one with --attention)")
-    params = family.resolve(SamplingParams())
+    try:
+        params = family.resolve(SamplingParams())
+    except InvalidParamError:  # no request from the defaults alone (image-to-video needs an image): per request
+        return
     tokens = getattr(family, plan["image_tokens"])(params)
     if tokens < config.seq:
         which = "ring" if config.ring > 1 else "ulysses"
