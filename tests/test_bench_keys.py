@@ -163,3 +163,45 @@ def test_i2v_requests_mix_images_seeds_and_cfg():
     assert all(p.image.size != (i2v.SIZE, i2v.SIZE) for p in params)  # both sides resize
     assert {p.guidance_scale for p in params} == {1.0, 5.0} and any(p.negative_prompt for p in params)
     assert {p.max_sequence_length for p in params} == {512}  # Wan 2.1 I2V's text length in diffusers
+
+
+def _peer_cell(size: int, text: int, ov: float, ov32: float, auto: float, fp32: float, diffusers: float,
+               psnr=None, ov32_diff: float = 2e-6) -> dict:
+    per = {"openvino default": ov, "openvino f32": ov32, "omnidit auto": auto, "omnidit fp32": fp32,
+           "diffusers fp32": diffusers}
+    return {"cell": f"{size}x{size}, {text} tokens", "size": size, "text_tokens": text,
+            "seconds_per_image": {k: {"median": v} for k, v in per.items()},
+            "omnidit_over_openvino_default": auto / ov, "omnidit_fp32_over_openvino_f32": fp32 / ov32,
+            "omnidit_over_diffusers": auto / diffusers, "omnidit_fp32_over_diffusers": fp32 / diffusers,
+            "max_abs_diff_vs_diffusers_fp32": {"openvino f32": ov32_diff, "openvino default": 0.05},
+            "psnr_vs_diffusers_fp32": {"omnidit auto": psnr}}
+
+
+def test_peer_openvino_summary_takes_the_worst_cell_and_says_what_auto_chose():
+    from argparse import Namespace
+
+    from benchmarks import peer_openvino as p
+
+    cells = [_peer_cell(64, 64, 0.1, 0.2, 0.15, 0.18, 0.4), _peer_cell(256, 512, 1.0, 2.0, 1.2, 1.8, 2.5)]
+    info = {"precision": {"default": "f32", "f32": "f32"}}
+    components = {"f32/clip": 1e-6, "f32/vae": 3e-6, "default/vae": 0.04}
+    args = Namespace(prompts=8, steps=8, repeats=3)
+    fp32 = {"dtype": "float32", "reason": "no native bf16"}
+    s = p.summarize(cells, components, info, fp32, args)
+    assert set(p.SUMMARY_KEYS) <= set(s)
+    assert s["omnidit_over_openvino_default"] == pytest.approx(1.5)  # 64x64: 0.15 / 0.1, the worse of 1.5 and 1.2
+    assert s["omnidit_fp32_over_openvino_f32"] == pytest.approx(0.9)
+    assert s["omnidit_over_diffusers"] == pytest.approx(1.2 / 2.5) and s["worst_cell"]["omnidit_over_diffusers"] == \
+        "256x256, 512 tokens"
+    assert s["openvino_matches_diffusers"] is True and s["bf16_psnr_vs_fp32"] is None  # identical images: no PSNR
+    assert "float32" in s["bf16_psnr_note"] and "not bf16" in s["bf16_psnr_note"]
+    assert s["targets"]["64x64: omnidit_over_diffusers <= 0.5"] is True
+    assert s["targets"]["256x256: omnidit_over_diffusers <= 1/1.5"] is True
+    assert s["cells"]["64x64, 64 tokens"]["openvino default"] == 0.1
+    # one component off (a CLIP encoder loaded without its weights), or one image: no match
+    assert p.summarize(cells, {**components, "f32/clip": 0.3}, info, fp32, args)["openvino_matches_diffusers"] is False
+    off = [cells[0], _peer_cell(256, 512, 1.0, 2.0, 1.2, 1.8, 2.5, ov32_diff=1e-2)]
+    assert p.summarize(off, components, info, fp32, args)["openvino_matches_diffusers"] is False
+    bf16 = [_peer_cell(64, 64, 0.1, 0.2, 0.15, 0.18, 0.4, psnr=41.0), _peer_cell(256, 64, 1, 2, 1.2, 1.8, 2.5, psnr=38.5)]
+    s = p.summarize(bf16, components, info, {"dtype": "bfloat16", "reason": "measured"}, args)
+    assert s["bf16_psnr_vs_fp32"] == 38.5 and s["omnidit_auto_dtype"] == "bfloat16"
