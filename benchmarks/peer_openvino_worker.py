@@ -28,12 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-PROTO = os.fdopen(os.dup(1), "w")  # the replies; libraries' prints go to stderr
-os.dup2(2, 1)
-sys.stdout = sys.stderr
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 PIPES: dict = {}
 
@@ -144,6 +140,9 @@ def run(side: str, prompts: list, seeds: list, size: int, steps: int, text_token
 
 
 def main():
+    proto = os.fdopen(os.dup(1), "w")  # the replies; whatever the libraries print goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     commands = {"export": export, "check": check, "run": run}
     for line in sys.stdin:
         msg = json.loads(line)
@@ -157,8 +156,8 @@ def main():
 
             traceback.print_exc()
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        PROTO.write(json.dumps(reply) + "\n")
-        PROTO.flush()
+        proto.write(json.dumps(reply) + "\n")
+        proto.flush()
 
 
 if __name__ == "__main__":
