@@ -38,11 +38,12 @@ GROUP_OF = {module: group for group, modules in GROUPS.items() for module in mod
 
 # approximate seconds per group or module (summed test durations of a fresh-clone `make test` on a 2-core
 # AVX2-only EPYC, 2026-12-03; ordering only; unknown: 0)
-WEIGHT = {"ray": 290, "vllm": 235, "compile": 212, "parallel": 207, "playground": 131, "test_offload": 84,
-          "test_lora": 73, "test_reuse_allocator": 71, "reliability": 62, "test_digits_edit": 53,
-          "test_bf16_fidelity": 49, "test_doc_examples": 44, "test_serve": 41, "test_wan_i2v": 41,
-          "test_digits_lora": 38, "test_attention": 38, "test_reach_policy": 33, "test_cli_and_models": 31,
-          "test_tts": 31, "test_step_cache": 29, "test_docs": 25, "test_dtype_auto": 10}
+WEIGHT = {"ray": 281, "parallel": 270, "compile": 206, "vllm": 184, "playground": 136, "test_offload": 94,
+          "test_lora": 78, "test_reuse_allocator": 70, "reliability": 60, "test_digits_edit": 50, "test_serve": 46,
+          "test_bf16_fidelity": 39, "test_doc_examples": 37, "test_digits_lora": 34, "test_docs": 32,
+          "test_step_cache": 26, "test_reach_policy": 24, "test_wan_two_stage": 21, "test_tts": 21, "test_quant": 20,
+          "test_attention": 19, "test_cli_and_models": 19, "test_videos_api": 17, "test_wan_i2v": 16,
+          "test_dtype_auto": 10}
 
 
 def group_of(item: pytest.Item) -> str:
