@@ -28,7 +28,7 @@ Method (benchmarks.common.interleaved): one warm-up call per side at the cell's 
 ``--repeats`` rounds, the side order rotated every round; medians of seconds per image, spreads
 (max - min) / median; ratios are medians of per-round ratios. --quick: 64x64 cells only, 4 prompts,
 4 steps, 1 round (every summary key; writes results/peer_openvino_quick.json).
-Writes results/peer_openvino.json.
+Writes results/peer_openvino.json after every cell (summary "complete": false until the last one).
 """
 
 from __future__ import annotations
@@ -370,15 +370,23 @@ def main(argv=None):
                    for name, dtype in (("omnidit auto", "auto"), ("omnidit fp32", "float32"))}
         auto_choice = engines["omnidit auto"].dtype_choice
         print(f"omnidit dtype='auto' -> {auto_choice}", flush=True)
-        results = [measure(Cell(size, text, args, peer, pipe, engines, work), args.repeats) for size, text in cells]
+        results = []
+
+        def save():  # after every cell: a run cut short keeps the cells it measured ("complete": false)
+            summary = summarize(results, components, info, auto_choice, args)
+            summary["run_seconds"] = time.perf_counter() - started
+            summary["complete"] = len(results) == len(cells)
+            payload = {"benchmark": "peer_openvino", "machine": machine(), "args": vars(args), "summary": summary,
+                       "openvino": {k: v for k, v in info.items() if k != "export_dir"},
+                       "components_max_abs_diff": components, "omnidit_auto_choice": auto_choice, "cells": results}
+            return payload, write_json("peer_openvino_quick" if args.quick else "peer_openvino", payload)
+
+        for size, text in cells:
+            results.append(measure(Cell(size, text, args, peer, pipe, engines, work), args.repeats))
+            payload, path = save()
     finally:
         peer.close()
-    summary = summarize(results, components, info, auto_choice, args)
-    summary["run_seconds"] = time.perf_counter() - started
-    payload = {"benchmark": "peer_openvino", "machine": machine(), "args": vars(args), "summary": summary,
-               "openvino": {k: v for k, v in info.items() if k != "export_dir"}, "components_max_abs_diff": components,
-               "omnidit_auto_choice": auto_choice, "cells": results}
-    path = write_json("peer_openvino_quick" if args.quick else "peer_openvino", payload)
+    summary = payload["summary"]
     print(json.dumps({k: v for k, v in summary.items() if k != "cells"}, indent=1, default=str))
     print(f"-> {path}")
     return payload
