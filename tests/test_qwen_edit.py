@@ -221,18 +221,22 @@ def test_bad_edit_inputs_name_the_field(edit):
     assert math.isclose(engine.family.reference_area, AREA)
 
 
-@pytest.fixture(scope="module")
-def lora_edit(edit, tmp_path_factory):
+def adapted_engine(model: str, folder) -> tuple:
     """(engine with LoRA adapters, the adapter file): test_lora's random PEFT adapter (rank 4, alpha 8) on
-    attention, MLP, modulation and output linears of the edit checkpoint's transformer, loaded as "a"."""
+    attention, MLP, modulation and output linears of a Qwen-Image(-Edit) checkpoint's transformer, loaded
+    as "a"."""
     from test_lora import OTHER_TARGETS, make_family_lora
 
-    model = edit[0].family.model_id
-    path = make_family_lora(model, tmp_path_factory.mktemp("edit-lora"), OTHER_TARGETS["qwenimage"][0], r=4, alpha=8,
-                            seed=1)
+    path = make_family_lora(model, folder, OTHER_TARGETS["qwenimage"][0], r=4, alpha=8, seed=1)
     engine = Engine.from_pretrained(model, max_batch_size=8, max_loras=2, max_lora_rank=8)
     engine.load_lora("a", path)
     return engine, path
+
+
+@pytest.fixture(scope="module")
+def lora_edit(edit, tmp_path_factory):
+    """``adapted_engine`` of the edit checkpoint."""
+    return adapted_engine(edit[0].family.model_id, tmp_path_factory.mktemp("edit-lora"))
 
 
 def test_lora_equals_diffusers_on_edit_img2img_and_text_rows(edit, lora_edit):

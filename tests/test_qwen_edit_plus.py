@@ -190,16 +190,10 @@ def test_image_count_is_checked(plus):
 
 @pytest.fixture(scope="module")
 def lora_plus(plus, tmp_path_factory):
-    """(engine with LoRA adapters, the adapter file): test_lora's random PEFT adapter (rank 4, alpha 8) on
-    attention, MLP, modulation and output linears of the Plus checkpoint's transformer, loaded as "a"."""
-    from test_lora import OTHER_TARGETS, make_family_lora
+    """test_qwen_edit's ``adapted_engine`` of the Plus checkpoint: its random adapter loaded as "a"."""
+    from test_qwen_edit import adapted_engine
 
-    model = plus[0].family.model_id
-    path = make_family_lora(model, tmp_path_factory.mktemp("plus-lora"), OTHER_TARGETS["qwenimage"][0], r=4, alpha=8,
-                            seed=1)
-    engine = Engine.from_pretrained(model, max_batch_size=8, max_loras=2, max_lora_rank=8)
-    engine.load_lora("a", path)
-    return engine, path
+    return adapted_engine(plus[0].family.model_id, tmp_path_factory.mktemp("plus-lora"))
 
 
 def test_lora_edit_equals_diffusers(plus, lora_plus):
