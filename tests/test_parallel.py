@@ -439,3 +439,19 @@ def test_wan_image_to_video_matches_world_size_one(parallel, video_reference, fa
             parallel.add_request("a cat", params(image=picture(1), height=16, width=16, num_frames=1,
                                                  max_sequence_length=16), model=family)
         assert e.value.field == "height/width"
+
+
+def test_worker_builds_rank0_components_without_weights(models):
+    """A sequence-parallel worker loads the transformer but builds the VAE and Wan I2V's image encoder
+    (which only rank 0 runs) from their configs on the meta device: no weights read, the config the
+    family reads is the checkpoint's."""
+    from dit_core.parallel.worker import load_denoiser
+
+    family = load_denoiser(str(models["wan-i2v"]), torch.float32, torch.device("cpu"))
+    assert family.rank0_components == {"image_encoder"}
+    assert {p.device.type for p in family.image_encoder.parameters()} == {"meta"}
+    assert {p.device.type for p in family.vae.parameters()} == {"meta"}
+    assert {p.device.type for p in family.transformer.parameters()} == {"cpu"}
+    vision = json.loads((models["wan-i2v"] / "image_encoder" / "config.json").read_text())
+    assert family.image_tokens == (vision["image_size"] // vision["patch_size"]) ** 2 + 1
+    assert getattr(family, "text_encoder", None) is None

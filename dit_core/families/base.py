@@ -86,6 +86,9 @@ class Family(abc.ABC):
     max_images: ClassVar[int] = 1
     supports_step_cache: ClassVar[bool] = False  # True: exposes the block loop below
     thinker_component: ClassVar[str | None] = None  # the AR language model component, if any
+    # Model components only rank 0 runs (conditioning encoders besides the text encoders, e.g. Wan I2V's
+    # image encoder): a sequence-parallel worker builds them from their config on the meta device.
+    rank0_components: ClassVar[frozenset[str]] = frozenset()
     faults: Faults = NO_FAULTS  # the engine's fault-injection points (dit_core/faults.py); set by Engine
     # set by Engine: EngineStats.record_encode(images, vae_calls, seconds), called after input images are encoded
     on_encode: Callable[[int, int, float], None] | None = None

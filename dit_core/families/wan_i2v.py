@@ -98,6 +98,7 @@ class WanI2VFamily(WanFamily):
     params_used = WanFamily.params_used | {"image"}
     takes_image = True
     packable = False  # its image tokens and condition channels stay dense: sizes keep their own batches
+    rank0_components = frozenset({"image_encoder"})  # its image tokens are computed once per request on rank 0
 
     def __init__(self, components: dict[str, Any], dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)

@@ -23,27 +23,34 @@ import torch
 import torch.distributed as dist
 
 def load_denoiser(path: str, dtype: torch.dtype, device: torch.device):
-    """The model's family with its transformer loaded, its VAE as config only, no text encoders."""
+    """The model's family with its transformer loaded; its VAE and the family's ``rank0_components``
+    (conditioning encoders rank 0 runs) as config only, on the meta device; no text encoders."""
     from ..families import family_class
     from ..loading import load_components, read_model_index
 
     cls = family_class(path)
     index = read_model_index(path)
     encoders = {n for n in index if n.startswith("text_encoder")} | {cls.thinker_component}
-    components = load_components(path, index, dtype, device, skip=encoders | {"vae"})
-    if "vae" in index:
-        components["vae"] = _config_only(path, index["vae"])
+    config_only = {n for n in {"vae", *cls.rank0_components} if n in index}
+    components = load_components(path, index, dtype, device, skip=encoders | config_only)
+    for name in sorted(config_only):
+        components[name] = _config_only(path, name, index[name])
     family = cls(components, dtype, device, {k: v for k, v in index.items() if k.startswith("_omnidit")})
     family.model_id = str(Path(path).resolve())
     return family
 
 
-def _config_only(path: str, spec: list):
+def _config_only(path: str, name: str, spec: list):
+    """Component ``name`` built from its config on the meta device, no weights read: families read such
+    a component's config (the VAE's scale factors, an image encoder's patch size); workers never run it."""
     import importlib
 
     cls = getattr(importlib.import_module(spec[0]), spec[1])
-    with torch.device("meta"):  # families read the VAE's config (scale factors); workers never decode
-        return cls.from_config(cls.load_config(Path(path) / "vae"))
+    folder = Path(path) / name
+    with torch.device("meta"):
+        if hasattr(cls, "load_config"):  # diffusers
+            return cls.from_config(cls.load_config(folder))
+        return cls._from_config(cls.config_class.from_pretrained(folder))  # transformers
 
 
 class Worker:
