@@ -93,9 +93,10 @@ class EngineClient(abc.ABC):
         """Each engine's resident adapters: ``[{"replica": id (None in process), "data": [adapter, ...]}]``."""
         raise NotImplementedError
 
-    async def lora_load(self, name: str, path: str, model: str, token: str) -> list[dict]:
+    async def lora_load(self, name: str, path: str, model: str, token: str, transformers=None) -> list[dict]:
         """Load the file ``path`` (already checked against --lora-dir) as ``name`` on every engine: one
-        outcome each (``serve.loras.LoraHost.load``, with ``replica``). Never raises for a refused load."""
+        outcome each (``serve.loras.LoraHost.load``, with ``replica``). Never raises for a refused load.
+        ``transformers``: ``Engine.load_lora``'s (None: every transformer of the model)."""
         raise NotImplementedError
 
     async def lora_unload(self, name: str, model: str, token: str | None = None) -> list[dict]:
@@ -111,7 +112,7 @@ class EngineClient(abc.ABC):
         """Undo ``lora_retire`` on every engine: one outcome each."""
         raise NotImplementedError
 
-    async def lora_remember(self, name: str, path: str, model: str, token: str) -> None:
+    async def lora_remember(self, name: str, path: str, model: str, token: str, transformers=None) -> None:
         """Record a load that took on every engine, for engines that start later (``serve.lora_sync``).
         One process has no later engines: nothing to do."""
 
@@ -184,9 +185,9 @@ class LocalEngineClient(EngineClient):
     async def lora_list(self):
         return [{"replica": None, "data": await asyncio.to_thread(self.loras.listing)}]
 
-    async def lora_load(self, name, path, model, token):
+    async def lora_load(self, name, path, model, token, transformers=None):
         # reading and converting a file is blocking work: a worker thread (the engine keeps stepping)
-        return [{"replica": None, **await asyncio.to_thread(self.loras.load, name, path, model, token)}]
+        return [{"replica": None, **await asyncio.to_thread(self.loras.load, name, path, model, token, transformers)}]
 
     async def lora_unload(self, name, model, token=None):
         return [{"replica": None, **await asyncio.to_thread(self.loras.unload, name, model, token)}]

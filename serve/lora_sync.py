@@ -59,9 +59,11 @@ class LoraRecord:
         if self.state_file is not None and self.state_file.exists():
             self._load()
 
-    def add(self, name: str, path: str, model: str, token: str) -> None:
+    def add(self, name: str, path: str, model: str, token: str, transformers=None) -> None:
+        """``transformers``: the load's (None: every transformer), given to every replica that loads it."""
         with self._lock:
-            self._entries[(model, name)] = {"name": name, "path": path, "model": model, "token": token}
+            self._entries[(model, name)] = {"name": name, "path": path, "model": model, "token": token,
+                                            "transformers": _listed(transformers)}
             self._save()
 
     def remove(self, model: str, name: str) -> bool:
@@ -117,11 +119,20 @@ class LoraRecord:
                 real = (self.root / rel).resolve()
                 if self.root not in real.parents:
                     raise ValueError(f"path {rel!r} is not under --lora-dir {str(self.root)!r}")
+                transformers = e.get("transformers")  # (absent in files written before the field)
+                if transformers is not None and not (isinstance(transformers, list) and transformers
+                                                     and all(isinstance(t, str) for t in transformers)):
+                    raise TypeError("transformers must be null or a non-empty list of strings")
             except (KeyError, TypeError, ValueError) as err:
                 logger.error("LoRA: dropped an entry of the record file %s: %r (%s)", self.state_file, e, err)
                 continue
-            self._entries[(model, name)] = {"name": name, "path": str(real), "model": model, "token": token}
+            self._entries[(model, name)] = {"name": name, "path": str(real), "model": model, "token": token,
+                                            "transformers": transformers}
         logger.warning("LoRA: reloaded %d recorded adapter(s) from %s", len(self._entries), self.state_file)
+
+
+def _listed(transformers) -> list[str] | None:
+    return [transformers] if isinstance(transformers, str) else None if transformers is None else list(transformers)
 
 
 async def join(host, read) -> None:

@@ -23,7 +23,8 @@ import threading
 from pathlib import Path
 
 from dit_core import InvalidParamError
-from dit_core.adapters import AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError
+from dit_core.adapters import (AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError,
+                               AdapterTransformersError)
 from dit_core.engine import adapter_store
 
 from .auth import owner_of
@@ -87,6 +88,8 @@ def raise_outcome(outcome: dict, client_path: str | None = None) -> None:
         raise APIError(404, message, "not_found_error", "name", "lora_not_found")
     if kind == "unsupported":
         raise APIError(400, message, "invalid_request_error", "model", "lora_unsupported")
+    if kind == "bad_transformers":
+        raise APIError(400, message, "invalid_request_error", "transformers", "invalid_transformers")
     if kind == "unreachable":
         raise APIError(503, message, "server_error", None, "engine_unavailable")
     raise APIError(400, message, "invalid_request_error", "path", "invalid_lora_file")
@@ -163,7 +166,7 @@ class LoraHost:
             with self._lock:
                 if key in self.tokens or self.failed.get(key, {}).get("token") == e["token"]:
                     continue
-            outcome = self.load(e["name"], e["path"], e["model"], e["token"])
+            outcome = self.load(e["name"], e["path"], e["model"], e["token"], e.get("transformers"))
             if outcome["ok"]:
                 with self._lock:
                     self.recorded[key] = e["token"]
@@ -198,10 +201,11 @@ class LoraHost:
             return {"ok": False, "error": "unsupported", "message": str(e)}
         return {"ok": released}
 
-    def load(self, name: str, path: str, model: str, token: str | None = None) -> dict:
+    def load(self, name: str, path: str, model: str, token: str | None = None, transformers=None) -> dict:
+        """``transformers``: ``Engine.load_lora``'s (two-stage Wan 2.2: the transformers it applies to)."""
         token = token or secrets.token_hex(8)
         try:
-            entry = self.engine.load_lora(name, path, model)
+            entry = self.engine.load_lora(name, path, model, transformers)
         except InvalidParamError as e:  # a model without adapters (max_loras=0, or an unsupported family)
             return {"ok": False, "error": "unsupported", "message": str(e), "path": path}
         except AdapterError as e:
@@ -241,6 +245,8 @@ def _kind(e: AdapterError) -> str:
         return "in_use"
     if isinstance(e, AdapterNotLoadedError):
         return "not_loaded"
+    if isinstance(e, AdapterTransformersError):
+        return "bad_transformers"
     return "bad_file"
 
 

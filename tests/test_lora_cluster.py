@@ -119,16 +119,19 @@ def test_the_first_phase_refuses_new_requests_until_released_or_unloaded(cluster
 
 def test_an_engine_started_later_loads_the_record_and_lists_what_failed(cluster, engines, tmp_path):
     cluster.record.add("gone", str(tmp_path / "gone.safetensors"), "digits", "t2")  # its file removed since
+    cluster.record.add("second", PATH, "digits", "t3", "transformer_2")  # (the load's transformers reach it)
     fresh = cluster.hosts["r1"]
     assert fresh.unload("bold", "digits") == {"ok": True}  # r1 as a replica that starts empty
     fresh.sync(cluster.record.entries())
     assert names(fresh) == ["bold"] and fresh.tokens[("digits", "bold")] == "t1"
-    [failed] = fresh.failures()
+    failed, second = fresh.failures()
     assert (failed["name"], failed["model"], failed["error"]) == ("gone", "digits", "bad_file")
     assert "gone.safetensors" in failed["message"]
+    assert second["error"] == "bad_transformers" and "has one transformer" in second["message"]
     fresh.sync(cluster.record.entries())  # not tried again for that load
-    assert fresh.failures() == [failed] and names(fresh) == ["bold"]
-    assert fresh.unload("gone", "digits")["error"] == "not_loaded" and fresh.failures() == []  # DELETE clears it
+    assert fresh.failures() == [failed, second] and names(fresh) == ["bold"]
+    assert fresh.unload("gone", "digits")["error"] == "not_loaded" and fresh.failures() == [second]  # DELETE clears it
+    assert fresh.unload("second", "digits")["error"] == "not_loaded" and fresh.failures() == []
 
 
 async def converge(host, read, want: list[str], timeout_s: float = 10.0):
@@ -192,12 +195,13 @@ def test_the_record_is_written_to_its_file_and_a_restarted_record_reloads_it(tmp
     state = record_file(str(root), "app1")
     record = LoraRecord(state, str(root))
     record.add("bold", str(root / "bold.safetensors"), "digits", "t1")
-    record.add("deep", str(root / "sub" / "deep.safetensors"), "digits", "t2")
+    record.add("deep", str(root / "sub" / "deep.safetensors"), "digits", "t2", "transformer_2")
     record.add("gone", str(root / "gone.safetensors"), "digits", "t3")
     assert record.remove("digits", "gone") and not record.remove("digits", "gone")
     saved = json.loads(open(state).read())["entries"]
     deep = os.path.join("sub", "deep.safetensors")
-    assert [(e["name"], e["path"], e["token"]) for e in saved] == [("bold", "bold.safetensors", "t1"), ("deep", deep, "t2")]
+    assert [(e["name"], e["path"], e["token"], e["transformers"]) for e in saved] == [
+        ("bold", "bold.safetensors", "t1", None), ("deep", deep, "t2", ["transformer_2"])]
     assert sorted(os.listdir(root / ".omnidit")) == ["lora-record-app1.json"]  # (no temporary file left)
     assert LoraRecord(state, str(root)).entries() == record.entries()  # restarted: the same, paths absolute again
     (tmp_path / "outside.safetensors").write_bytes(b"")
@@ -205,11 +209,15 @@ def test_the_record_is_written_to_its_file_and_a_restarted_record_reloads_it(tmp
     bad = [{"name": "up", "path": "../outside.safetensors", "model": "digits", "token": "t5"},
            {"name": "abs", "path": str(tmp_path / "outside.safetensors"), "model": "digits", "token": "t6"},
            {"name": "link", "path": "link.safetensors", "model": "digits", "token": "t7"},
-           {"name": "half", "path": "bold.safetensors"}]
-    open(state, "w").write(json.dumps({"entries": saved + bad}))
+           {"name": "half", "path": "bold.safetensors"},
+           {"name": "which", "path": "bold.safetensors", "model": "digits", "token": "t8", "transformers": "x"}]
+    old = {"name": "old", "path": "bold.safetensors", "model": "digits", "token": "t9"}  # (before transformers)
+    open(state, "w").write(json.dumps({"entries": saved + bad + [old]}))
     with caplog.at_level(logging.ERROR, logger="serve.lora_sync"):
-        assert [e["name"] for e in LoraRecord(state, str(root)).entries()] == ["bold", "deep"]
-    assert sum("dropped an entry" in r.message for r in caplog.records) == 4
+        reloaded = LoraRecord(state, str(root)).entries()
+    assert [(e["name"], e["transformers"]) for e in reloaded] == [("bold", None), ("deep", ["transformer_2"]),
+                                                                  ("old", None)]
+    assert sum("dropped an entry" in r.message for r in caplog.records) == 5
     open(state, "w").write("{not json")
     with caplog.at_level(logging.ERROR, logger="serve.lora_sync"):
         assert LoraRecord(state, str(root)).entries() == []

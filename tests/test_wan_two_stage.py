@@ -4,7 +4,8 @@ equals diffusers' WanPipeline / WanImageToVideoPipeline with both transformers f
 per stage) and each gets what it gets alone (<= 1e-5), with and without step caches; a step cache's state
 does not cross the boundary; block offload streams both transformers (same outputs, at most N + 1 blocks of
 the two resident); a LoRA file applies to the transformers diffusers loads it into (<= 1e-4), and rows with
-adapters batched across the boundary get what they get alone; the settings that would handle one
+adapters batched across the boundary get what they get alone, and POST /v1/loras chooses the transformers as
+``Engine.load_lora`` does; the settings that would handle one
 transformer are refused, naming them."""
 
 import dataclasses
@@ -320,13 +321,50 @@ def test_lora_rows_on_both_sides_of_the_boundary_get_what_they_get_alone(lora_en
 
 
 def test_lora_transformers_must_be_the_models_own(lora_engine, lora_files, wan_tiny):
-    from dit_core.adapters import AdapterError
+    from dit_core.adapters import AdapterTransformersError
 
     for bad in ("transformer_3", [], ["transformer_2", "transformer_2"]):
-        with pytest.raises(AdapterError, match="transformers="):
+        with pytest.raises(AdapterTransformersError, match=r"transformers=.*expected some of \['transformer', "):
             lora_engine.load_lora("c", lora_files["b"], transformers=bad)
-    with pytest.raises(AdapterError, match="transformers="):  # a one-transformer checkpoint has no transformer_2
-        Engine.from_pretrained(wan_tiny, max_loras=1).load_lora("c", lora_files["b"], transformers="transformer_2")
+    one = Engine.from_pretrained(wan_tiny, max_loras=1)
+    for bad in ("transformer_2", "transformer"):  # a one-transformer checkpoint: nothing to choose
+        with pytest.raises(AdapterTransformersError, match="has one transformer.*leave transformers out"):
+            one.load_lora("c", lora_files["b"], transformers=bad)
+
+
+def test_http_lora_loads_choose_the_transformers(models, lora_files, wan_tiny):
+    """POST /v1/loras ``transformers`` means ``Engine.load_lora``'s: the file on transformer_2 only gives
+    the video the Python API's transformer_2-only load gives (the same bytes), another than on both; GET
+    /v1/loras shows each adapter's transformers; bad values are 400s naming ``transformers``."""
+    import httpx
+    from serve.app import ServeSettings
+    from serve_helpers import assert_error, live_server
+
+    engine = Engine.from_models({"wan22": models["wan"], "wan21": wan_tiny}, max_loras=3, max_lora_rank=8)
+    engine.load_lora("py2", lora_files["b"], "wan22", transformers="transformer_2")
+    rel = str(lora_files["b"].relative_to(lora_files["b"].parents[1]))
+    body = {"model": "wan22", "prompt": PROMPT, "size": "48x32", "num_frames": 9, "num_inference_steps": 4,
+            "seed": 3, "max_sequence_length": 16}
+    with live_server(engine, ServeSettings(lora_dir=str(lora_files["b"].parents[1]))) as srv:
+        post = lambda **kw: httpx.post(f"{srv.url}/v1/loras", json={"path": rel, **kw}, timeout=60)  # noqa: E731
+        video = lambda name: httpx.post(f"{srv.url}/v1/videos/sync", timeout=120,  # noqa: E731
+                                        json={**body, "lora": [{"name": name}]}).content
+        r = post(name="b2", model="wan22", transformers="transformer_2")
+        assert r.status_code == 200 and r.json()["transformers"] == ["transformer_2"], r.text
+        assert post(name="ball", model="wan22").json()["transformers"] == ["transformer", "transformer_2"]
+        listing = httpx.get(f"{srv.url}/v1/loras", timeout=30).json()["data"]
+        assert {a["name"]: a["transformers"] for a in listing} == {
+            "py2": ["transformer_2"], "b2": ["transformer_2"], "ball": ["transformer", "transformer_2"]}
+        on_second, on_both = video("b2"), video("ball")
+        assert on_second == video("py2") and on_second != on_both
+        for bad in ("transformer_3", ["transformer_2", "transformer_2"], []):
+            err = assert_error(post(name="c", model="wan22", transformers=bad), 400, "transformers",
+                               "invalid_transformers")
+            assert "expected some of ['transformer', 'transformer_2']" in err["message"]
+        err = assert_error(post(name="c", model="wan21", transformers="transformer_2"), 400, "transformers",
+                           "invalid_transformers")
+        assert "has one transformer" in err["message"] and rel not in err["message"]
+        assert engine.loras("wan21") == []
 
 
 def test_bad_guidance_scale_2_names_the_field(engines, wan_tiny):

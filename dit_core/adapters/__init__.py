@@ -10,9 +10,9 @@
 
 from .apply import RowAdapters, linear_layers
 from .files import (LOADERS, Adapter, AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError,
-                    LoraWeights, read_adapter)
+                    AdapterTransformersError, LoraWeights, read_adapter)
 from .store import AdapterStore, reserve_bytes
 
 __all__ = ["LOADERS", "Adapter", "AdapterError", "AdapterExistsError", "AdapterInUseError", "AdapterNotLoadedError",
-           "AdapterStore", "LoraWeights", "RowAdapters", "linear_layers",
+           "AdapterStore", "AdapterTransformersError", "LoraWeights", "RowAdapters", "linear_layers",
            "read_adapter", "reserve_bytes"]

@@ -31,6 +31,10 @@ class AdapterExistsError(AdapterError):
     """A load under a name that is already loaded."""
 
 
+class AdapterTransformersError(AdapterError):
+    """A load's ``transformers`` names a transformer the model lacks (the field is ``transformers``)."""
+
+
 class AdapterNotLoadedError(AdapterError):
     """An unload of a name that is not loaded, or a request's adapter that is not (``name``)."""
 

@@ -41,7 +41,7 @@ import torch
 
 from . import apply
 from .files import (LOADERS, Adapter, AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError,
-                    read_adapter)
+                    AdapterTransformersError, read_adapter)
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class AdapterStore:
         """Read ``path`` and make it resident as ``name``; evicts the least recently used unheld
         adapter when ``max_loras`` are resident. Raises ``AdapterError`` (the set unchanged).
         ``transformers``: the components it applies to (None: every transformer the steps run; see the
-        module docstring)."""
+        module docstring). Any other value on a model with one transformer, or a name the model lacks,
+        raises ``AdapterTransformersError`` (HTTP: 400 naming ``transformers``)."""
         if not isinstance(name, str) or not name.strip():
             raise AdapterError(f"adapter name {name!r}: expected a non-empty string")
         targets = self._targets(transformers)
@@ -126,10 +127,16 @@ class AdapterStore:
     def _targets(self, transformers) -> tuple[str, ...]:
         if transformers is None:
             return self.denoisers
+        if len(self.denoisers) == 1:  # (even its own name: the field is for models with several)
+            raise AdapterTransformersError(
+                f"transformers={transformers!r}: this {self.family.name} model has one transformer, so there is "
+                f"nothing to choose: leave transformers out (it picks 'transformer', 'transformer_2' or both on "
+                f"two-stage Wan 2.2 models)")
         chosen = (transformers,) if isinstance(transformers, str) else tuple(transformers)
         if not chosen or any(t not in self.denoisers for t in chosen) or len(set(chosen)) != len(chosen):
-            raise AdapterError(f"transformers={transformers!r}: expected some of {list(self.denoisers)} (this "
-                               f"{self.family.name} model's transformers), each once, or None for all")
+            raise AdapterTransformersError(f"transformers={transformers!r}: expected some of {list(self.denoisers)} "
+                                           f"(this {self.family.name} model's transformers), each once, or None "
+                                           f"for all")
         return tuple(t for t in self.denoisers if t in chosen)
 
     def _insert(self, name: str, adapter: Adapter) -> str | None:

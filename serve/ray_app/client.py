@@ -211,8 +211,8 @@ class RemoteEngineClient(EngineClient):
     async def lora_list(self):
         return await self._broadcast("lora_list")
 
-    async def lora_load(self, name, path, model, token):
-        return await self._broadcast("lora_load", name, path, model, token)
+    async def lora_load(self, name, path, model, token, transformers=None):
+        return await self._broadcast("lora_load", name, path, model, token, transformers)
 
     async def lora_unload(self, name, model, token=None):
         return await self._broadcast("lora_unload", name, model, token)
@@ -223,9 +223,9 @@ class RemoteEngineClient(EngineClient):
     async def lora_release(self, name, model, hold):
         return await self._broadcast("lora_release", name, model, hold)
 
-    async def lora_remember(self, name, path, model, token):
+    async def lora_remember(self, name, path, model, token, transformers=None):
         if self.lora_record is not None:
-            await self.lora_record.add.remote(name, path, model, token)
+            await self.lora_record.add.remote(name, path, model, token, transformers)
 
     async def lora_forget(self, name, model):
         if self.lora_record is not None:

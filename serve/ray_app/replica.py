@@ -165,8 +165,8 @@ class EngineReplica:
         return {"replica": self.replica_id, "data": await asyncio.to_thread(self.local.loras.listing),
                 "failed": self.local.loras.failures()}
 
-    async def lora_load(self, name: str, path: str, model: str, token: str) -> dict:
-        outcome = await asyncio.to_thread(self.local.loras.load, name, path, model, token)
+    async def lora_load(self, name: str, path: str, model: str, token: str, transformers=None) -> dict:
+        outcome = await asyncio.to_thread(self.local.loras.load, name, path, model, token, transformers)
         return {"replica": self.replica_id, **outcome}
 
     async def lora_unload(self, name: str, model: str, token: str | None = None) -> dict:

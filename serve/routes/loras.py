@@ -23,7 +23,8 @@ from ..route_errors import errors
 router = APIRouter()
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # when replicas refuse a load differently, the error answered: the file's fault first
-PRIORITY = ("bad_file", "unsupported", "exists", "in_use", "not_loaded", "unreachable")
+PRIORITY = ("bad_transformers", "bad_file", "unsupported", "exists", "in_use", "not_loaded", "unreachable")
+TRANSFORMERS = ("transformer", "transformer_2")  # the transformers of a two-stage Wan 2.2 model
 
 
 class LoraLoadRequest(BaseModel):
@@ -35,12 +36,18 @@ class LoraLoadRequest(BaseModel):
                                                 "'.', '_', '-'; at most 128)")
     path: str = Field(min_length=1, max_length=4096, description="a LoRA .safetensors file, relative to --lora-dir")
     model: str | None = Field(None, description="the model it is for (default: the only one that takes adapters)")
+    transformers: str | list[str] | None = Field(
+        None, description="two-stage Wan 2.2 models only: the transformer(s) it applies to, 'transformer' (the "
+                          "high-noise steps), 'transformer_2' (the low-noise steps) or a list of them (default: both, "
+                          "as diffusers' WanPipeline loading the file with and without load_into_transformer_2); a "
+                          "model with one transformer refuses the field (400 naming it)")
 
 
 def _entry(state, adapter: dict) -> dict:
     return {"object": "lora", "name": adapter["name"], "model": public_id(state, adapter["model"]),
             "path": shown_path(state.settings, adapter["path"]), "rank": adapter["rank"],
-            "layers": adapter["layers"], "bytes": adapter["bytes"], "in_use": adapter["in_use"]}
+            "layers": adapter["layers"], "bytes": adapter["bytes"], "in_use": adapter["in_use"],
+            **({"transformers": adapter["transformers"]} if "transformers" in adapter else {})}
 
 
 def _merged(per_replica: list[dict]) -> list[dict]:
@@ -88,7 +95,7 @@ async def load_lora(body: LoraLoadRequest, request: Request):
     model = lora_model(state, body.model)
     real, shown = resolve_path(state.settings, body.path)
     token = secrets.token_hex(8)
-    outcomes = await state.client.lora_load(body.name, real, model, token)
+    outcomes = await state.client.lora_load(body.name, real, model, token, body.transformers)
     if not outcomes:
         raise APIError(503, "no engine replica answered", "server_error", None, "engine_unavailable")
     failed = [o for o in outcomes if not o["ok"]]
@@ -96,7 +103,7 @@ async def load_lora(body: LoraLoadRequest, request: Request):
         if len(failed) < len(outcomes):  # it took on some replicas: undo exactly those loads
             await state.client.lora_unload(body.name, model, token)
         raise_outcome(min(failed, key=lambda o: PRIORITY.index(o["error"])), shown)
-    await state.client.lora_remember(body.name, real, model, token)  # for replicas that start later
+    await state.client.lora_remember(body.name, real, model, token, body.transformers)  # for replicas that start later
     entry = _entry(state, outcomes[0]["adapter"])
     if any(o["replica"] is not None for o in outcomes):
         entry["replicas"] = [{"replica": o["replica"], "loaded": True} for o in outcomes]
