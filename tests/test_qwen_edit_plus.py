@@ -5,8 +5,8 @@ getting what it gets alone (<= 1e-5); two-image edits of one shape run dense; th
 two images as ``image[]``; more images than the model takes is a 400 naming ``image``. With a LoRA
 adapter, a two-image edit equals the stock pipeline after ``load_lora_weights`` (<= 1e-4) and rows with and
 without adapters each get what they get alone (<= 1e-5); TeaCache, the first-block cache and cache-dit at
-threshold 0 give exactly the uncached outputs, and with TeaCache or the first-block cache skipping work each
-row of a mixed batch gets what it gets alone (<= 1e-5); ``omnidit generate --image A --image B`` is
+threshold 0 give exactly the uncached outputs, and with TeaCache, the first-block cache or cache-dit skipping
+work each row of a mixed batch (cache-dit: each request, one per forward) gets what it gets alone (<= 1e-5); ``omnidit generate --image A --image B`` is
 ``image=[A, B]``.
 
 The tiny checkpoint sets ``reference_area`` to 32 * 32 and ``condition_area`` to 64 * 64: the stock
@@ -271,6 +271,24 @@ def test_step_cache_mixed_batch_rows_equal_alone(cache, plus):
     cached = Engine.from_pretrained(engine.family.model_id, max_batch_size=8, cache=cache)
     specs = [replace(p, num_inference_steps=6) for p in CACHE_SPECS]
     assert_cached_rows_equal_alone(cached, PROMPT, specs, arrivals=[0, 1, 0])
+
+
+def test_cache_dit_skipping_steps_gives_each_request_what_it_gets_alone(plus):
+    """cache-dit above 0 (request-level: one request per forward, its context refreshed at each request's
+    start): a text row and edits of one and of two images (true CFG), joining at different steps, skip steps
+    (at 0.3: 3 of 8 measured, the CFG rows 6) and each get what they get alone (<= 1e-5)."""
+    engine, _ = plus
+    cached = Engine.from_pretrained(engine.family.model_id, max_batch_size=8, cache="cache-dit:0.3,fn=1,bn=0,warmup=1")
+    specs = [replace(p, num_inference_steps=8) for p in CACHE_SPECS]
+    alone = [cached.generate_outputs(PROMPT, p)[0] for p in specs]
+    first = cached.stats.steps
+    got, _ = run_staggered(cached, [(PROMPT, p) for p in specs], arrivals=[0, 1, 0])
+    assert cached.config.max_batch_size == 1 and set(list(cached.stats.batch_sizes)[first:]) == {1}
+    for i, ref in enumerate(alone):
+        skipped = got[i].output.metrics["cache_skipped_rows"]
+        assert skipped == ref.metrics["cache_skipped_rows"] > 0, f"request {i}"
+        diff = (assert_finished(got[i]) - torch.stack(ref.images)).abs().max().item()
+        assert diff <= 1e-5, f"request {i}: {diff}"
 
 
 def test_cli_edits_with_two_images(plus, tmp_path, capsys):
