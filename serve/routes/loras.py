@@ -24,7 +24,6 @@ router = APIRouter()
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # when replicas refuse a load differently, the error answered: the file's fault first
 PRIORITY = ("bad_transformers", "bad_file", "unsupported", "exists", "in_use", "not_loaded", "unreachable")
-TRANSFORMERS = ("transformer", "transformer_2")  # the transformers of a two-stage Wan 2.2 model
 
 
 class LoraLoadRequest(BaseModel):
