@@ -99,12 +99,13 @@ def diffusers_side(pipe, args, clock: Clock):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--size", type=int, default=256)
-    ap.add_argument("--text", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=256, help="image height and width in pixels (default 256)")
+    ap.add_argument("--text", type=int, default=64, help="T5 max_sequence_length, the text tokens (default 64)")
+    ap.add_argument("--prompts", type=int, default=8,
+                    help="prompts per round: the engine's batch, diffusers' calls one at a time (default 8)")
+    ap.add_argument("--steps", type=int, default=8, help="denoising steps (default 8)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from diffusers import FluxPipeline

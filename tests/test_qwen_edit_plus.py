@@ -6,8 +6,8 @@ two images as ``image[]``; more images than the model takes is a 400 naming ``im
 adapter, a two-image edit equals the stock pipeline after ``load_lora_weights`` (<= 1e-4) and rows with and
 without adapters each get what they get alone (<= 1e-5); TeaCache, the first-block cache and cache-dit at
 threshold 0 give exactly the uncached outputs, and with TeaCache, the first-block cache or cache-dit skipping
-work each row of a mixed batch (cache-dit: each request, one per forward) gets what it gets alone (<= 1e-5); ``omnidit generate --image A --image B`` is
-``image=[A, B]``.
+work each row of a mixed batch (cache-dit: each request, one per forward) gets what it gets alone (<= 1e-5);
+``omnidit generate --image A --image B`` is ``image=[A, B]``.
 
 The tiny checkpoint sets ``reference_area`` to 32 * 32 and ``condition_area`` to 64 * 64: the stock
 pipeline is run with its ``calculate_dimensions`` given those areas instead of its 1024 * 1024 (VAE
