@@ -5,7 +5,9 @@ attention), ``cross`` (queries from one stream, keys from another), ``joint``
 (text and image tokens in one sequence: FLUX, SD3, Qwen-Image blocks).
 
 ``auto`` takes the first backend of ``AUTO_CHAIN[device type]`` that can run
-with the model's dtype and head size; the chains end in ``sdpa``. ``sage`` is
+with the model's dtype and head size; the chains end in ``sdpa``. On CPU that is ``gemm`` for bf16
+on a CPU with native bf16 (``attention.backends.gemm``: faster than the flash kernel there, with
+bf16 scores), ``sdpa`` otherwise. ``sage`` is
 approximate and never chosen automatically.
 """
 
@@ -21,7 +23,7 @@ from .errors import BackendUnavailableError, UnknownBackendError
 from .registry import BACKENDS, Backend, get_backend
 
 ROLES = ("self", "cross", "joint")
-AUTO_CHAIN = {"cuda": ("flash", "xformers", "sdpa"), "cpu": ("sdpa",)}
+AUTO_CHAIN = {"cuda": ("flash", "xformers", "sdpa"), "cpu": ("gemm", "sdpa")}
 ENV_DEFAULT = "OMNIDIT_ATTENTION"
 ENV_PER_ROLE = "OMNIDIT_ATTENTION_PER_ROLE"
 

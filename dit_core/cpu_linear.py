@@ -353,15 +353,22 @@ def release_file_pages(tensors, mapped: list[tuple[int, int]] | None = None) -> 
 
 
 def apply(family, config, name: str = "") -> str:
-    """Pack the family's transformer's linears when ``config.cpu_linear`` resolves to ``onednn``;
-    records ``family.cpu_linear`` (what ran) and logs the choice in one line."""
+    """Pack the family's transformer's linears when ``config.cpu_linear`` resolves to ``onednn``
+    (in bf16, with the MLP's GELU fused where ``dit_core.cpu_fusions`` applies); records
+    ``family.cpu_linear`` (what ran) and logs the choice in one line."""
+    from . import cpu_fusions
+
     choice, reason = resolve(config)
     transformer = getattr(family, "transformer", None)
     if choice == "onednn" and isinstance(transformer, nn.Module):
         # a family's ``denoisers`` when it has several (two-stage Wan 2.2: both transformers)
-        count = sum(pack(m) for m in (getattr(family, "denoisers", None) or {"transformer": transformer}).values())
-        logger.info("cpu_linear=%s -> onednn for model %s: %d linear layers of the transformer packed (%s)",
-                    config.cpu_linear, name, count, reason)
+        denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
+        count = sum(pack(m) for m in denoisers)
+        # bf16: tanh-GELU as a post-op of the packed linear before it, unless LoRA hooks add to that
+        # linear's output (``cpu_fusions``; fp32 and layers left unpacked are not touched)
+        fused = 0 if getattr(config, "max_loras", 0) else sum(cpu_fusions.fuse(m) for m in denoisers)
+        logger.info("cpu_linear=%s -> onednn for model %s: %d linear layers of the transformer packed%s (%s)",
+                    config.cpu_linear, name, count, f", {fused} with GELU fused" if fused else "", reason)
     else:
         choice = "aten"
         logger.info("cpu_linear=%s -> aten for model %s: %s", config.cpu_linear, name,

@@ -174,7 +174,7 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
     from .engine import Engine
     from .params import SamplingParams
 
-    from . import cpu_linear
+    from . import cpu_fusions, cpu_linear
     from .config import EngineConfig
 
     compiled = bool(config.get("compile"))
@@ -207,8 +207,19 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
         bf16_linear, _ = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "bfloat16"}))
         if bf16_linear == "onednn":
             cpu_linear.pack(half)
+            if not config.get("max_loras"):  # as the engine's bf16 would run (cpu_linear.apply)
+                cpu_fusions.fuse(half)
+        if hasattr(family, "attention_processor"):  # the attention backends the engine resolves for bf16
+            from attention import resolve as resolve_attention
+
+            bf16_attention = resolve_attention(engine.config.attention, engine.config.device, torch.bfloat16,
+                                               family.head_dims())
+            half.set_attn_processor(family.attention_processor(bf16_attention))
+            bf16_kernels = f", {bf16_attention['joint'].name} attention"
+        else:
+            bf16_kernels = ""
         kernels = {"float32": f"{getattr(family, 'cpu_linear', 'aten')} linears",
-                   "bfloat16": f"{bf16_linear} linears"}
+                   "bfloat16": f"{bf16_linear} linears{bf16_kernels}"}
         if compiled:
             from .compile import compile_family
 
@@ -287,4 +298,7 @@ def _kernels(config: dict) -> str:
         linear = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "bfloat16"}))[0]
     except ValueError:  # cpu_linear="onednn" where bf16 cannot be packed: the engine refuses it later
         linear = "aten"
-    return f"bf16 {linear} linears" + (", compiled" if config.get("compile") else "")
+    attention = config.get("attention") or "auto"  # auto: ``gemm`` for bf16 where native (attention.selection)
+    fused = "" if config.get("max_loras") else ", GELU fused"  # dit_core.cpu_fusions
+    return (f"bf16 {linear} linears{fused if linear == 'onednn' else ''}, attention {attention}"
+            + (", compiled" if config.get("compile") else ""))

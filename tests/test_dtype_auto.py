@@ -147,14 +147,16 @@ def test_auto_keeps_float32_without_native_bf16(tiny_models, monkeypatch, caplog
     "case runs the measuring code"))])
 def test_measurement_runs_the_kernels_the_engine_would_run(tiny_models, monkeypatch, compile):
     """fp32 packed against bf16 packed where the CPU has native bf16 (aten's bf16 linears
-    elsewhere), compiled as the engine compiles when it does: each side says what it ran. The compiled
+    elsewhere), with the attention backend the engine resolves for bf16, compiled as the engine compiles when it does: each side says what it ran. The compiled
     case runs where an engine would run it, a CPU with native bf16: elsewhere it compiled an emulated bf16
     forward no engine there measures, 96 s of a 2-core AVX2 machine's suite."""
     monkeypatch.setattr(dtype_auto, "MEASURE_SIDE", 64)
     seconds = dtype_auto.measure_forward(tiny_models["flux"], {"compile": compile}, rounds=1, min_s=0.0)
     tail = ", compiled" if compile else ""
+    native = cpu_linear.native_bf16()  # bf16 packed and attention as two bf16 GEMMs (``gemm``) where native
     assert seconds.kernels == {"float32": "onednn linears" + tail,
-                               "bfloat16": ("onednn" if cpu_linear.native_bf16() else "aten") + " linears" + tail}
+                               "bfloat16": ("onednn linears, gemm" if native else "aten linears, sdpa")
+                               + " attention" + tail}
     assert set(seconds) == {"float32", "bfloat16"} and min(seconds.values()) > 0
 
 
@@ -173,5 +175,7 @@ def test_a_choice_measured_with_other_kernels_is_measured_again(tmp_path, tiny_m
     assert len(calls) == 3 and len(json.loads(cache.read_text())) == 3
     eager, compiled = dtype_auto._kernels({}), dtype_auto._kernels({"compile": True})
     assert compiled == eager + ", compiled"
-    assert eager == ("bf16 onednn linears" if cpu_linear.native_bf16() else "bf16 aten linears")
-    assert dtype_auto._kernels({"cpu_linear": "aten"}) == "bf16 aten linears"
+    assert eager == ("bf16 onednn linears, GELU fused" if cpu_linear.native_bf16() else "bf16 aten linears") \
+        + ", attention auto"
+    assert dtype_auto._kernels({"cpu_linear": "aten", "attention": "sdpa"}) == "bf16 aten linears, attention sdpa"
+    assert "GELU fused" not in dtype_auto._kernels({"max_loras": 2})  # LoRA hooks keep the GELU apart

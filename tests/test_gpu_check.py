@@ -181,7 +181,10 @@ def test_flux_section_compares_the_engine_forward_with_diffusers_on_a_tiny_confi
     result = check.flux_section(ctx)
     assert torch.get_default_dtype() == torch.float32  # restored after building in bf16
     assert result["dtype"] == str(dtype).replace("torch.", "")
-    assert result["attention_backend"]["joint"] == "sdpa"
+    from dit_core.cpu_linear import native_bf16
+
+    # auto on CPU: bf16 as two bf16 GEMMs (``gemm``) where the CPU has native bf16, else torch's SDPA
+    assert result["attention_backend"]["joint"] == ("gemm" if dtype == torch.bfloat16 and native_bf16() else "sdpa")
     assert result["image_tokens"] == 64 and result["text_tokens"] == 16
     for batch in (1, 3):
         row = result["batches"][f"b{batch}"]

@@ -1,3 +1,3 @@
 """Built-in backends; importing this package registers them all."""
 
-from . import flash, flex, math, sage, sdpa, xformers  # noqa: F401
+from . import flash, flex, gemm, math, sage, sdpa, xformers  # noqa: F401

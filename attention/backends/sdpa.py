@@ -28,29 +28,36 @@ def dense(q, k, v, mask=None, scale=None, causal=False):
     return out.transpose(1, 2)
 
 
-def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, causal=False):
-    # Sequences of equal (query, key) lengths run as one dense batch, gathered with one index per
-    # group (not a copy per sequence: with hundreds of sequences per-row slicing dominated, and its
-    # backward copied the whole output once per row).
-    lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, shape in enumerate(zip(lens_q, lens_k)):
-        groups.setdefault(shape, []).append(i)
-    if len(groups) == 1:
-        (lq, lk), rows = next(iter(groups.items()))
-        out = dense(q.reshape(len(rows), lq, *q.shape[1:]), k.reshape(len(rows), lk, *k.shape[1:]),
-                    v.reshape(len(rows), lk, *v.shape[1:]), scale=scale, causal=causal)
-        return out.reshape(-1, q.shape[1], v.shape[2])
-    outs, order = [], []
-    for (lq, lk), rows in groups.items():
-        idx = torch.tensor(rows, device=q.device)
-        iq = (cu_q[idx].long()[:, None] + torch.arange(lq, device=q.device)).reshape(-1)
-        ik = (cu_k[idx].long()[:, None] + torch.arange(lk, device=q.device)).reshape(-1)
-        res = dense(q[iq].unflatten(0, (len(rows), lq)), k[ik].unflatten(0, (len(rows), lk)),
-                    v[ik].unflatten(0, (len(rows), lk)), scale=scale, causal=causal)
-        outs.append(res.flatten(0, 1))
-        order.append(iq)
-    return torch.cat(outs)[torch.argsort(torch.cat(order))]
+def grouped_varlen(dense_fn):
+    """A varlen function over ``dense_fn``: sequences of equal (query, key) lengths run as one dense batch."""
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, causal=False):
+        # Gathered with one index per group (not a copy per sequence: with hundreds of sequences
+        # per-row slicing dominated, and its backward copied the whole output once per row).
+        lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, shape in enumerate(zip(lens_q, lens_k)):
+            groups.setdefault(shape, []).append(i)
+        if len(groups) == 1:
+            (lq, lk), rows = next(iter(groups.items()))
+            out = dense_fn(q.reshape(len(rows), lq, *q.shape[1:]), k.reshape(len(rows), lk, *k.shape[1:]),
+                           v.reshape(len(rows), lk, *v.shape[1:]), scale=scale, causal=causal)
+            return out.reshape(-1, q.shape[1], v.shape[2])
+        outs, order = [], []
+        for (lq, lk), rows in groups.items():
+            idx = torch.tensor(rows, device=q.device)
+            iq = (cu_q[idx].long()[:, None] + torch.arange(lq, device=q.device)).reshape(-1)
+            ik = (cu_k[idx].long()[:, None] + torch.arange(lk, device=q.device)).reshape(-1)
+            res = dense_fn(q[iq].unflatten(0, (len(rows), lq)), k[ik].unflatten(0, (len(rows), lk)),
+                           v[ik].unflatten(0, (len(rows), lk)), scale=scale, causal=causal)
+            outs.append(res.flatten(0, 1))
+            order.append(iq)
+        return torch.cat(outs)[torch.argsort(torch.cat(order))]
+
+    return varlen
+
+
+varlen = grouped_varlen(dense)
 
 
 def lse(q, k, v, mask=None, scale=None):
