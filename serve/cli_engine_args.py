@@ -33,8 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "not with "
                         "--compile, parallel degrees, block offload or LoRA adapters)")
     p.add_argument("--attention", default=None,
-                   help="attention backend: auto, sdpa, math, flex, flash, xformers or sage; may carry "
-                        "role overrides, e.g. 'sdpa,joint=flex' (default: $OMNIDIT_ATTENTION or auto)")
+                   help="attention backend: auto, sdpa, gemm (bf16 on CPUs with native bf16; auto's choice "
+                        "there), math, flex, flash, xformers or sage; may carry role overrides, e.g. "
+                        "'sdpa,joint=flex' (default: $OMNIDIT_ATTENTION or auto)")
     p.add_argument("--cache", default="none",
                    help="step cache: none, teacache:T, fbcache:T[,fn=N][,bn=N] (per row, inside continuous "
                         "batching) or cache-dit:T[,fn=N][,bn=N][,warmup=N] (one request per forward); "
