@@ -76,7 +76,8 @@ class ServeSettings:
     # HTTP), and with API keys only the --api-key key and the keys of these --api-keys-file NAMEs may load
     lora_dir: str | None = None
     lora_admins: tuple[str, ...] = ()
-    # adapters every engine (replica) loads at start: (model or None: the only one that takes them, name, path)
+    # adapters every engine (replica) loads at start: (model or None: the only one that takes them, name, path,
+    # transformers: None for every transformer of the model, else as Engine.load_lora takes them)
     loras: tuple[tuple, ...] = ()
 
 

@@ -124,15 +124,16 @@ class LoraHost:
                 if getattr(family, "adapters", None) is not None for entry in self.engine.loras(model)]
 
     def preload(self, specs) -> None:
-        """Load ``ServeSettings.loras`` (``--lora [MODEL/]NAME=PATH``) at start: an error stops the start."""
-        for model, name, path in specs:
+        """Load ``ServeSettings.loras`` (``--lora [MODEL/]NAME=PATH[@TRANSFORMERS]``: (model, name, path,
+        transformers)) at start: an error stops the start."""
+        for model, name, path, transformers in specs:
             if model is None:
                 takers = [m for m, f in self.engine.models.items() if getattr(f, "adapters", None) is not None]
                 if len(takers) != 1:
                     raise InvalidParamError("--lora", f"{name}={path}", f"MODEL/NAME=PATH naming one of the models "
                                                                         f"that take adapters: {takers}")
                 model = takers[0]
-            self.engine.load_lora(name, path, model)
+            self.engine.load_lora(name, path, model, transformers=transformers)
 
     def sync(self, entries) -> None:
         """Make this engine hold what the cluster's record holds (``serve.lora_sync.LoraRecord`` entries:

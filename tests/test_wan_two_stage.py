@@ -367,6 +367,36 @@ def test_http_lora_loads_choose_the_transformers(models, lora_files, wan_tiny):
         assert engine.loras("wan21") == []
 
 
+def test_cli_lora_chooses_the_transformers(models, lora_files):
+    """``--lora ...@TRANSFORMERS`` of ``omnidit serve`` (loaded at start by ``LoraHost.preload``, as each Ray
+    replica loads them) and of ``omnidit generate`` means ``Engine.load_lora``'s ``transformers``; left out,
+    both; a suffix naming no transformer of the list is an error naming ``--lora``; an '@' inside a path
+    that is not such a suffix stays part of the path."""
+    import argparse
+
+    from serve.cli_lora import generate_loras, load_generate_loras, serve_lora_settings
+    from serve.loras import LoraHost
+
+    b = str(lora_files["b"])
+    serve_args = argparse.Namespace(lora_dir=None, lora_admins=None, max_loras=None,
+                                    lora=[f"wan/two={b}@transformer_2", f"wan/both={b}",
+                                          f"wan/pair={b}@transformer,transformer_2"])
+    settings = serve_lora_settings(serve_args)
+    engine = Engine.from_models({"wan": models["wan"]}, max_loras=4, max_lora_rank=8)
+    LoraHost(engine).preload(settings["loras"])
+    assert {a["name"]: a["transformers"] for a in engine.loras("wan")} == {
+        "two": ["transformer_2"], "both": ["transformer", "transformer_2"], "pair": ["transformer", "transformer_2"]}
+    gen_args = argparse.Namespace(lora=[f"g={b}:0.5@transformer"], max_loras=None)
+    assert load_generate_loras(engine, gen_args) == (("g", 0.5),)
+    assert next(a for a in engine.loras("wan") if a["name"] == "g")["transformers"] == ["transformer"]
+    assert generate_loras(argparse.Namespace(lora=["x=dir@v2/f.safetensors"], max_loras=None)) == [
+        ("x", "dir@v2/f.safetensors", 1.0, None)]
+    for bad in (f"x={b}@transformer_3", f"x={b}@transformer,transformer", "x=@transformer"):
+        with pytest.raises(InvalidParamError) as e:
+            serve_lora_settings(argparse.Namespace(lora_dir=None, lora_admins=None, max_loras=None, lora=[bad]))
+        assert e.value.field == "--lora" and "transformer_2" in str(e.value)
+
+
 def test_bad_guidance_scale_2_names_the_field(engines, wan_tiny):
     with pytest.raises(InvalidParamError) as e:  # CFG follows guidance_scale, as in diffusers: it would be ignored
         engines["wan"].make_request(PROMPT, SamplingParams(**BASE, guidance_scale=1.0, guidance_scale_2=3.0))
