@@ -20,7 +20,7 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Backe
     ``mask`` (boolean, True = attend) broadcasts to [B, H, Lq, Lk]."""
     if backend.lse is None:
         raise BackendUnavailableError(f"attention backend {backend.name!r} does not return log-sum-exps "
-                                      "(ring attention needs one that does: sdpa or math)")
+                                      "(ring attention needs one that does: sdpa, gemm or math)")
     return backend.lse(q, k, v, mask=mask, scale=scale)
 
 

@@ -509,6 +509,10 @@ def main(argv=None) -> dict:
           f"learned batch limits (batch_gain_threshold): "
           f"{'present' if 'batch_gain_threshold' in fields else 'MISSING (audio_throughput_ratio null)'}", flush=True)
     skip = {s for s in args.skip.split(",") if s}
+    unknown = [m for m in args.models.split(",") if m and m not in WORKLOADS]
+    if unknown or skip - {"audio", "256", "warm"}:
+        ap.error(f"--models takes some of {list(WORKLOADS)} and --skip some of ['audio', '256', 'warm']; "
+                 f"got {unknown or sorted(skip - {'audio', '256', 'warm'})}")
     failed: dict[str, str] = {}
     seconds: dict[str, float] = {}
 

@@ -63,6 +63,14 @@ def test_gemm_matches_math_and_a_row_does_not_depend_on_its_batch():
     valid[1, 50:], valid[3, 20:] = False, False  # padded rows: packed per length group
     got, want = attend(q, k, v, gemm, valid=valid), attend(q, k, v, math, valid=valid)
     assert (got.float() - want.float())[valid].abs().max() <= 0.02
+    from attention import attend_lse, merge
+
+    out, lse = attend_lse(q, k, v, gemm)  # ring attention's parts: two key halves merged equal the whole
+    (oa, la), (ob, lb) = attend_lse(q, k[:, :40], v[:, :40], gemm), attend_lse(q, k[:, 40:], v[:, 40:], gemm)
+    merged, merged_lse = merge(oa, la, ob, lb)
+    assert (merged - full.float()).abs().max() <= 0.02 and (merged_lse - lse).abs().max() <= 1e-3
+    _, want_lse = attend_lse(q, k, v, get_backend("math"))
+    assert (lse - want_lse).abs().max() <= 0.05  # from bf16 scores
     big = _qkv(2, 700, 700, 6, 64, seed=2)  # several chunks of SCORE_BYTES
     assert (gemm.dense(*big).float() - math.dense(*big).float()).abs().max() <= 0.02
 

@@ -209,8 +209,35 @@ def test_default_quantization_covers_both_transformers(models):
     assert torch.isfinite(out[0]).all()
 
 
-@pytest.mark.parametrize("options,field", [
-    (dict(cache="cache-dit:0.1"), "cache"), (dict(row_parallel=2), "row_parallel")])
+def test_cache_dit_runs_both_transformers_with_a_context_each(models, wan_tiny):
+    """cache-dit (request-level) on both transformers: blocks of each run less than every step, a request's
+    result is the same when repeated after another (contexts refreshed per request and at the boundary:
+    the first low-noise forward computes every block of transformer_2), and a request that opts out equals
+    the engine without a cache."""
+    engine = Engine.from_pretrained(models["wan"], cache="cache-dit:0.5,fn=1,bn=0,warmup=1")
+    counts = {}
+    for k, tr in enumerate(engine.family.stage_models):
+        calls = counts.setdefault(k, [])
+        tr.blocks[0].register_forward_pre_hook(lambda *_, c=calls: c.append(0))
+        for block in tr.blocks:
+            block.register_forward_pre_hook(lambda *_, c=calls: c.__setitem__(-1, c[-1] + 1))
+    p = SamplingParams(**{**BASE, "num_inference_steps": 12}, seed=4, guidance_scale=1.0, output_type="pt")
+    first = engine.generate(PROMPT, p)[0]
+    n = len(engine.family.stage_models[0].blocks)
+    assert counts[0] and counts[1] and counts[1][0] == n  # both stages ran; the low-noise one from a fresh context
+    assert sum(counts[0]) + sum(counts[1]) < n * 12  # residuals were reused
+    engine.generate("another prompt", SamplingParams(**{**BASE, "num_inference_steps": 7}, seed=9,
+                                                     guidance_scale=1.0, output_type="pt"))
+    assert torch.equal(engine.generate(PROMPT, p)[0], first)
+    plain = Engine.from_pretrained(models["wan"]).generate(PROMPT, p)[0]
+    opted_out = engine.generate(PROMPT, dataclasses.replace(p, use_cache=False))[0]
+    assert (opted_out - plain).abs().max().item() <= 1e-5
+    # one-transformer Wan too (cache-dit used to look for FLUX's block lists and fail at start)
+    one = Engine.from_pretrained(wan_tiny, cache="cache-dit:0.5").generate(PROMPT, p)[0]
+    assert torch.isfinite(one).all()
+
+
+@pytest.mark.parametrize("options,field", [(dict(row_parallel=2), "row_parallel")])
 def test_settings_for_one_transformer_are_refused(options, field, models):
     with pytest.raises(InvalidParamError) as e:
         Engine.from_pretrained(models["wan"], **options)

@@ -56,7 +56,8 @@ def _(q, k, v, mask, scale, causal):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-def _attention(q, k, v, mask, scale, causal):
+def _attention(q, k, v, mask, scale, causal, lse_out=None):
+    """[B, H, L, D] in, [B, H, Lq, Dv] out; with ``lse_out`` ([B*H, Lq] float32) the scores' log-sum-exps too."""
     b, h, lq, d = q.shape
     lk, dv = k.shape[2], v.shape[3]
     qs = (q * scale).reshape(b * h, lq, d)  # a copy in [B*H, Lq, D] order, the scale folded in
@@ -73,6 +74,8 @@ def _attention(q, k, v, mask, scale, causal):
         scores = torch.bmm(qs[i:i + step], ks[i:i + step].transpose(1, 2))
         if keep is not None:
             scores.masked_fill_(~(keep if keep.dim() == 2 else keep[i:i + step]), float("-inf"))
+        if lse_out is not None:
+            lse_out[i:i + step] = torch.logsumexp(scores.float(), dim=-1)
         torch.bmm(torch.softmax(scores, dim=-1), vs[i:i + step], out=out[i:i + step])
     return out.view(b, h, lq, dv)
 
@@ -87,13 +90,26 @@ def dense(q, k, v, mask=None, scale=None, causal=False):
     return fn(qt, kt, vt, mask, scale, causal).transpose(1, 2)
 
 
+def lse(q, k, v, mask=None, scale=None):
+    """Output and the scores' log-sum-exps [B, H, Lq] (float32, from the bf16 scores): ring attention's merge."""
+    if k.shape[2] != q.shape[2]:
+        groups = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    b, h, lq = qt.shape[:3]
+    out_lse = torch.empty(b * h, lq, dtype=torch.float32, device=q.device)
+    out = _attention(qt, kt, vt, mask, scale, False, out_lse)
+    return out.transpose(1, 2), out_lse.view(b, h, lq)
+
+
 def _check(device: torch.device) -> str | None:
     if device.type == "cpu" and not native_bf16():
         return "this CPU has no native bf16 (AVX-512 BF16 or AMX): its bf16 GEMMs would be emulated"
     return None
 
 
-register_backend(Backend(name="gemm", dense=dense, varlen=sdpa.grouped_varlen(dense), pack_above=0.25, mask=True,
-                         causal=True, gqa=True, devices=("cpu",), dtypes=(torch.bfloat16,), extra_check=_check,
+register_backend(Backend(name="gemm", dense=dense, varlen=sdpa.grouped_varlen(dense), lse=lse, pack_above=0.25,
+                         mask=True, causal=True, gqa=True, devices=("cpu",), dtypes=(torch.bfloat16,), extra_check=_check,
                          note="bf16 on CPUs with native bf16: bmm, softmax, bmm per chunk of heads "
                               "(scores rounded to bf16)"))

@@ -2,7 +2,8 @@
 
 cache-dit decides for the whole batch of a forward, so the engine runs one request per
 forward in this mode (``max_batch_size`` becomes 1; a request's CFG rows still share its
-forward). The cache context is refreshed whenever a request starts, with its step count;
+forward). The cache context is refreshed whenever a request starts, with its step count, and when it
+moves to another transformer (two-stage Wan 2.2: each transformer has a context of its own);
 a request that opted out gets threshold 0 (nothing is reused). LoRA adapters: the runner makes the
 request's adapters the forward's row assignment around this call (``dit_core.adapters``), so cache-dit's
 residual checks compare the adapted blocks' outputs (tests/test_lora_cache_dit.py).
@@ -15,6 +16,10 @@ import torch
 from ..families.base import Family
 from ..request import Request
 from .base import StepCache
+
+
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")  # FLUX / SD3 / Qwen-Image; Wan
+STATE = "cache_dit_transformer"  # request.state: id() of the transformer whose context its last forward used
 
 
 class CacheDiT(StepCache):
@@ -37,16 +42,18 @@ class CacheDiT(StepCache):
     def attach(self, family: Family) -> None:
         import cache_dit
 
-        smallest = min(len(family.transformer.transformer_blocks),
-                       len(getattr(family.transformer, "single_transformer_blocks", None) or
-                           family.transformer.transformer_blocks))
-        if self.fn + self.bn >= smallest:
-            raise ValueError(f"cache-dit needs fn + bn < the blocks of each of the model's block lists "
-                             f"(smallest has {smallest}; got fn={self.fn}, bn={self.bn})")
-        cache_dit.enable_cache(family.transformer, cache_config=self._config(None, self.threshold))
-        for name in ("transformer_blocks", "single_transformer_blocks"):
-            for block in getattr(family.transformer, name, None) or []:
-                block.register_forward_pre_hook(self._count)
+        # every transformer the family runs: two-stage Wan 2.2 has two (``family.stage_models``), each with a
+        # cache context of its own, refreshed when a request starts on it (``forward``)
+        for transformer in getattr(family, "stage_models", None) or [family.transformer]:
+            lists = [blocks for name in BLOCK_LISTS if (blocks := getattr(transformer, name, None))]
+            smallest = min(len(blocks) for blocks in lists)
+            if self.fn + self.bn >= smallest:
+                raise ValueError(f"cache-dit needs fn + bn < the blocks of each of the model's block lists "
+                                 f"(smallest has {smallest}; got fn={self.fn}, bn={self.bn})")
+            cache_dit.enable_cache(transformer, cache_config=self._config(None, self.threshold))
+            for blocks in lists:
+                for block in blocks:
+                    block.register_forward_pre_hook(self._count)
 
     def _count(self, *_):
         self._ran += 1
@@ -57,10 +64,13 @@ class CacheDiT(StepCache):
         if len(requests) != 1:
             raise RuntimeError("the cache-dit backend runs one request per forward")
         (req,) = requests
-        if req.step_index == req.start_step:
+        # a fresh context when the request starts, and when it moves to another transformer (two-stage Wan
+        # 2.2 at its boundary): nothing one transformer cached is reused by the other or by another request
+        if req.step_index == req.start_step or req.state.get(STATE) != id(family.transformer):
             threshold = self.threshold if req.params.use_cache else 0.0
-            steps = req.total_steps - req.start_step  # an image-to-image request runs the last ones only
+            steps = req.total_steps - req.step_index  # an image-to-image request runs the last ones only
             cache_dit.refresh_context(family.transformer, cache_config=self._config(steps, threshold))
+            req.state[STATE] = id(family.transformer)
         self._ran = 0
         out = family.transformer(**inputs, return_dict=False)[0]
         n = family.num_blocks

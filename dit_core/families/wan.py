@@ -16,9 +16,9 @@ alone and many small clips decode in one VAE call.
 Two-stage Wan 2.2 (A14B: ``transformer_2`` and ``boundary_ratio`` in model_index.json, high-noise
 ``transformer`` while t >= boundary_ratio x num_train_timesteps, ``transformer_2`` below, with
 ``guidance_scale`` / ``guidance_scale_2``): ``wan_stages``. Each step runs one forward per stage among its
-requests; step caches drop a request's state when it crosses the boundary; TeaCache needs fitted
-coefficients; offload streams both transformers' blocks and LoRA adapters patch both; parallel degrees
-and cache-dit are refused at start (see ``wan_stages``).
+requests; step caches drop a request's state when it crosses the boundary (cache-dit: a context per
+transformer); TeaCache needs fitted coefficients; offload streams both transformers' blocks and LoRA
+adapters patch both; parallel degrees are refused at start (see ``wan_stages``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ What the engine's other features do with two transformers:
   residual or change signal of one transformer is ever used with the other. TeaCache needs fitted
   coefficients (``omnidit fit-teacache``; the recorder drops its state at the switch too): the
   published Wan 2.1 polynomials are not for these transformers, so without a fit ``teacache`` is
-  refused with the usual message. cache-dit (request-level) hooks one transformer: refused.
+  refused with the usual message. cache-dit (request-level) hooks both transformers, each with a cache
+  context of its own, refreshed when a request starts and when it crosses the boundary
+  (``dit_core.cache.cachedit``).
 * quantization: ``quant`` with its default components (``transformer``) quantizes both transformers
   (``components=transformer_2`` alone: that one only); ``cpu_linear`` packs both. A GGUF folder loads
   whichever transformers its ``_omnidit_quant`` names (``omnidit quantize`` exports one component).
@@ -151,8 +153,8 @@ def predict(family, requests: list[Request], run) -> list:
 
 
 def check_config(family, config) -> None:
-    """Refuse the engine settings that would handle one of the two transformers only (parallel degrees,
-    cache-dit); offload and LoRA adapters handle both."""
+    """Refuse the engine settings that would handle one of the two transformers only (parallel degrees);
+    offload, LoRA adapters and step caches (cache-dit included) handle both."""
     if len(family.stage_models) < 2:
         return
     why = "two-stage Wan 2.2 models (transformer_2 / boundary_ratio)"
@@ -161,6 +163,4 @@ def check_config(family, config) -> None:
 
         raise InvalidParamError(degrees_flag(config.parallel), config.parallel.describe(),
                                 f"degrees of 1 for {why}: the parallel workers run one transformer")
-    if config.cache.kind == "cache-dit":
-        raise InvalidParamError("cache", str(config.cache), f"none, teacache or fbcache for {why}: cache-dit "
-                                "hooks one transformer")
+

@@ -69,7 +69,7 @@ def _check_sequence(name: str, family: Family, plan: dict, config: ParallelConfi
             if backend.lse is None:
                 raise InvalidParamError(flag("ring"), config.ring,
                                         f"an attention backend that returns log-sum-exps for ring attention "
-                                        f"(sdpa or math): model {name!r} uses {backend.name!r} for role "
+                                        f"(sdpa, gemm or math): model {name!r} uses {backend.name!r} for role "
                                         f"{role!r} (choose one with --attention)")
     try:
         params = family.resolve(SamplingParams())
