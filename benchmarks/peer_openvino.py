@@ -20,7 +20,9 @@ diffs; a CLIP encoder loaded without its weights would show here). Then per cell
 tokens: 64x64 / 64, 64x64 / 512, 256x256 / 64, 256x256 / 512), ``--prompts`` fresh prompts per round,
 ``--steps`` steps, guidance 3.5, these sides: OpenVINO at its default precision, all prompts in one
 call; OpenVINO with ``INFERENCE_PRECISION_HINT=f32``, one call; omnidit ``dtype="auto"`` and omnidit
-float32, ``max_batch_size`` = prompts (prompt cache off); diffusers fp32 one prompt at a time. Every
+float32, ``max_batch_size`` = prompts (prompt cache off), and omnidit ``dtype="auto"`` with ``compile=True``
+(its blocks compiled and warmed up at the cells' sizes before any round, as OpenVINO compiles its model
+at export: ``omnidit_compiled_over_openvino_default``); diffusers fp32 one prompt at a time. Every
 side draws each prompt's initial latents from ``torch.Generator().manual_seed(seed)`` as diffusers
 does, so outputs are compared image by image against diffusers fp32.
 
@@ -248,7 +250,9 @@ class Cell:
 
 
 SIDES = {"openvino default": ("openvino", "default"), "openvino f32": ("openvino", "f32"),
-         "omnidit auto": ("engine", None), "omnidit fp32": ("engine", None), "diffusers fp32": ("diffusers", None)}
+         "omnidit auto": ("engine", None), "omnidit fp32": ("engine", None),
+         # compile=True (blocks compiled, warmed up at the cells' sizes before the rounds): OpenVINO compiles too
+         "omnidit auto compiled": ("engine", None), "diffusers fp32": ("diffusers", None)}
 REF = "diffusers fp32"
 
 
@@ -266,6 +270,9 @@ def measure(cell: Cell, repeats: int) -> dict:
               "seconds_per_image": per_image,
               "omnidit_over_openvino_default": cmp.ratio("omnidit auto", "openvino default"),
               "omnidit_over_openvino_default_spread": cmp.ratio_spread("omnidit auto", "openvino default"),
+              "omnidit_compiled_over_openvino_default": cmp.ratio("omnidit auto compiled", "openvino default"),
+              "omnidit_compiled_over_openvino_default_spread": cmp.ratio_spread("omnidit auto compiled",
+                                                                                "openvino default"),
               "omnidit_fp32_over_openvino_f32": cmp.ratio("omnidit fp32", "openvino f32"),
               "omnidit_fp32_over_openvino_f32_spread": cmp.ratio_spread("omnidit fp32", "openvino f32"),
               "omnidit_over_diffusers": cmp.ratio("omnidit auto", REF),
@@ -275,6 +282,7 @@ def measure(cell: Cell, repeats: int) -> dict:
               "psnr_vs_diffusers_fp32": {name: cell.psnr(name, REF) for name in SIDES if name != REF}}
     row = "  ".join(f"{k} {v['median']:.3f}" for k, v in per_image.items())
     print(f"{result['cell']:22s} s/image: {row} | auto/OV {result['omnidit_over_openvino_default']:.2f} "
+          f"compiled/OV {result['omnidit_compiled_over_openvino_default']:.2f} "
           f"fp32/OVf32 {result['omnidit_fp32_over_openvino_f32']:.2f} auto/diffusers "
           f"{result['omnidit_over_diffusers']:.2f}", flush=True)
     return result
@@ -283,7 +291,8 @@ def measure(cell: Cell, repeats: int) -> dict:
 def summarize(cells: list[dict], components: dict, info: dict, auto_choice, args) -> dict:
     """The issue's keys: time ratios at their worst cell (highest), fidelity, the per-cell table."""
     worst = {k: max(c[k] for c in cells) for k in ("omnidit_over_openvino_default", "omnidit_fp32_over_openvino_f32",
-                                                   "omnidit_over_diffusers", "omnidit_fp32_over_diffusers")}
+                                                   "omnidit_over_diffusers", "omnidit_fp32_over_diffusers",
+                                                   "omnidit_compiled_over_openvino_default")}
     image_f32 = max(c["max_abs_diff_vs_diffusers_fp32"]["openvino f32"] for c in cells)
     component_f32 = max(v for k, v in components.items() if k.startswith("f32/"))
     psnrs = [c["psnr_vs_diffusers_fp32"]["omnidit auto"] for c in cells]
@@ -368,6 +377,10 @@ def main(argv=None):
               + ", ".join(f"{k} {v:.1e}" for k, v in components.items()), flush=True)
         engines = {name: Engine.from_pretrained(model, max_batch_size=args.prompts, prompt_cache_bytes=0, dtype=dtype)
                    for name, dtype in (("omnidit auto", "auto"), ("omnidit fp32", "float32"))}
+        warmup = ",".join(sorted({f"{size}x{size}" for size, _ in cells}))
+        engines["omnidit auto compiled"] = Engine.from_pretrained(
+            model, max_batch_size=args.prompts, prompt_cache_bytes=0, dtype="auto", compile=True, compile_warmup=warmup)
+        print(f"omnidit compiled: warm-up {engines['omnidit auto compiled'].compile_warmup_s:.1f} s", flush=True)
         auto_choice = engines["omnidit auto"].dtype_choice
         print(f"omnidit dtype='auto' -> {auto_choice}", flush=True)
         results = []
