@@ -61,7 +61,8 @@ class EngineConfig:
         (measured; a step always holds one request); None (default): no bound.
     attention: attention backend for every role (``auto``, ``sdpa``, ``gemm``, ``math``, ``flex``,
         ``flash``, ``xformers``, ``sage``; on CPU ``auto`` is ``gemm`` for bf16 where bf16 is native,
-        else ``sdpa``), optionally with overrides: ``"sdpa,joint=flex"`` or a dict. ``None`` reads OMNIDIT_ATTENTION (default ``auto``).
+        else ``sdpa``), optionally with overrides: ``"sdpa,joint=flex"`` or a dict. ``None`` reads
+        OMNIDIT_ATTENTION (default ``auto``).
     attention_per_role: overrides on top, ``"joint=flex,self=math"`` or a dict
         (``None`` with ``attention=None`` reads OMNIDIT_ATTENTION_PER_ROLE).
     thinker: for families whose text conditioning comes from an AR language model (Qwen-Image):

@@ -205,10 +205,11 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
         args, kwargs = captured["call"]
         half = copy.deepcopy(tr).to(torch.bfloat16)  # packed layers turn dense in the cast
         bf16_linear, _ = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "bfloat16"}))
+        fused = 0
         if bf16_linear == "onednn":
             cpu_linear.pack(half)
             if not config.get("max_loras"):  # as the engine's bf16 would run (cpu_linear.apply)
-                cpu_fusions.fuse(half)
+                fused = cpu_fusions.fuse(half)
         if hasattr(family, "attention_processor"):  # the attention backends the engine resolves for bf16
             from attention import resolve as resolve_attention
 
@@ -219,7 +220,7 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
         else:
             bf16_kernels = ""
         kernels = {"float32": f"{getattr(family, 'cpu_linear', 'aten')} linears",
-                   "bfloat16": f"{bf16_linear} linears{bf16_kernels}"}
+                   "bfloat16": f"{bf16_linear} linears{', GELU fused' if fused else ''}{bf16_kernels}"}
         if compiled:
             from .compile import compile_family
 

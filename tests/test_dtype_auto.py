@@ -155,7 +155,7 @@ def test_measurement_runs_the_kernels_the_engine_would_run(tiny_models, monkeypa
     tail = ", compiled" if compile else ""
     native = cpu_linear.native_bf16()  # bf16 packed and attention as two bf16 GEMMs (``gemm``) where native
     assert seconds.kernels == {"float32": "onednn linears" + tail,
-                               "bfloat16": ("onednn linears, gemm" if native else "aten linears, sdpa")
+                               "bfloat16": ("onednn linears, GELU fused, gemm" if native else "aten linears, sdpa")
                                + " attention" + tail}
     assert set(seconds) == {"float32", "bfloat16"} and min(seconds.values()) > 0
 

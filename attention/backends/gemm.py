@@ -110,6 +110,7 @@ def _check(device: torch.device) -> str | None:
 
 
 register_backend(Backend(name="gemm", dense=dense, varlen=sdpa.grouped_varlen(dense), lse=lse, pack_above=0.25,
-                         mask=True, causal=True, gqa=True, devices=("cpu",), dtypes=(torch.bfloat16,), extra_check=_check,
+                         mask=True, causal=True, gqa=True, devices=("cpu",), dtypes=(torch.bfloat16,),
+                         extra_check=_check,
                          note="bf16 on CPUs with native bf16: bmm, softmax, bmm per chunk of heads "
                               "(scores rounded to bf16)"))
