@@ -71,7 +71,7 @@ class Projection(nn.Module):
         super().__init__()
         self.proj = proj
 
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.proj(hidden_states)
 
 
@@ -80,7 +80,7 @@ def _tanh_gelu(module) -> bool:
 
 
 def _fusable(layer) -> bool:
-    return (type(layer) is PackedLinear and layer.is_packed and layer.weight.dtype == torch.bfloat16)
+    return type(layer) is PackedLinear and layer.is_packed and layer.weight.dtype == torch.bfloat16
 
 
 def _fuse_gelu_module(parent: nn.Module, name: str, module: nn.Module) -> bool:

@@ -47,18 +47,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+# whether bf16 is native here: one test for the whole engine (the gemm attention backend's)
+from attention.backends.gemm import native_bf16  # noqa: F401
+
 logger = logging.getLogger(__name__)
 CHOICES = ("auto", "onednn", "aten")
 # the row count oneDNN plans the packed layout for; measured: the same speed for 320 to 5,120 rows
 ROWS_HINT = 2048
-
-
-def native_bf16() -> bool:
-    """True where this CPU computes bf16 natively (AVX-512 BF16 or AMX tiles) and torch's oneDNN
-    runs bf16 GEMMs on it. Elsewhere (AVX2, AVX-512 without BF16) bf16 is emulated, slower than
-    fp32 or barely faster: nothing is packed in bf16 and ``dtype="auto"`` keeps float32."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
 
 
 def packable(dtype: torch.dtype) -> bool:

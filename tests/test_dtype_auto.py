@@ -147,7 +147,8 @@ def test_auto_keeps_float32_without_native_bf16(tiny_models, monkeypatch, caplog
     "case runs the measuring code"))])
 def test_measurement_runs_the_kernels_the_engine_would_run(tiny_models, monkeypatch, compile):
     """fp32 packed against bf16 packed where the CPU has native bf16 (aten's bf16 linears
-    elsewhere), with the attention backend the engine resolves for bf16, compiled as the engine compiles when it does: each side says what it ran. The compiled
+    elsewhere), with the attention backend the engine resolves for bf16, compiled as the engine
+    compiles when it does: each side says what it ran. The compiled
     case runs where an engine would run it, a CPU with native bf16: elsewhere it compiled an emulated bf16
     forward no engine there measures, 96 s of a 2-core AVX2 machine's suite."""
     monkeypatch.setattr(dtype_auto, "MEASURE_SIDE", 64)

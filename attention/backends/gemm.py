@@ -19,7 +19,7 @@ emulated. ``auto`` picks it first on CPU for bf16 models there (``attention.sele
 stays the choice for every other case, and ``--attention sdpa`` keeps the flash kernel in bf16.
 
 Each chunk's slices are computed independently of the others, with the same GEMM shapes whatever the
-batch, so a row's result does not depend on what it is batched with (tests/test_attention_gemm.py).
+batch, so a row's result does not depend on what it is batched with (tests/test_cpu_bf16.py).
 Under ``torch.compile`` it is one opaque op (``omnidit::gemm_attention``) so that the chunk loop is
 not traced per batch size.
 """
@@ -39,7 +39,10 @@ SCORE_BYTES = 4 << 20
 
 
 def native_bf16() -> bool:
-    """Whether this CPU runs bf16 GEMMs natively (AVX-512 BF16 or AMX) through torch's oneDNN."""
+    """True where this CPU computes bf16 natively (AVX-512 BF16 or AMX tiles) and torch's oneDNN runs bf16
+    GEMMs on it. Elsewhere (AVX2, AVX-512 without BF16) bf16 is emulated, slower than fp32 or barely faster:
+    this backend does not run, nothing is packed in bf16 (``dit_core.cpu_linear``, which uses this test) and
+    ``dtype="auto"`` keeps float32."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
                 and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
 
@@ -80,23 +83,23 @@ def _attention(q, k, v, mask, scale, causal, lse_out=None):
     return out.view(b, h, lq, dv)
 
 
-def dense(q, k, v, mask=None, scale=None, causal=False):
-    if k.shape[2] != q.shape[2]:  # grouped-query attention: each k/v head serves its group of q heads
+def _heads_first(q, k, v, scale):
+    """[B, L, H, D] -> [B, H, L, D] views, k / v heads repeated to q's (grouped-query attention), the scale."""
+    if k.shape[2] != q.shape[2]:  # each k/v head serves its group of q heads
         groups = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return (*(t.transpose(1, 2) for t in (q, k, v)), q.shape[-1] ** -0.5 if scale is None else float(scale))
+
+
+def dense(q, k, v, mask=None, scale=None, causal=False):
+    qt, kt, vt, scale = _heads_first(q, k, v, scale)
     fn = gemm_attention if torch.compiler.is_compiling() else _attention
     return fn(qt, kt, vt, mask, scale, causal).transpose(1, 2)
 
 
 def lse(q, k, v, mask=None, scale=None):
     """Output and the scores' log-sum-exps [B, H, Lq] (float32, from the bf16 scores): ring attention's merge."""
-    if k.shape[2] != q.shape[2]:
-        groups = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    qt, kt, vt, scale = _heads_first(q, k, v, scale)
     b, h, lq = qt.shape[:3]
     out_lse = torch.empty(b * h, lq, dtype=torch.float32, device=q.device)
     out = _attention(qt, kt, vt, mask, scale, False, out_lse)

@@ -163,4 +163,3 @@ def check_config(family, config) -> None:
 
         raise InvalidParamError(degrees_flag(config.parallel), config.parallel.describe(),
                                 f"degrees of 1 for {why}: the parallel workers run one transformer")
-
