@@ -2,16 +2,16 @@
 
 torch's CPU flash kernel runs bf16 no faster than fp32 on a CPU without AMX: it calls a small GEMM per
 block of queries and keys (the packed bf16 micro-kernels need AMX). On a 2-core AMD EPYC with
-AVX-512 BF16 (no AMX), batch 8, 6 heads of 64, it ran 92-120 GFLOP/s in bf16; this backend, which
+AVX-512 BF16 (no AMX), batch 8, 6 heads of 64, it ran 68-120 GFLOP/s in bf16; this backend, which
 computes ``softmax(q k^T * scale)`` for a chunk of (batch, head) slices with one ``bmm``, a softmax and
-a second ``bmm`` into the output, ran 1.55x (80 tokens), 1.73x (320), 1.75x (528) and 1.63x (1088)
+a second ``bmm`` into the output, ran 1.53x (80 tokens), 1.73x (320), 1.75x (528) and 1.63x (1088)
 faster (``benchmarks/bf16_path.py`` measures it inside the forward). Chunks hold at most
 ``SCORE_BYTES`` of scores (a chunk whose scores outgrow the caches ran 2x slower).
 
 Fidelity: the scores are rounded to bf16 before the softmax (the flash kernel keeps them in fp32),
 and ``scale`` is folded into q first (exact when it is a power of two, as for head_dim 64 or 256;
 one more bf16 rounding of q otherwise). Against float32 attention on unit-scale inputs its largest
-difference was 0.007-0.011 where the flash kernel's was 0.002-0.004 (a bf16 output's own rounding is
+difference was 0.007-0.011 where the flash kernel's was 0.001-0.004 (a bf16 output's own rounding is
 0.004 at 1.0); the images it gives are compared with fp32 in ``tests/test_bf16_fidelity.py``.
 
 Only bf16, only on CPU, only with native bf16 (AVX-512 BF16 or AMX): elsewhere bf16 GEMMs are
