@@ -6,6 +6,7 @@ Invalid plans, dead workers and the CLI are in test_parallel_launch.py.
 """
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import threading
@@ -51,8 +52,10 @@ def models(tiny_models, wan_tiny, tmp_path_factory):
         (copy / "model_index.json").write_text(json.dumps(index))
     from dit_core.random_models import build
 
-    for name, size in (("wan-i2v", "tiny"), ("wan-ti2v", "tiny-ti2v")):  # Wan 2.1 I2V (CLIP encoder), Wan 2.2 TI2V
-        copy = copies[name] = build("wan-i2v", size, root / name)
+    # Wan 2.1 I2V (CLIP encoder), Wan 2.2 TI2V, two-stage Wan 2.2 T2V (transformer_2 below the boundary)
+    for name, family, size in (("wan-i2v", "wan-i2v", "tiny"), ("wan-ti2v", "wan-i2v", "tiny-ti2v"),
+                               ("wan-2stage", "wan", "tiny-two-stage")):
+        copy = copies[name] = build(family, size, root / name)
         index = json.loads((copy / "model_index.json").read_text())
         index["_omnidit_teacache"] = {"coefficients": [0.01, 0.0]}  # (as the tiny Wan's: it skips rows)
         (copy / "model_index.json").write_text(json.dumps(index))
@@ -441,6 +444,52 @@ def test_wan_image_to_video_matches_world_size_one(parallel, video_reference, fa
         assert e.value.field == "height/width"
 
 
+@pytest.fixture(scope="module")
+def stage_lora(models, tmp_path_factory):
+    """A LoRA file for the two-stage Wan, loaded on ``transformer_2`` only (rank 0's store names its layers
+    ``transformer_2.*``; a worker must hook the same)."""
+    from test_lora import make_family_lora
+
+    return make_family_lora(models["wan-2stage"], tmp_path_factory.mktemp("stage-lora"), ["to_q", "to_v", "ffn.net.2"],
+                            r=4, alpha=8, seed=3)
+
+
+def two_stage_specs():
+    """4 steps at t = 999, 900, 750, 500 (boundary 875): the second request arrives two steps after the first,
+    so one engine step runs the first's low-noise rows and the second's high-noise rows (two forwards). The
+    first has CFG in both stages (guidance_scale_2 its own) and an adapter on transformer_2."""
+    cfg = dict(guidance_scale=5.0, guidance_scale_2=2.0, negative_prompt="blurry")
+    return [("a cat", fparams("wan", height=48, width=48, num_inference_steps=4, seed=1, loras=[("low", 1.0)], **cfg)),
+            ("a dog in a field", fparams("wan", height=48, width=48, num_inference_steps=4, seed=2))]
+
+
+def run_two_stage(engine, lora, cache_on):
+    if "low" not in {d["name"] for d in engine.loras("wan-2stage")}:
+        engine.load_lora("low", lora, model="wan-2stage", transformers="transformer_2")
+    with cache(engine, cache_on):
+        finals, sizes = run_staggered(_Bound(engine, "wan-2stage"), two_stage_specs(), arrivals=[0, 2])
+    return ([assert_finished(finals[i]) for i in range(2)], sizes,
+            [finals[i].output.metrics["cache_skipped_rows"] for i in range(2)])
+
+
+@pytest.mark.parametrize("cache_on", [False, True], ids=["plain", "teacache"])
+def test_two_stage_wan_matches_world_size_one(parallel, reference, stage_lora, cache_on):
+    """Two-stage Wan 2.2 under every plan: the workers load both transformers (plan hooks and LoRA hooks on
+    each), and a stage's forward or TeaCache block range runs the same transformer on every rank. Rows of
+    both stages in one engine step, CFG with guidance_scale_2, an adapter on transformer_2 only: each request
+    equals world size 1 (<= 1e-5), and the adapter changes the video (so transformer_2's hooks ran)."""
+    got, sizes, skipped = run_two_stage(parallel, stage_lora, cache_on)
+    want, ref_sizes, ref_skipped = run_two_stage(reference.engine, stage_lora, cache_on)
+    assert sizes == ref_sizes and max(sizes) == 2
+    assert skipped == ref_skipped and (sum(skipped) > 0) == cache_on
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g - w).abs().max().item() <= TOL, f"request {i} ({'teacache' if cache_on else 'plain'})"
+    prompt, p = two_stage_specs()[0]
+    with cache(parallel, cache_on):
+        plain = parallel.generate(prompt, dataclasses.replace(p, loras=[]), model="wan-2stage")[0]
+    assert (plain - got[0][0]).abs().max().item() > 1e-3
+
+
 def test_worker_builds_rank0_components_without_weights(models):
     """A sequence-parallel worker loads the transformer but builds the VAE and Wan I2V's image encoder
     (which only rank 0 runs) from their configs on the meta device: no weights read, the config the
@@ -455,3 +504,6 @@ def test_worker_builds_rank0_components_without_weights(models):
     vision = json.loads((models["wan-i2v"] / "image_encoder" / "config.json").read_text())
     assert family.image_tokens == (vision["image_size"] // vision["patch_size"]) ** 2 + 1
     assert getattr(family, "text_encoder", None) is None
+    two = load_denoiser(str(models["wan-2stage"]), torch.float32, torch.device("cpu"))  # both transformers, loaded
+    assert set(two.denoisers) == {"transformer", "transformer_2"} and two.boundary_timestep is not None
+    assert {p.device.type for m in two.denoisers.values() for p in m.parameters()} == {"cpu"}

@@ -5,8 +5,7 @@ per stage) and each gets what it gets alone (<= 1e-5), with and without step cac
 does not cross the boundary; block offload streams both transformers (same outputs, at most N + 1 blocks of
 the two resident); a LoRA file applies to the transformers diffusers loads it into (<= 1e-4), and rows with
 adapters batched across the boundary get what they get alone, and POST /v1/loras chooses the transformers as
-``Engine.load_lora`` does; the settings that would handle one
-transformer are refused, naming them."""
+``Engine.load_lora`` does. Parallel degrees: test_parallel.py (``test_two_stage_wan_matches_world_size_one``)."""
 
 import dataclasses
 import functools
@@ -235,13 +234,6 @@ def test_cache_dit_runs_both_transformers_with_a_context_each(models, wan_tiny):
     # one-transformer Wan too (cache-dit used to look for FLUX's block lists and fail at start)
     one = Engine.from_pretrained(wan_tiny, cache="cache-dit:0.5").generate(PROMPT, p)[0]
     assert torch.isfinite(one).all()
-
-
-@pytest.mark.parametrize("options,field", [(dict(row_parallel=2), "row_parallel")])
-def test_settings_for_one_transformer_are_refused(options, field, models):
-    with pytest.raises(InvalidParamError) as e:
-        Engine.from_pretrained(models["wan"], **options)
-    assert e.value.field.split()[0] == field and "two-stage" in str(e.value)
 
 
 def resident_blocks(family) -> list[int]:

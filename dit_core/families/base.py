@@ -107,6 +107,10 @@ class Family(abc.ABC):
         self.owns_thinker = False
         self.model_id = "unknown"  # the checkpoint's path; names its encodings in the prompt cache
 
+    def configure(self, index: dict) -> None:
+        """Read what the family takes from ``index`` (model_index.json) besides its components, once they
+        are built: the family's ``load`` and a parallel worker's ``load_denoiser`` both call it."""
+
     @classmethod
     @abc.abstractmethod
     def load(cls, path: str | Path, index: dict, dtype: torch.dtype, device: torch.device,

@@ -18,7 +18,7 @@ Two-stage Wan 2.2 (A14B: ``transformer_2`` and ``boundary_ratio`` in model_index
 ``guidance_scale`` / ``guidance_scale_2``): ``wan_stages``. Each step runs one forward per stage among its
 requests; step caches drop a request's state when it crosses the boundary (cache-dit: a context per
 transformer); TeaCache needs fitted coefficients; offload streams both transformers' blocks and LoRA
-adapters patch both; parallel degrees are refused at start (see ``wan_stages``).
+adapters patch both; parallel worker ranks load both (see ``wan_stages``).
 """
 
 from __future__ import annotations
@@ -94,16 +94,16 @@ class WanFamily(DiffusersFamily):
                                     f"{cls.expand_timesteps}, not {bool(index.get('expand_timesteps'))}")
         wan_stages.check_index(cls, path, index)
         family = super().load(path, index, dtype, device, thinker, thinker_options)
-        wan_stages.setup(family, index.get("boundary_ratio"))
+        family.configure(index)
         return family
+
+    def configure(self, index: dict) -> None:
+        wan_stages.setup(self, index.get("boundary_ratio"))  # two-stage Wan 2.2: transformer_2 and the boundary
 
     @property
     def denoisers(self) -> dict:
         """The transformers the steps run (``quant`` and ``cpu_linear`` treat each): both for two-stage Wan 2.2."""
         return dict(zip(("transformer", "transformer_2"), self.stage_models))
-
-    def check_config(self, config) -> None:
-        wan_stages.check_config(self, config)
 
     def set_attention(self, backends: dict) -> None:
         self.attention_backends = backends  # the packed forward calls attention itself

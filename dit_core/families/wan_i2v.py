@@ -38,7 +38,7 @@ as for text-to-video. The condition channels ride on the video tokens that the p
 is the text-to-video one); the image encoder's tokens (``encoder_hidden_states_image``) travel with their
 row and are whole on every sequence rank, like the text (cross attention runs locally). Without an image
 there is no default request, so the size check is made per request (at least ulysses x ring video tokens).
-Two-stage checkpoints stay refused with parallel degrees (``wan_stages``).
+Two-stage checkpoints run with parallel degrees too (``wan_stages``).
 """
 
 from __future__ import annotations

@@ -43,8 +43,10 @@ What the engine's other features do with two transformers:
   high-noise / low-noise pair is two adapters, one on each, named together in a request's ``loras``).
   The factors are shared between the two, so ``max_loras`` bounds memory as for one transformer. A
   stage's forward gets its own rows' adapters (``predict`` narrows the runner's row assignment).
-* refused at engine start, naming the setting: parallel degrees > 1 (the workers run one transformer).
-  ``compile`` does not apply (Wan's blocks stay eager).
+* parallel degrees (``dit_core.parallel``): every worker rank loads both transformers, each with the
+  plan's hooks and LoRA hooks; a stage's forward (or block range, under a step cache) names its
+  transformer in the header it sends, so every rank runs the one rank 0 runs. ``compile`` does not
+  apply (Wan's blocks stay eager).
 """
 
 from __future__ import annotations
@@ -150,16 +152,3 @@ def predict(family, requests: list[Request], run) -> list:
     if len(lasts) > 1:  # the step's cache counts: both forwards'
         cache.last = {key: sum(last.get(key, 0) for last in lasts) for key in lasts[0]}
     return [out[r.id] for r in requests]
-
-
-def check_config(family, config) -> None:
-    """Refuse the engine settings that would handle one of the two transformers only (parallel degrees);
-    offload, LoRA adapters and step caches (cache-dit included) handle both."""
-    if len(family.stage_models) < 2:
-        return
-    why = "two-stage Wan 2.2 models (transformer_2 / boundary_ratio)"
-    if config.parallel.enabled:
-        from ..parallel.validate import degrees_flag
-
-        raise InvalidParamError(degrees_flag(config.parallel), config.parallel.describe(),
-                                f"degrees of 1 for {why}: the parallel workers run one transformer")

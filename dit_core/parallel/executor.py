@@ -32,7 +32,7 @@ from ..families.base import BlockInputs, Family
 from . import loras, payload
 from .config import ParallelConfig
 from .procs import MODE_ENV, ParallelWorkerError, WorkerProcesses
-from .runtime import RankRuntime
+from .runtime import RankRuntime, denoiser_of
 from .sharding import shard_blocks, slice_rows
 from .worker import TAG_PLAN, TAG_RESULT
 
@@ -241,15 +241,17 @@ class Executor:
             mesh, plan = self.runtime.mesh, self.runtime.plans[name]
             store, ctx = self._adapters(name)
             chunks = mesh.row_chunks(inputs[plan["rows"][0]].shape[0])
+            denoiser = denoiser_of(self.runtime.families[name])
             sends, active = [], []
             for w in self.workers:
                 rows = chunks[w.rank // mesh.seq]
                 if rows[0] < rows[1]:
-                    sends.append(self._send(w, {"op": "forward", "model": name, "loras": loras.share(ctx, *rows)},
+                    sends.append(self._send(w, {"op": "forward", "model": name, "denoiser": denoiser,
+                                                "loras": loras.share(ctx, *rows)},
                                             slice_rows(inputs, plan["rows"], *rows)))
                     active.append(w)
             with loras.own_rows(store, ctx, *chunks[0]):
-                outs = [self.runtime.forward(name, slice_rows(inputs, plan["rows"], *chunks[0]))]
+                outs = [self.runtime.forward(name, slice_rows(inputs, plan["rows"], *chunks[0]), denoiser)]
             for w in active:
                 result = self._collect(w)
                 if result is not None:
@@ -265,7 +267,9 @@ class Executor:
             data = {"img": x.img, "txt": x.txt, "rows": x.rows, "shared": x.shared}
             tokens = x.img.shape[1]
             chunks = mesh.row_chunks(x.img.shape[0])
-            header = {"op": "blocks", "model": name, "start": start, "stop": stop, "tokens": tokens}
+            denoiser = denoiser_of(self.runtime.families[name])
+            header = {"op": "blocks", "model": name, "start": start, "stop": stop, "tokens": tokens,
+                      "denoiser": denoiser}
             sends, active = [], []
             for w in self.workers:
                 row, seq_index = divmod(w.rank, mesh.seq)
@@ -275,7 +279,7 @@ class Executor:
                     active.append(w)
             with loras.own_rows(store, ctx, *chunks[0]):
                 img, txt = self.runtime.blocks(name, shard_blocks(data, plan, mesh, chunks[0], 0), start, stop,
-                                               tokens)
+                                               tokens, denoiser)
             imgs, txts = {0: img}, {0: txt}
             for w in active:
                 result = self._collect(w)

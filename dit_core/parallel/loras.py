@@ -27,6 +27,7 @@ import torch
 
 from ..adapters import apply
 from ..adapters.files import Adapter, LoraWeights
+from ..adapters.store import denoiser_layers
 
 
 def factors(adapter: Adapter) -> dict:
@@ -58,10 +59,11 @@ def own_rows(store, ctx: apply.RowAdapters | None, start: int, stop: int):
 class RankAdapters:
     """A worker rank's copies of one model's resident adapters (see the module docstring)."""
 
-    def __init__(self, transformer: torch.nn.Module, device: torch.device):
+    def __init__(self, family, device: torch.device):
         self.device = device
         self.adapters: dict[str, Adapter] = {}
-        self.layers = apply.linear_layers(transformer)
+        # every transformer the steps run, named as rank 0's store names them (two-stage Wan 2.2: both)
+        self.layers = denoiser_layers(family)
         self._hooks = apply.install(self, self.layers)
 
     def load(self, name: str, path: str, layers: dict) -> None:

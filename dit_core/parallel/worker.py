@@ -36,6 +36,7 @@ def load_denoiser(path: str, dtype: torch.dtype, device: torch.device):
     for name in sorted(config_only):
         components[name] = _config_only(path, name, index[name])
     family = cls(components, dtype, device, {k: v for k, v in index.items() if k.startswith("_omnidit")})
+    family.configure(index)  # (two-stage Wan 2.2: its transformer_2, loaded above, and the boundary)
     family.model_id = str(Path(path).resolve())
     return family
 
@@ -79,7 +80,7 @@ class Worker:
         from .loras import RankAdapters
 
         # hooked before the plan's hooks (RankRuntime), in the order rank 0 hooks its layers
-        self.adapters = {name: RankAdapters(families[name].transformer, self.device) for name in spec["loras"]}
+        self.adapters = {name: RankAdapters(families[name], self.device) for name in spec["loras"]}
         from attention import get_backend
 
         backends = {name: {role: get_backend(b) for role, b in roles.items()}
@@ -122,14 +123,14 @@ class Worker:
     def _forward(self, header) -> None:
         inputs = self._inputs(header)
         with self._rows(header):
-            out = self.runtime.forward(header["model"], inputs)
+            out = self.runtime.forward(header["model"], inputs, header["denoiser"])
         self._reply(None if out is None else {"out": out})
 
     def _blocks(self, header) -> None:
         inputs = self._inputs(header)
         with self._rows(header):
             img, txt = self.runtime.blocks(header["model"], inputs, header["start"], header["stop"],
-                                           header["tokens"])
+                                           header["tokens"], header["denoiser"])
         self._reply({"img": img, "txt": txt if self.runtime.mesh.is_leader else None})
 
     def _rows(self, header):
