@@ -20,9 +20,10 @@ diffs; a CLIP encoder loaded without its weights would show here). Then per cell
 tokens: 64x64 / 64, 64x64 / 512, 256x256 / 64, 256x256 / 512), ``--prompts`` fresh prompts per round,
 ``--steps`` steps, guidance 3.5, these sides: OpenVINO at its default precision, all prompts in one
 call; OpenVINO with ``INFERENCE_PRECISION_HINT=f32``, one call; omnidit ``dtype="auto"`` and omnidit
-float32, ``max_batch_size`` = prompts (prompt cache off), and omnidit ``dtype="auto"`` with ``compile=True``
-(its blocks compiled and warmed up at the cells' sizes before any round, as OpenVINO compiles its model
-at export: ``omnidit_compiled_over_openvino_default``); diffusers fp32 one prompt at a time. Every
+float32, ``max_batch_size`` = prompts (prompt cache off), and both again with ``compile=True`` (their
+blocks compiled and warmed up at the cells' sizes before any round, as OpenVINO compiles its model at
+export: ``omnidit_compiled_over_openvino_default`` against OpenVINO's default,
+``omnidit_fp32_compiled_over_openvino_f32`` against its f32); diffusers fp32 one prompt at a time. Every
 side draws each prompt's initial latents from ``torch.Generator().manual_seed(seed)`` as diffusers
 does, so outputs are compared image by image against diffusers fp32.
 
@@ -252,7 +253,8 @@ class Cell:
 SIDES = {"openvino default": ("openvino", "default"), "openvino f32": ("openvino", "f32"),
          "omnidit auto": ("engine", None), "omnidit fp32": ("engine", None),
          # compile=True (blocks compiled, warmed up at the cells' sizes before the rounds): OpenVINO compiles too
-         "omnidit auto compiled": ("engine", None), "diffusers fp32": ("diffusers", None)}
+         "omnidit auto compiled": ("engine", None), "omnidit fp32 compiled": ("engine", None),
+         "diffusers fp32": ("diffusers", None)}
 REF = "diffusers fp32"
 
 
@@ -275,6 +277,9 @@ def measure(cell: Cell, repeats: int) -> dict:
                                                                                 "openvino default"),
               "omnidit_fp32_over_openvino_f32": cmp.ratio("omnidit fp32", "openvino f32"),
               "omnidit_fp32_over_openvino_f32_spread": cmp.ratio_spread("omnidit fp32", "openvino f32"),
+              "omnidit_fp32_compiled_over_openvino_f32": cmp.ratio("omnidit fp32 compiled", "openvino f32"),
+              "omnidit_fp32_compiled_over_openvino_f32_spread": cmp.ratio_spread("omnidit fp32 compiled",
+                                                                                 "openvino f32"),
               "omnidit_over_diffusers": cmp.ratio("omnidit auto", REF),
               "omnidit_over_diffusers_spread": cmp.ratio_spread("omnidit auto", REF),
               "omnidit_fp32_over_diffusers": cmp.ratio("omnidit fp32", REF),
@@ -283,7 +288,8 @@ def measure(cell: Cell, repeats: int) -> dict:
     row = "  ".join(f"{k} {v['median']:.3f}" for k, v in per_image.items())
     print(f"{result['cell']:22s} s/image: {row} | auto/OV {result['omnidit_over_openvino_default']:.2f} "
           f"compiled/OV {result['omnidit_compiled_over_openvino_default']:.2f} "
-          f"fp32/OVf32 {result['omnidit_fp32_over_openvino_f32']:.2f} auto/diffusers "
+          f"fp32/OVf32 {result['omnidit_fp32_over_openvino_f32']:.2f} "
+          f"fp32 compiled/OVf32 {result['omnidit_fp32_compiled_over_openvino_f32']:.2f} auto/diffusers "
           f"{result['omnidit_over_diffusers']:.2f}", flush=True)
     return result
 
@@ -292,7 +298,8 @@ def summarize(cells: list[dict], components: dict, info: dict, auto_choice, args
     """The issue's keys: time ratios at their worst cell (highest), fidelity, the per-cell table."""
     worst = {k: max(c[k] for c in cells) for k in ("omnidit_over_openvino_default", "omnidit_fp32_over_openvino_f32",
                                                    "omnidit_over_diffusers", "omnidit_fp32_over_diffusers",
-                                                   "omnidit_compiled_over_openvino_default")}
+                                                   "omnidit_compiled_over_openvino_default",
+                                                   "omnidit_fp32_compiled_over_openvino_f32")}
     image_f32 = max(c["max_abs_diff_vs_diffusers_fp32"]["openvino f32"] for c in cells)
     component_f32 = max(v for k, v in components.items() if k.startswith("f32/"))
     psnrs = [c["psnr_vs_diffusers_fp32"]["omnidit auto"] for c in cells]
@@ -317,6 +324,10 @@ def summarize(cells: list[dict], components: dict, info: dict, auto_choice, args
             "omnidit_fp32_over_openvino_f32 <= 1.0 (every cell)": worst["omnidit_fp32_over_openvino_f32"] <= 1.0,
             "omnidit_over_openvino_default <= 1.0 (every cell; the bf16 target where bf16 is native)":
                 worst["omnidit_over_openvino_default"] <= 1.0,
+            "compiled: omnidit_fp32_compiled_over_openvino_f32 <= 1.0 (every cell)":
+                worst["omnidit_fp32_compiled_over_openvino_f32"] <= 1.0,
+            "compiled: omnidit_compiled_over_openvino_default <= 1.0 (every cell)":
+                worst["omnidit_compiled_over_openvino_default"] <= 1.0,
             "64x64: omnidit_over_diffusers <= 0.5": all(c["omnidit_over_diffusers"] <= 0.5 for c in cells
                                                         if c["size"] == 64),
             "256x256: omnidit_over_diffusers <= 1/1.5": all(c["omnidit_over_diffusers"] <= 1 / 1.5 for c in cells
@@ -378,9 +389,10 @@ def main(argv=None):
         engines = {name: Engine.from_pretrained(model, max_batch_size=args.prompts, prompt_cache_bytes=0, dtype=dtype)
                    for name, dtype in (("omnidit auto", "auto"), ("omnidit fp32", "float32"))}
         warmup = ",".join(sorted({f"{size}x{size}" for size, _ in cells}))
-        engines["omnidit auto compiled"] = Engine.from_pretrained(
-            model, max_batch_size=args.prompts, prompt_cache_bytes=0, dtype="auto", compile=True, compile_warmup=warmup)
-        print(f"omnidit compiled: warm-up {engines['omnidit auto compiled'].compile_warmup_s:.1f} s", flush=True)
+        for name, dtype in (("omnidit auto compiled", "auto"), ("omnidit fp32 compiled", "float32")):
+            engines[name] = Engine.from_pretrained(model, max_batch_size=args.prompts, prompt_cache_bytes=0,
+                                                   dtype=dtype, compile=True, compile_warmup=warmup)
+            print(f"{name}: warm-up {engines[name].compile_warmup_s:.1f} s", flush=True)
         auto_choice = engines["omnidit auto"].dtype_choice
         print(f"omnidit dtype='auto' -> {auto_choice}", flush=True)
         results = []

@@ -166,13 +166,16 @@ def test_i2v_requests_mix_images_seeds_and_cfg():
 
 
 def _peer_cell(size: int, text: int, ov: float, ov32: float, auto: float, fp32: float, diffusers: float,
-               psnr=None, ov32_diff: float = 2e-6, compiled: float | None = None) -> dict:
+               psnr=None, ov32_diff: float = 2e-6, compiled: float | None = None,
+               fp32_compiled: float | None = None) -> dict:
     per = {"openvino default": ov, "openvino f32": ov32, "omnidit auto": auto, "omnidit fp32": fp32,
-           "diffusers fp32": diffusers, "omnidit auto compiled": compiled or auto}
+           "diffusers fp32": diffusers, "omnidit auto compiled": compiled or auto,
+           "omnidit fp32 compiled": fp32_compiled or fp32}
     return {"cell": f"{size}x{size}, {text} tokens", "size": size, "text_tokens": text,
             "seconds_per_image": {k: {"median": v} for k, v in per.items()},
             "omnidit_over_openvino_default": auto / ov, "omnidit_fp32_over_openvino_f32": fp32 / ov32,
             "omnidit_compiled_over_openvino_default": (compiled or auto) / ov,
+            "omnidit_fp32_compiled_over_openvino_f32": (fp32_compiled or fp32) / ov32,
             "omnidit_over_diffusers": auto / diffusers, "omnidit_fp32_over_diffusers": fp32 / diffusers,
             "max_abs_diff_vs_diffusers_fp32": {"openvino f32": ov32_diff, "openvino default": 0.05},
             "psnr_vs_diffusers_fp32": {"omnidit auto": psnr}}
@@ -183,8 +186,8 @@ def test_peer_openvino_summary_takes_the_worst_cell_and_says_what_auto_chose():
 
     from benchmarks import peer_openvino as p
 
-    cells = [_peer_cell(64, 64, 0.1, 0.2, 0.15, 0.18, 0.4, compiled=0.09),
-             _peer_cell(256, 512, 1.0, 2.0, 1.2, 1.8, 2.5, compiled=0.95)]
+    cells = [_peer_cell(64, 64, 0.1, 0.2, 0.15, 0.18, 0.4, compiled=0.09, fp32_compiled=0.21),
+             _peer_cell(256, 512, 1.0, 2.0, 1.2, 1.8, 2.5, compiled=0.95, fp32_compiled=1.6)]
     info = {"precision": {"default": "f32", "f32": "f32"}}
     components = {"f32/clip": 1e-6, "f32/vae": 3e-6, "default/vae": 0.04}
     args = Namespace(prompts=8, steps=8, repeats=3)
@@ -194,6 +197,8 @@ def test_peer_openvino_summary_takes_the_worst_cell_and_says_what_auto_chose():
     assert s["omnidit_over_openvino_default"] == pytest.approx(1.5)  # 64x64: 0.15 / 0.1, the worse of 1.5 and 1.2
     assert s["omnidit_fp32_over_openvino_f32"] == pytest.approx(0.9)
     assert s["omnidit_compiled_over_openvino_default"] == pytest.approx(0.95)  # the compiled side's worst cell
+    assert s["omnidit_fp32_compiled_over_openvino_f32"] == pytest.approx(1.05)  # 64x64: 0.21 / 0.2 (256: 0.8)
+    assert s["targets"]["compiled: omnidit_fp32_compiled_over_openvino_f32 <= 1.0 (every cell)"] is False
     assert s["omnidit_over_diffusers"] == pytest.approx(1.2 / 2.5) and s["worst_cell"]["omnidit_over_diffusers"] == \
         "256x256, 512 tokens"
     assert s["openvino_matches_diffusers"] is True and s["bf16_psnr_vs_fp32"] is None  # identical images: no PSNR
