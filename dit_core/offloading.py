@@ -99,7 +99,9 @@ def offload_loader(config):
     if heap.applied() is not None:
         logger.info("offload %s: %s", policy, done)
     try:
-        chosen = reuse.choose(config.cpu_allocator, on_cpu, config.cpu_allocator_idle_s)
+        # streaming blocks bounds what the process holds: the kept buffers' slack stays small there
+        slack = reuse.SLACK_STREAMING if policy.streams_blocks else reuse.SLACK
+        chosen = reuse.choose(config.cpu_allocator, on_cpu, config.cpu_allocator_idle_s, slack)
     except reuse.ReuseUnavailable as e:
         raise InvalidParamError("cpu_allocator", "reuse", f"'auto' or 'system' here ({e})") from None
     if on_cpu or reuse.installed() is not None or config.cpu_allocator != "auto":

@@ -65,7 +65,10 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "reuse_allocator.cpp"
 MIN_BYTES = 1 << 20  # smaller buffers stay with the allocator that was there
-SLACK = 32 << 20  # bytes the kept mappings may add over the live peak
+# bytes the kept mappings may add over the live peak: with the weights resident, and under block streaming
+# (``offload`` blocks / disk, where activations are most of what the process holds and the peak is the point)
+SLACK = 128 << 20
+SLACK_STREAMING = 32 << 20
 IDLE_S = 5.0  # seconds a kept mapping may stay unused before it is unmapped (0: never)
 CHOICES = ("auto", "system", "reuse")
 STAT_NAMES = ("hits", "resizes", "misses", "unmaps", "cached", "live", "live_peak", "mapped", "mapped_peak", "min_bytes",
@@ -265,7 +268,7 @@ def trim() -> bool:
     return True
 
 
-def choose(setting: str, on_cpu: bool, idle_s: float = IDLE_S) -> str:
+def choose(setting: str, on_cpu: bool, idle_s: float = IDLE_S, slack: int = SLACK) -> str:
     """Apply ``EngineConfig.cpu_allocator`` and say what was done, in words (one log line).
 
     ``"auto"``: the reuse allocator when the engine computes on CPU, falling back to the system
@@ -276,7 +279,7 @@ def choose(setting: str, on_cpu: bool, idle_s: float = IDLE_S) -> str:
     if setting == "system" or (setting == "auto" and not on_cpu):
         return "reuse allocator (installed earlier in this process)" if _installed else "system allocator"
     try:
-        said = install(idle_s=idle_s)
+        said = install(slack=slack, idle_s=idle_s)
     except (ReuseUnavailable, OSError) as e:
         if setting == "reuse":
             raise ReuseUnavailable(f"cpu_allocator='reuse': {e}") from None

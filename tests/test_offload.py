@@ -14,7 +14,7 @@ import torch
 
 from dit_core import Engine, InvalidParamError, RequestFailedError, UnknownModelError
 from dit_core.offloading import offload_of
-from offload import heap
+from offload import heap, reuse
 from helpers import CFG, assert_finished, params, run_staggered
 from procs import run_together
 
@@ -117,6 +117,7 @@ def test_disk_tier_peak_memory_is_bounded(small_flux):
     kept = disk["stats"]["cpu_allocator"]
     assert kept["hits"] > 4 * kept["misses"] and kept["mapped_peak"] <= max(
         kept["live_peak"] + kept["slack"], 2 * kept["live_peak"]), kept
+    assert kept["slack"] == reuse.SLACK_STREAMING  # streaming blocks: the small slack (resident: reuse.SLACK)
 
 
 HEAP_SCRIPT = """
@@ -186,6 +187,20 @@ reuse.trim()
 print(json.dumps({"said": said, "outs": outs, "counts": counts, "stats": stats, "trimmed": held - rss(),
                   "after_trim": reuse.installed()}))
 """
+
+
+def test_reuse_allocator_slack_follows_the_offload_policy(tiny_models):
+    """Weights resident: the kept buffers may exceed the live peak by ``reuse.SLACK`` (mixed shapes at 256x256
+    resize kept buffers less); streaming blocks: by ``reuse.SLACK_STREAMING``, where activations are most of
+    what the process holds. The allocator is process-wide: the last engine started sets it."""
+    if reuse.choose("auto", True).startswith("system"):
+        pytest.skip("the reuse allocator cannot be built here")
+    Engine.from_pretrained(tiny_models["flux"]).close()
+    assert reuse.installed()["slack"] == reuse.SLACK == 128 << 20
+    Engine.from_pretrained(tiny_models["flux"], offload="blocks:1").close()
+    assert reuse.installed()["slack"] == reuse.SLACK_STREAMING == 32 << 20
+    Engine.from_pretrained(tiny_models["flux"]).close()
+    assert reuse.installed()["slack"] == reuse.SLACK
 
 
 def test_reuse_allocator_serves_repeats_from_kept_buffers(tmp_path):
