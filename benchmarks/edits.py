@@ -18,6 +18,10 @@ Scenarios, at 64x64 and 256x256, T5 text of ``--text-tokens`` (64) on both sides
   steps, decode).
 * "t2i" at 256x256 only: the same number of text-to-image requests, for the text-to-image engine's
   ratio over diffusers measured in this run (the target: the mix at 256 no slower than it).
+* with ``--by-kind``, at 256x256: the mix's kinds apart ("256x256 edit", "256x256 img2img",
+  "256x256 inpaint"; ``--requests`` of one kind each, the img2img strengths and the two reference sizes
+  in turn), to see which rows pull the mix's ratio below text-to-image's (``by_kind_256`` in the
+  summary: each kind's ratio, text-to-image's beside them).
 
 Method (benchmarks.common.interleaved): the sides of a scenario run once per round (``--repeats``, 5),
 the order rotated every round, after one warm-up each; fresh prompts every round and the engine's
@@ -213,6 +217,8 @@ def main(argv=None) -> dict:
     # 5 rounds: on the shared 2-core machine single rounds swing by 30% and more (other processes)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default=None, help="a FLUX Kontext folder (default: build the small random one)")
+    ap.add_argument("--by-kind", action="store_true",
+                    help="also each kind of the mix apart at 256x256 (edit, img2img, inpaint; about 3 more minutes)")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.requests, args.steps = 2, 8, 6
@@ -234,6 +240,9 @@ def main(argv=None) -> dict:
           f"{args.text_tokens} text tokens, {args.repeats} rounds", flush=True)
     results = [measure("64x64 mix", 64, args, pipes, engine), measure("256x256 mix", 256, args, pipes, engine),
                measure("256x256 t2i", 256, args, pipes, engine, kinds=[("generate", None)])]
+    if args.by_kind:
+        results += [measure(f"256x256 {kind}", 256, args, pipes, engine, kinds=[k for k in KINDS if k[0] == kind])
+                    for kind in ("edit", "img2img", "inpaint")]
     by_name = {r["scenario"]: r for r in results}
     quality, missing = quality_keys()
     summary = {
@@ -249,6 +258,9 @@ def main(argv=None) -> dict:
                     "edit_throughput_ratio_256 >= t2i_throughput_ratio_256":
                         by_name["256x256 mix"]["throughput_ratio"] >= by_name["256x256 t2i"]["throughput_ratio"]},
         **quality,
+        **({"by_kind_256": {r["scenario"].split()[1].replace("t2i", "generate"): r["throughput_ratio"]
+                            for r in results if r["size"] == 256 and r["scenario"] != "256x256 mix"}}
+           if args.by_kind else {}),
         "missing": missing,
     }
     payload = {"benchmark": "edits", "machine": machine(), "args": vars(args), "summary": summary,
