@@ -29,6 +29,23 @@ def test_cpu_runs_math_sdpa_flex_and_names_why_the_others_cannot():
     assert "sageattention is not installed" in status["sage"]
 
 
+def test_xformers_without_working_kernels_is_unavailable_with_the_reason():
+    """An xformers wheel built for another torch imports, then raises NotImplementedError on every call (seen on
+    an H200 with xformers 0.0.35 for torch 2.10 beside torch 2.11): the backend's check makes one tiny call, so
+    ``auto`` passes over it and an explicit choice fails at start naming why, not every request in its forward."""
+    from attention.backends import xformers as xf
+
+    def broken():
+        raise NotImplementedError("No operator found for `memory_efficient_attention_forward` with inputs:\n  ...")
+
+    why = xf.probe(broken)
+    assert why.startswith("xformers is installed but its kernels do not run here (NotImplementedError: No operator")
+    assert torch.__version__ in why and "..." not in why  # the first line of the error only
+    assert xf.probe(lambda: None) is None
+    assert get_backend("xformers").extra_check is xf._kernels_run
+    assert xf._kernels_run(torch.device("cpu")) is None  # off CUDA the device check says why, without a call
+
+
 # each runnable backend with every capability it declares
 DECLARED = [(n, c) for n in RUNNABLE for c in ("dense", "mask", "causal", "gqa")
             if c == "dense" or get_backend(n).capabilities[c]]

@@ -99,6 +99,40 @@ def test_fp8_error_is_within_e4m3_rounding():
     assert (q(x) - nn.functional.linear(x, q.dequantized_weight(), ref.bias)).abs().max() <= 1e-4
 
 
+def test_fp8_activation_quantizer_eager_fused_and_its_fallback(caplog):
+    """scaled-mm's per-token quantizer (CUDA-only in use; its math is device-free): the eager form equals the
+    float32 formula bit for bit; the compiled one keeps the scales and lands within one e4m3 step; a quantizer
+    that does not compile falls back to the eager one, once, with a warning."""
+    fp8 = quant.fp8
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(37, 96, generator=g) * torch.logspace(-3, 2, 37)[:, None]).to(dtype)
+        x[5] = 0  # an all-zero row keeps a positive scale
+        amax = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # the formula before the fused form
+        ref_q, ref_s = (x.float() / (amax / fp8.FP8_MAX)).to(fp8.FP8), amax / fp8.FP8_MAX
+        q, s = fp8.quantize_rows(x)
+        assert torch.equal(s, ref_s) and torch.equal(q.float(), ref_q.float())
+        fq, fs = fp8.fused_quantize_rows(x)
+        assert torch.equal(fs, ref_s)
+        step = ref_q.float().abs().clamp_min(2.0 ** -6) * 2.0 ** -3  # e4m3: 3 mantissa bits, subnormal below 2^-6
+        assert ((fq.float() - ref_q.float()).abs() <= step).all()
+        rows = fp8.fused_quantize_rows(x[:7])[0]  # row-local: a row's result does not depend on its batch
+        assert torch.equal(rows.float(), fq[:7].float())
+
+    def broken(_):
+        raise RuntimeError("no compiler")
+
+    saved = fp8._compiled_quantize
+    try:
+        fp8._compiled_quantize = broken
+        with caplog.at_level("WARNING", logger="quant.fp8"):
+            q, s = fp8.fused_quantize_rows(x)
+        assert torch.equal(q.float(), fp8.quantize_rows(x)[0].float()) and fp8._compiled_quantize is fp8.quantize_rows
+        assert "did not compile (RuntimeError: no compiler)" in caplog.text
+    finally:
+        fp8._compiled_quantize = saved
+
+
 def _gguf_bound(name: str, x: np.ndarray) -> np.ndarray:
     """Largest error the format allows per element, from each block's values (see quant/gguf)."""
     fmt = FORMATS[name]
