@@ -158,6 +158,8 @@ def test_fp8_section_runs_the_quant_layer_against_its_linear():
     assert 1e-4 < row["fp8_rel_err"] < 0.1  # e4m3 weights: lossy, bounded
     summary = check.fp8_summary(result)
     assert summary["fp8_rel_err_max"] == row["fp8_rel_err"] and summary["fp8_speedup_vs_bf16"] == row["fp8_speedup"]
+    assert summary["fp8_speedup_vs_bf16_back_to_back"] == row["fp8_speedup_back_to_back"] > 0
+    assert row["fp8_ms_back_to_back"] > 0 and row["bf16_ms_back_to_back"] > 0
 
 
 def test_offload_section_streams_blocks_with_the_resident_result():
