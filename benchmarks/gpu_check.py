@@ -158,17 +158,6 @@ def peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
-def synced(fn: Callable, device: torch.device) -> Callable[[], object]:
-    """``fn`` followed by a device synchronize, so a wall-clock timer sees the kernels' end."""
-
-    def call():
-        out = fn()
-        sync(device)
-        return out
-
-    return call
-
-
 CHAIN = 20  # calls per sample of the back-to-back timing
 
 
@@ -183,6 +172,11 @@ def chained(fn: Callable, device: torch.device, n: int = CHAIN) -> Callable[[], 
         return out
 
     return call
+
+
+def synced(fn: Callable, device: torch.device) -> Callable[[], object]:
+    """``fn`` followed by a device synchronize, so a wall-clock timer sees the kernels' end."""
+    return chained(fn, device, 1)
 
 
 def timed_side(fn: Callable, device: torch.device) -> Callable[[int], float]:
