@@ -272,3 +272,19 @@ def test_flash_attention_3_only_on_hopper(monkeypatch):
     assert "Hopper (sm90) only" in flash._check(torch.device("cuda", 0))
     monkeypatch.setattr(flash, "_capability", lambda device: (9, 0))
     assert flash._check(torch.device("cuda", 0)) is None
+
+
+def test_sdpa_per_sequence_path_equals_the_grouped_one():
+    """CUDA's packed path for a few sequences (one SDPA call per sequence, on views) computes what the CPU's
+    grouped path does: causal, scaled, grouped-query, sequences of repeated and distinct lengths."""
+    from attention.backends import sdpa
+
+    g = torch.Generator().manual_seed(5)
+    lq, lk = [6, 6, 4, 9], [6, 8, 4, 9]
+    q = torch.randn(sum(lq), 4, 16, generator=g)
+    k, v = (torch.randn(sum(lk), 2, 16, generator=g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32) for x in (lq, lk))
+    for scale, causal in ((None, False), (0.2, True)):
+        a = sdpa.per_sequence(q, k, v, cu_q, cu_k, 9, 9, scale=scale, causal=causal)
+        b = sdpa.grouped(q, k, v, cu_q, cu_k, 9, 9, scale=scale, causal=causal)
+        assert a.shape == q.shape and (a - b).abs().max().item() < 1e-6

@@ -207,3 +207,93 @@ def test_unknown_section_is_refused_naming_the_choices(bad, capsys):
         check.main(["--sections", *bad])
     assert exit_info.value.code == 2
     assert "invalid choice: 'nope' (choose from" in capsys.readouterr().err
+
+
+def test_varlen_section_compares_each_packed_path_with_per_sequence_sdpa():
+    ctx = cpu_context(varlen_rows={"t": ((16, 8), (4, 8), (8, 4), (16, 8))}, varlen_heads=(2, 16))
+    result = check.varlen_section(ctx)
+    cells = result["sets"]["t"]["paths"]
+    assert result["sets"]["t"]["sdpa_packed_path"] == "per-length groups"  # CPU
+    assert result["unavailable"]["torch_flash_varlen"] == "torch's flash kernels run on CUDA only"
+    for name in ("per_row_sdpa", "sdpa_grouped", "sdpa"):  # on CPU sdpa's packed path is the grouped one
+        cell = cells[name]
+        assert cell["status"] == "ok" and cell["ms"] > 0
+        assert cell["max_abs_err_vs_fp32"] < 1e-5  # float32 here: the per-sequence reference's own kernel
+        assert cell["first_row_alone_vs_packed_max_abs"] < 1e-6
+    assert cells["per_row_sdpa"]["time_over_per_row"] == 1.0
+    assert set(result["unavailable"]) == {"torch_flash_varlen", "flash", "xformers", "sage"}  # CUDA only
+    summary = check.varlen_summary(result)["varlen_t"]
+    assert summary["sdpa"]["time_over_per_row"] == cells["sdpa"]["time_over_per_row"]
+    assert summary["flash"] == "unavailable" and summary["sdpa_path"] == "per-length groups"
+    json.dumps(result)
+
+
+def test_mixed_section_packs_a_burst_of_sizes_into_fewer_forwards_with_the_same_outputs():
+    ctx = cpu_context(checkpoint_size="tiny", steps=2, mixed_requests=((32, 32, 16), (64, 32, 8), (32, 64, 16),
+                                                                        (32, 32, 8)))
+    result = check.mixed_section(ctx)
+    # packed: every request in each step's one forward; per shape: one forward per (size, FLUX text length)
+    # per step, and no two of these share both
+    assert result["forwards"] == {"packed": 2, "per_shape": 2 * 4}
+    assert result["packed_vs_per_shape_max_abs"] <= 1e-5 and result["packed_vs_alone_max_abs"] <= 1e-5
+    assert result["alone_max_abs"] > 0 and result["packed_over_per_shape_throughput"] > 0
+    assert result["float32_packed_vs_alone_max_abs"] is None  # float32 already: no second run
+    summary = check.mixed_summary(result)
+    assert summary["mixed_packed_over_per_shape_throughput"] == result["packed_over_per_shape_throughput"]
+    json.dumps(result)
+
+
+def test_torch_varlen_says_it_needs_cuda():
+    from benchmarks import torch_varlen
+
+    assert torch_varlen.reason(torch.device("cpu")) == "torch's flash kernels run on CUDA only"
+    assert not torch_varlen.usable_for(torch.zeros(4, 2, 16))
+
+
+@pytest.mark.parametrize("api", ["torch 2.10", "torch 2.11+"])
+def test_torch_varlen_varlen_call_matches_sdpa_per_sequence_whatever_varlen_attn_takes(monkeypatch, api):
+    """``varlen_attn``'s keywords differ between torch releases: 2.10 has ``is_causal`` and no ``scale``, later
+    ones ``window_size`` and ``scale``. The call built for each must give per-sequence SDPA's result (scale
+    folded into the queries where there is no ``scale``; causal bottom-right; GQA heads repeated). The stand-in
+    computes what the documented signature promises, with SDPA, one sequence at a time."""
+    from attention.backends import sdpa
+
+    from benchmarks import torch_varlen
+
+    seen = []
+
+    def attend(q, k, v, cu_q, cu_k, scale, causal):
+        assert cu_q.dtype == torch.int32 and k.shape[1] == q.shape[1]  # heads already repeated for GQA
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        return torch.cat([sdpa.dense(q[a:b][None], k[c:d][None], v[c:d][None], scale=scale, causal=causal)[0]
+                          for a, b, c, d in zip(bq, bq[1:], bk, bk[1:])])
+
+    def v210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        seen.append({"is_causal": is_causal})
+        return attend(query, key, value, cu_seq_q, cu_seq_k, None, is_causal)
+
+    def v211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1), enable_gqa=False):
+        seen.append({"scale": scale, "window_size": window_size})
+        return attend(query, key, value, cu_seq_q, cu_seq_k, scale, window_size == (-1, 0))
+
+    fn = v210 if api == "torch 2.10" else v211
+    import inspect
+
+    monkeypatch.setattr(torch_varlen, "_varlen_fn", lambda: (fn, frozenset(inspect.signature(fn).parameters)))
+    g = torch.Generator().manual_seed(3)
+    lq, lk = [5, 9, 3], [7, 9, 6]
+    q = torch.randn(sum(lq), 4, 16, generator=g)
+    k, v = (torch.randn(sum(lk), 2, 16, generator=g) for _ in range(2))  # GQA: 2 key/value heads for 4
+    cu_q = torch.tensor([0, 5, 14, 17])
+    cu_k = torch.tensor([0, 7, 16, 22])
+    for scale, causal in ((None, False), (0.3, False), (0.3, True)):
+        out = torch_varlen.varlen(q, k, v, cu_q, cu_k, 9, 9, scale=scale, causal=causal)
+        ref = sdpa.grouped(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), cu_q.int(), cu_k.int(),
+                           9, 9, scale=scale, causal=causal)
+        assert (out - ref).abs().max().item() < 1e-5, (scale, causal)
+    if api == "torch 2.10":
+        assert seen == [{"is_causal": False}, {"is_causal": False}, {"is_causal": True}]
+    else:
+        assert seen == [{"scale": None, "window_size": (-1, -1)}, {"scale": 0.3, "window_size": (-1, -1)},
+                        {"scale": 0.3, "window_size": (-1, 0)}]
