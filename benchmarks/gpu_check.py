@@ -392,12 +392,6 @@ def packed_rows(rows, heads: int, dim: int, device: torch.device, dtype: torch.d
     return q, k, v, cu.to(device), max(lengths)
 
 
-def per_row(dense: Callable, q, k, v, cu) -> torch.Tensor:
-    """Each packed sequence through its own dense call, the outputs packed back: the unbatched way."""
-    bounds = cu.tolist()
-    return torch.cat([dense(q[a:b][None], k[a:b][None], v[a:b][None])[0] for a, b in zip(bounds, bounds[1:])])
-
-
 def varlen_calls(device: torch.device, dtype: torch.dtype, dim: int) -> tuple[dict[str, Callable], dict]:
     """name -> (q, k, v, cu, longest) -> packed output, for every packed path that can run here: one dense SDPA
     call per sequence (``sdpa``'s packed path on CUDA), SDPA per group of equal lengths (its path on CPU),
@@ -407,11 +401,10 @@ def varlen_calls(device: torch.device, dtype: torch.dtype, dim: int) -> tuple[di
     from attention.backends import sdpa
     from benchmarks import torch_varlen
 
-    dense = get_backend("sdpa").dense
-    calls = {"per_row_sdpa": lambda q, k, v, cu, n: per_row(dense, q, k, v, cu),
+    calls = {"per_row_sdpa": lambda q, k, v, cu, n: sdpa.per_sequence(q, k, v, cu, cu, n, n),
              "sdpa_grouped": lambda q, k, v, cu, n: sdpa.grouped(q, k, v, cu, cu, n, n)}
     why = {}
-    if (reason := torch_varlen.reason(device, dtype, dim, need_varlen=True)) is None:
+    if (reason := torch_varlen.reason(device, dtype, dim)) is None:
         calls["torch_flash_varlen"] = lambda q, k, v, cu, n: torch_varlen.varlen(q, k, v, cu, cu, n, n)
     else:
         why["torch_flash_varlen"] = reason
@@ -427,6 +420,7 @@ def varlen_calls(device: torch.device, dtype: torch.dtype, dim: int) -> tuple[di
 def varlen_section(ctx: Context) -> dict:
     """Packed sequences of mixed lengths (the engine's mixed-size batches): each packed path's error against
     float32 SDPA run per sequence, whether a sequence's output depends on what it was packed with, and time."""
+    from attention.backends import sdpa
     from benchmarks.attention_backends import compare
 
     device, dtype = ctx.device, ctx.dtype
@@ -438,7 +432,7 @@ def varlen_section(ctx: Context) -> dict:
         first = int(cu[1])
         cells, fns = {}, {}
         with torch.no_grad():
-            ref = per_row(_fp32_dense, q, k, v, cu)
+            ref = sdpa.per_sequence(q.float(), k.float(), v.float(), cu, cu, longest, longest)
             for name, call in calls.items():
                 try:
                     out = call(q, k, v, cu, longest)
@@ -470,12 +464,6 @@ def varlen_section(ctx: Context) -> dict:
 def sdpa_path(device: torch.device) -> str:
     """Which packed path ``sdpa.varlen`` takes here."""
     return "one call per sequence" if device.type == "cuda" else "per-length groups"
-
-
-def _fp32_dense(q, k, v):
-    from attention import get_backend
-
-    return get_backend("sdpa").dense(q.float(), k.float(), v.float())
 
 
 def varlen_summary(result: dict) -> dict:

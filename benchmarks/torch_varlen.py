@@ -3,7 +3,7 @@ section beside the ``sdpa`` backend's packed paths.
 
 ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), every packed sequence in one
 kernel call, no padding and no grouping by length, in ``attention``'s packed layout. The engine does not
-use it: on an H200 it was x1.5 slower than one SDPA call per sequence for six FLUX-sized sequences, x0.55
+use it: on an H200 it took x1.54 the time of one SDPA call per sequence for six FLUX-sized sequences, x0.36
 for 32 small ones, and a sequence's output differed from the same sequence's dense SDPA call, so a
 request's result would depend on whether it was packed (``benchmarks/results/gpu_check.json``).
 ``varlen_attn``'s keyword arguments changed between torch releases (2.10 takes ``is_causal``; later
@@ -36,9 +36,8 @@ def _varlen_fn():
     return fn, frozenset(inspect.signature(fn).parameters)
 
 
-def reason(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
-           need_varlen: bool = False) -> str | None:
-    """Why torch's flash kernels cannot run here (None: they can)."""
+def reason(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str | None:
+    """Why torch's flash varlen kernel cannot run here (None: it can)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return "torch's flash kernels run on CUDA only"
@@ -50,14 +49,9 @@ def reason(device: torch.device, dtype: torch.dtype | None = None, head_dim: int
         return f"torch's flash kernels take float16 or bfloat16, not {str(dtype).replace('torch.', '')}"
     if head_dim is not None and (head_dim % 8 or head_dim > MAX_HEAD_DIM):
         return f"torch's flash kernels take head_dim a multiple of 8 up to {MAX_HEAD_DIM}, not {head_dim}"
-    if need_varlen and _varlen_fn() is None:
+    if _varlen_fn() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)"
     return None
-
-
-def usable_for(q: torch.Tensor, need_varlen: bool = True) -> bool:
-    """Whether a call on these queries can go to torch's flash kernels."""
-    return reason(q.device, q.dtype, q.shape[-1], need_varlen) is None
 
 
 def _same_heads(q, k, v):
@@ -71,7 +65,7 @@ def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, causal=False):
     """Packed [T, H, D] attention, sequence i being q[cu_q[i]:cu_q[i+1]] against k/v[cu_k[i]:cu_k[i+1]]."""
     found = _varlen_fn()
     if found is None:
-        raise RuntimeError(reason(q.device, need_varlen=True))
+        raise RuntimeError(reason(q.device))
     fn, params = found
     k, v = _same_heads(q, k, v)
     kwargs = {}

@@ -275,7 +275,7 @@ def test_flash_attention_3_only_on_hopper(monkeypatch):
 
 
 def test_sdpa_per_sequence_path_equals_the_grouped_one():
-    """CUDA's packed path for a few sequences (one SDPA call per sequence, on views) computes what the CPU's
+    """CUDA's packed path (one SDPA call per sequence, on views) computes what the CPU's
     grouped path does: causal, scaled, grouped-query, sequences of repeated and distinct lengths."""
     from attention.backends import sdpa
 

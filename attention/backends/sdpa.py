@@ -5,9 +5,9 @@ otherwise packed, running SDPA once per group of equal-length sequences (no work
 on padding; measured 7x faster than the masked batch at 84% padding on 2 CPU cores,
 and slightly slower at 12%, hence the threshold). On CUDA, packed sequences run as one SDPA call
 each on a view of the packed tensors (``per_sequence``: no gather, and the very call a request alone
-makes, so a sequence's output does not depend on what it is packed with). On an H200 that is x1.8
-faster than the groups' gathers for six FLUX-sized sequences; torch's FlashAttention varlen kernel,
-one call for all, is x1.5 slower there and its outputs differ from dense SDPA's
+makes, so a sequence's output does not depend on what it is packed with). On an H200 that is
+x1.6-x2.3 faster than the groups' gathers; torch's FlashAttention varlen kernel, one call for all,
+is x1.5 slower for six FLUX-sized sequences and its outputs differ from dense SDPA's
 (``benchmarks/gpu_check.py``, ``varlen`` section).
 """
 
