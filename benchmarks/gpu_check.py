@@ -17,6 +17,10 @@ stopped after ``--section-timeout`` seconds, and all together get ``--budget`` s
   checkpoint: the engine packing them into shared forwards against one batch per size, interleaved;
   the two sides' outputs and each request run alone compared, and packed against alone once more in
   float32 (is a difference packing's, or bf16 rounding's?).
+* ``invariant``: ``batch_invariant=True`` (``dit_core.invariant_linear``; ``benchmarks/gpu_invariant.py``):
+  its fixed-tiling Triton GEMM against cuBLAS on FLUX.1's linear shapes (time, error, and whether a call's
+  first rows come out the same bits multiplied alone), and the ``mixed`` burst through a cuBLAS engine
+  and a batch-invariant one: each request in the burst, in one batch per size and alone, bf16 and float32.
 * ``fp8``: ``quant``'s fp8 layer (the ``scaled-mm`` kernel on capability >= 8.9) against the bf16
   ``nn.Linear`` it replaces, on FLUX.1's layer shapes at 1024 px: relative error against a float32
   GEMM of the same weights, and speed, timed two ways: each call synchronized, and ``CHAIN`` calls
@@ -64,6 +68,9 @@ from typing import Callable
 import torch
 
 from benchmarks.common import interleaved, machine, scratch_dir, write_json
+from benchmarks.gpu_common import (CHAIN, allocated, backend_status, chained, max_abs, peak, rel_err, reset_peak,
+                                   sync, synced, timed_side)
+from benchmarks.gpu_invariant import INVARIANT_SHAPES, invariant_section, invariant_summary
 
 # ---- what the sections run on ----
 
@@ -138,6 +145,7 @@ class Context:
     varlen_heads: tuple[int, int] = VARLEN_HEADS
     mixed_requests: tuple = MIXED_REQUESTS
     fp8_shapes: dict = field(default_factory=lambda: dict(FP8_SHAPES))
+    invariant_shapes: dict = field(default_factory=lambda: dict(INVARIANT_SHAPES))
     flux: FluxSetup = FULL_FLUX
     checkpoint_size: str = "medium"  # the random FLUX checkpoint of the offload and parallel sections
     image_size: int = 1024
@@ -158,81 +166,6 @@ class Context:
 
             self._checkpoints[size] = build("flux", size, scratch_dir("omnidit-gpu-check-") / f"flux-{size}")
         return self._checkpoints[size]
-
-
-# ---- helpers ----
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def allocated(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak(device: torch.device) -> int:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-
-
-CHAIN = 20  # calls per sample of the back-to-back timing
-
-
-def chained(fn: Callable, device: torch.device, n: int = CHAIN) -> Callable[[], object]:
-    """``n`` calls of ``fn`` back to back, then one synchronize: the calls queue as in a model's forward, so
-    host-side work hides behind the kernels before it (per-call time: the sample's time / ``n``)."""
-
-    def call():
-        for _ in range(n):
-            out = fn()
-        sync(device)
-        return out
-
-    return call
-
-
-def synced(fn: Callable, device: torch.device) -> Callable[[], object]:
-    """``fn`` followed by a device synchronize, so a wall-clock timer sees the kernels' end."""
-    return chained(fn, device, 1)
-
-
-def timed_side(fn: Callable, device: torch.device) -> Callable[[int], float]:
-    """An ``interleaved`` side: seconds of one synchronized call of ``fn``."""
-
-    def side(_round: int) -> float:
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        return time.perf_counter() - start
-
-    return side
-
-
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """||y - ref|| / ||ref|| (Frobenius), in float32."""
-    ref = ref.float()
-    return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def backend_status(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> tuple[str, str]:
-    """("ok" | "not installed" | "unavailable", why) for one attention backend here."""
-    from attention import get_backend
-
-    ok, why = get_backend(name).available(device, dtype, head_dim)
-    if ok:
-        return "ok", why
-    return ("not installed" if "not installed" in why else "unavailable"), why
 
 
 # ---- the section runner ----
@@ -902,6 +835,7 @@ class Section:
 
 SECTIONS = {"attention": Section(attention_section, attention_summary),
             "varlen": Section(varlen_section, varlen_summary), "mixed": Section(mixed_section, mixed_summary),
+            "invariant": Section(invariant_section, invariant_summary),
             "fp8": Section(fp8_section, fp8_summary),
             "offload": Section(offload_section, offload_summary),
             "parallel": Section(parallel_section, parallel_summary), "flux": Section(flux_section, flux_summary)}

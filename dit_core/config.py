@@ -111,6 +111,12 @@ class EngineConfig:
         an error where it cannot apply) or ``"aten"`` (plain ``nn.Linear``). ``onednn`` packs each
         weight once into oneDNN's layout (no extra memory); the engine ran x1.14 faster than with
         MKL's GEMMs on an AMD EPYC (eager, 256x256). See ``dit_core.cpu_linear``.
+    batch_invariant: on CUDA, the transformer's linear layers run omnidit's fixed-tiling Triton GEMM
+        instead of cuBLAS, so a request's output does not depend on the rows it is batched with (cuBLAS
+        picks other kernels for other row counts: bf16 outputs moved by up to 1% after 4 steps on an
+        H200). Costs speed (``benchmarks.gpu_check``'s ``invariant`` section); refused with ``quant``,
+        ``max_loras`` > 0 and parallel degrees > 1. On CPU nothing changes (the CPU kernels' results are
+        checked batched == alone). Default False. See ``dit_core.invariant_linear``.
     quant: weight quantization of the transformer (or the components named with ``,components=``):
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.
@@ -172,6 +178,7 @@ class EngineConfig:
     cpu_allocator: str = "auto"
     cpu_allocator_idle_s: float = IDLE_S
     cpu_linear: str = "auto"
+    batch_invariant: bool = False
     quant: str | None = None
     max_loras: int = 0
     max_lora_rank: int = 64
@@ -298,6 +305,9 @@ class EngineConfig:
             # compiled blocks capture their weights; streamed blocks swap them out between calls
             raise InvalidParamError("offload", str(self.offload), "'none' or 'components' with compile=True "
                                                                   "(not combined yet)")
+        from .invariant_linear import check
+
+        check(self)  # an error naming batch_invariant where it cannot be honoured
         if self.cpu_linear == "onednn" and self.dtype != "auto":  # auto: checked once the dtype is chosen
             from .cpu_linear import resolve
 

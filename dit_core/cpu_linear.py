@@ -50,6 +50,8 @@ from torch import nn
 # whether bf16 is native here: one test for the whole engine (the gemm attention backend's)
 from attention.backends.gemm import native_bf16  # noqa: F401
 
+from .invariant_linear import interpreting
+
 logger = logging.getLogger(__name__)
 CHOICES = ("auto", "onednn", "aten")
 # the row count oneDNN plans the packed layout for; measured: the same speed for 320 to 5,120 rows
@@ -240,6 +242,8 @@ def why_not(config) -> str | None:
         return f"offload {config.offload} streams the blocks' weights"
     if config.parallel.enabled:
         return "parallel degrees > 1 (worker ranks load their own transformer)"
+    if getattr(config, "batch_invariant", False) and interpreting():
+        return "batch_invariant under Triton's interpreter runs the linears (dit_core.invariant_linear)"
     return None
 
 

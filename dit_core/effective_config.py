@@ -75,6 +75,11 @@ def _cpu_linear(engine) -> dict:
     return {model: getattr(family, "cpu_linear", "aten") for model, family in engine.models.items()}
 
 
+def _batch_invariant(engine) -> dict:
+    """Per model: ``triton`` (linears swapped), ``cpu kernels`` (on CPU, nothing swapped) or ``off``."""
+    return {model: getattr(family, "batch_invariant", "off") for model, family in engine.models.items()}
+
+
 def _max_batch_size(engine) -> dict:
     """Requests per forward, per model (a request-level step cache holds its model to 1)."""
     scheduler = engine.scheduler
@@ -90,6 +95,7 @@ RESOLVED: dict[str, Callable] = {
     "malloc_mmap_threshold": _malloc_mmap_threshold,
     "cpu_allocator": _cpu_allocator,
     "cpu_linear": _cpu_linear,
+    "batch_invariant": _batch_invariant,
     "max_batch_size": _max_batch_size,
     "world_size": lambda e: e.config.parallel.world,
 }

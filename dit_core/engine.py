@@ -19,7 +19,7 @@ from ar_adapters import PromptCache
 from attention import resolve as resolve_attention
 
 from .cache import make_step_cache
-from . import cpu_linear
+from . import cpu_linear, invariant_linear
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, failed_error
 from .families import Family, load_family
@@ -440,6 +440,7 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
                                            thinkers.get(name, cfg.thinker), stage_options)
             models[name].check_config(cfg)  # before quantizing or offloading it (Engine asks again)
             apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
+            invariant_linear.apply(models[name], cfg, name)  # EngineConfig.batch_invariant: CUDA GEMMs
             cpu_linear.apply(models[name], cfg, name)  # EngineConfig.cpu_linear: oneDNN-packed linears
             apply_offload(models[name], cfg)  # after loading, before the engine sees the family
             after_loading()  # the reuse allocator forgets what loading freed

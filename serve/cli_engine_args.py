@@ -82,6 +82,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "layout (no extra memory; x1.14 faster than aten's MKL GEMMs on an AMD EPYC); auto "
                         "uses it in float32 on CPU with the weights resident and no parallel degree; aten leaves "
                         "nn.Linear (default auto)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CUDA: the transformer's linear layers through omnidit's fixed-tiling Triton GEMM, so a "
+                        "request's output does not depend on what it is batched with (cuBLAS rounds differently "
+                        "at other row counts); slower; not with --quant, --max-loras or parallel degrees; on CPU "
+                        "nothing changes (default off)")
     p.add_argument("--policy", default=None, choices=["fifo", "edf"],
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
                         "1 step in 10 to bulk when the deadlines allow, at least 1 in 30); default: edf when a "
@@ -157,7 +162,7 @@ def engine_kwargs(args) -> dict:
                 prompt_cache_bytes=args.prompt_cache_bytes, quant=args.quant, offload=args.offload,
                 max_resident_gb=args.max_resident_gb, malloc_mmap_threshold=args.malloc_mmap_threshold,
                 cpu_allocator=args.cpu_allocator, cpu_allocator_idle_s=args.cpu_allocator_idle_s,
-                cpu_linear=args.cpu_linear,
+                cpu_linear=args.cpu_linear, batch_invariant=args.batch_invariant,
                 compile=args.compile, compile_warmup=args.compile_warmup,
                 warmup=getattr(args, "warmup", None),  # (omnidit serve only)
                 ulysses=args.ulysses, ring=args.ring,

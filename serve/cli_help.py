@@ -18,7 +18,7 @@ DOCS = "docs/reference/cli.md (or `make docs`: site/reference/cli/)"
 ENGINE_GROUPS = {
     "engine": ["verbose", "dtype", "device", "max_batch_size", "max_tokens_per_step", "batch_limits",
                "batch_gain_threshold", "max_step_ms", "policy", "edf_forecast"],
-    "speed": ["compile", "compile_warmup", "attention", "attention_per_role", "cache", "cpu_linear", "quant",
+    "speed": ["compile", "compile_warmup", "attention", "attention_per_role", "cache", "cpu_linear", "batch_invariant", "quant",
               "mixed_sizes"],
     "memory": ["offload", "max_resident_gb", "malloc_mmap_threshold", "cpu_allocator", "cpu_allocator_idle_s",
                "prompt_cache_bytes"],

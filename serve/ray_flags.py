@@ -83,7 +83,7 @@ REACH: dict[str, Reach] = {
         "dtype", "compile", "compile_warmup", "warmup", "device", "max_batch_size", "max_tokens_per_step", "attention",
         "cache", "thinker", "thinker_kv_cache_gb", "thinker_memory_utilization", "thinker_on_failure",
         "prompt_cache_bytes", "offload", "max_resident_gb", "malloc_mmap_threshold", "cpu_allocator",
-        "cpu_allocator_idle_s", "cpu_linear", "policy", "edf_forecast", "quant", "attention_per_role", "ulysses",
+        "cpu_allocator_idle_s", "cpu_linear", "batch_invariant", "policy", "edf_forecast", "quant", "attention_per_role", "ulysses",
         "ring", "row_parallel", "world_size", "parallel_threads", "max_loras", "max_lora_rank", "batch_limits",
         "batch_gain_threshold", "max_step_ms")},
     "parallel_timeout": _engine("parallel_timeout_s"),

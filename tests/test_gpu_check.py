@@ -298,3 +298,30 @@ def test_torch_varlen_varlen_call_matches_sdpa_per_sequence_whatever_varlen_attn
     else:
         assert seen == [{"scale": None, "window_size": (-1, -1)}, {"scale": 0.3, "window_size": (-1, -1)},
                         {"scale": 0.3, "window_size": (-1, 0)}]
+
+
+def test_invariant_section_times_the_kernel_and_compares_bursts_with_requests_alone(monkeypatch):
+    from dit_core import invariant_linear
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the GPU's kernel source, in Triton's interpreter
+    invariant_linear._kernel.cache_clear()
+    try:
+        ctx = cpu_context(checkpoint_size="tiny", steps=2, mixed_requests=((32, 32, 16), (64, 32, 8), (32, 64, 16)),
+                          invariant_shapes={"proj": (130, 96, 80), "modulation": (3, 64, 200)})
+        result = check.invariant_section(ctx)
+    finally:
+        invariant_linear._kernel.cache_clear()
+    kernels = result["kernels"]
+    assert set(kernels) == {"proj", "modulation"}
+    for row in kernels.values():
+        assert row["invariant_rows_equal"] and row["invariant_rows_max_abs"] == 0.0
+        assert row["invariant_rel_err"] <= 1e-5 and row["invariant_over_cublas_time"] > 0
+    engine = result["engine"]["float32"]  # float32 already: one dtype
+    assert set(result["engine"]) == {"requests_h_w_text", "steps", "float32"}
+    assert engine["linear_layers"] == "triton interpreter"
+    assert engine["invariant_packed_vs_alone_max_abs"] == 0.0 and engine["invariant_per_shape_vs_alone_max_abs"] == 0.0
+    assert engine["invariant_vs_cublas_alone_max_abs"] <= 1e-5 * max(1.0, engine["alone_max_abs"])
+    summary = check.invariant_summary(result)
+    assert summary["invariant_kernel_rows_equal"] is True
+    assert summary["invariant_engine_float32_invariant_packed_vs_alone_max_abs"] == 0.0
+    json.dumps(result)
