@@ -34,7 +34,8 @@ stopped after ``--section-timeout`` seconds, and all together get ``--budget`` s
 * ``flux``: a random-weight full-size FLUX.1-dev transformer (19 double + 38 single blocks, 3072
   wide, 24 heads), built on the GPU in bf16 (no download), at 1024x1024 (4096 image + 512 text
   tokens), batch 1 and 4: omnidit's engine (the family's batched forward, the attention the engine
-  chose) against diffusers' own forward of the same weights; max difference and time.
+  chose) against diffusers' own forward of the same weights; max difference and time; and the same
+  forward with ``batch_invariant``'s GEMM for its linears (what determinism costs at full size).
 
 Method: sides are interleaved (``benchmarks.common.interleaved``; ``attention_backends.compare``
 for kernel calls), each timed call ends with ``torch.cuda.synchronize()``; times are medians over
@@ -749,6 +750,7 @@ def flux_components(setup: FluxSetup, device: torch.device, dtype: torch.dtype) 
 def flux_section(ctx: Context) -> dict:
     from dit_core import Engine, EngineConfig, SamplingParams
     from dit_core.families.flux import FluxFamily
+    from dit_core.invariant_linear import interpreting, triton_missing
 
     device, dtype, setup = ctx.device, ctx.dtype, ctx.flux
     t = time.perf_counter()
@@ -765,6 +767,8 @@ def flux_section(ctx: Context) -> dict:
         calls.append((kwargs, output[0]))
 
     image_tokens, text_tokens = setup.tokens()
+    # batch_invariant's GEMM: compiled for CUDA, or run by Triton's interpreter (the CPU tests)
+    invariant_runs = triton_missing() is None and (device.type == "cuda" or interpreting())
     result = {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in setup.transformer.items()},
               "parameters": params_count, "build_s": build_s, "size": setup.size, "image_tokens": image_tokens,
               "text_tokens": text_tokens, "dtype": ctx.dtype_name,
@@ -791,22 +795,40 @@ def flux_section(ctx: Context) -> dict:
             def engine_step(prompts=prompts, params=params):
                 engine.generate(prompts, params)
 
+            def linears(invariant: bool, fn):  # the forward with batch_invariant's GEMM or cuBLAS's, swapped untimed
+                def run(round_: int) -> float:
+                    set_invariant(omnidit, invariant)
+                    return timed_side(fn, device)(round_)
+                return run
+
+            sides = {"diffusers": timed_side(lambda: reference(**kwargs), device),
+                     "omnidit": linears(False, lambda: omnidit(**kwargs)),
+                     "omnidit_engine_step": linears(False, engine_step)}
+            invariant_diff = None
             with torch.no_grad():
-                cmp = interleaved({"diffusers": timed_side(lambda: reference(**kwargs), device),
-                                   "omnidit": timed_side(lambda: omnidit(**kwargs), device),
-                                   "omnidit_engine_step": timed_side(engine_step, device)}, ctx.repeats)
+                if invariant_runs:
+                    set_invariant(omnidit, True)
+                    invariant_diff = max_abs(omnidit(**kwargs)[0], engine_out)
+                    sides["omnidit_invariant"] = linears(True, lambda: omnidit(**kwargs))
+                cmp = interleaved(sides, ctx.repeats)
+                set_invariant(omnidit, False)
             row = {"rows_per_forward": rows, "forwards": len(calls), "max_abs_diff": diff, "diffusers_max_abs": scale,
                    "max_rel_diff": diff / max(scale, 1e-30), "finite": bool(torch.isfinite(engine_out).all()),
                    **{f"{side}_s": cmp.median(side) for side in cmp.sides},
                    **{f"{side}_spread": cmp.spread(side) for side in cmp.sides},
                    "omnidit_over_diffusers": cmp.ratio("omnidit", "diffusers"),
                    "omnidit_over_diffusers_spread": cmp.ratio_spread("omnidit", "diffusers"),
-                   "engine_step_over_diffusers": cmp.ratio("omnidit_engine_step", "diffusers")}
+                   "engine_step_over_diffusers": cmp.ratio("omnidit_engine_step", "diffusers"),
+                   "invariant_over_omnidit": cmp.ratio("omnidit_invariant", "omnidit") if invariant_runs else None,
+                   "invariant_vs_omnidit_max_abs": invariant_diff}
             result["batches"][f"b{batch}"] = row
             print(f"  batch {batch}: diffusers {row['diffusers_s'] * 1e3:.1f} ms, "
                   f"omnidit {row['omnidit_s'] * 1e3:.1f} ms "
                   f"(x{row['omnidit_over_diffusers']:.3f}), engine step {row['omnidit_engine_step_s'] * 1e3:.1f} ms; "
-                  f"max abs diff {diff:.3g} (of {scale:.3g})", flush=True)
+                  f"max abs diff {diff:.3g} (of {scale:.3g})" + (
+                      f"; batch-invariant linears {row['omnidit_invariant_s'] * 1e3:.1f} ms "
+                      f"(x{row['invariant_over_omnidit']:.3f}, diff {invariant_diff:.3g})" if invariant_runs else ""),
+                  flush=True)
             del kwargs, engine_out
             calls.clear()
     finally:
@@ -821,7 +843,27 @@ def flux_summary(result: dict) -> dict:
     for name, row in result["batches"].items():
         out[f"flux_{name}_omnidit_over_diffusers"] = row["omnidit_over_diffusers"]
         out[f"flux_{name}_diffusers_s"] = row["diffusers_s"]
+        if row.get("invariant_over_omnidit") is not None:
+            out[f"flux_{name}_invariant_over_omnidit"] = row["invariant_over_omnidit"]
     return out
+
+
+def set_invariant(module, invariant: bool) -> None:
+    """The ``flux`` section's switch: ``module``'s linears through ``batch_invariant``'s GEMM
+    (``InvariantLinear``) or plain ``nn.Linear`` again, the same parameters either way."""
+    import torch.nn as nn
+
+    from dit_core.invariant_linear import InvariantLinear, swap
+
+    if invariant:
+        swap(module)
+        return
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is InvariantLinear:
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
 
 
 # ---- the registry, the summary, the command ----

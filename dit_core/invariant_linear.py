@@ -8,7 +8,9 @@ a burst of 8 mixed-size requests gave each request bf16 outputs up to 0.047 (of 
 same request run alone after 4 steps, and 1.7e-6 in float32 (``benchmarks.gpu_check``'s ``mixed``
 section). Attention is already per sequence (``attention.backends.sdpa``), norms and element-wise
 work are row-local, text is encoded one prompt per call and images are decoded one request per call
-(``decode_alone``): the GEMMs were what was left.
+(``decode_alone``, for most families): the GEMMs were what was left. With ``batch_invariant`` the VAE
+also encodes input images and decodes outputs one request per call in every family (Wan otherwise
+decodes a step's finished videos together, and image-to-image encodes its admissions' images together).
 
 How: :func:`invariant_linear` is a Triton kernel with ONE tiling per dtype (:data:`TILES`) whatever
 the shape: each output tile sums over K in ``BLOCK_K`` steps in a fixed order, rows past the end are
@@ -22,8 +24,9 @@ Settings (``EngineConfig.batch_invariant``, ``--batch-invariant``): False (defau
 its ``denoisers``) an :class:`InvariantLinear`; it needs Triton (an error naming the field where it is
 missing), and is refused with ``quant`` (quantized kernels are cuBLAS's or torch's scaled GEMMs),
 ``max_loras`` > 0 (adapter deltas are batched matmuls) and parallel degrees > 1 (worker ranks build
-their own transformer). On CPU nothing is swapped: the CPU engine's results are already checked
-batched == alone (``tests/test_batching.py``); the choice is logged and shown in the effective config.
+their own transformer). On CPU the linears are not swapped: the CPU engine's results are already
+checked batched == alone (``tests/test_batching.py``); only the VAE calls go one request at a time. The
+choice is logged and shown in the effective config.
 
 Under ``torch.compile`` the layer is one opaque op (``omnidit::invariant_linear``, with a fake
 implementation): inductor must not replace it with its own GEMM templates.
@@ -220,5 +223,9 @@ def apply(family, config, name: str = "") -> str:
     else:
         choice = "off"
         logger.info("batch_invariant for model %s: no transformer module, nothing swapped", name)
+    if config.batch_invariant and hasattr(family, "decode_pixel_budget"):
+        # the VAE too: one request per encode and decode call (a convolution's kernel, and so its rounding,
+        # may follow the batch size; Wan decodes batched by default)
+        family.decode_alone, family.decode_pixel_budget = True, 0
     family.batch_invariant = choice
     return choice

@@ -195,10 +195,41 @@ def test_flux_section_compares_the_engine_forward_with_diffusers_on_a_tiny_confi
         # the same weights and kernels: omnidit's forward is diffusers' (to float32 rounding; bf16's resolution)
         assert row["max_rel_diff"] < (1e-5 if dtype == torch.float32 else 2**-7)
         assert row["omnidit_s"] > 0 and row["diffusers_s"] > 0
+        assert row["invariant_over_omnidit"] is None  # batch_invariant's GEMM: CUDA or Triton's interpreter only
     json.dumps(result)
     summary = check.flux_summary(result)
     assert summary["flux_max_abs_diff"] == max(r["max_abs_diff"] for r in result["batches"].values())
     assert {"flux_b1_omnidit_over_diffusers", "flux_b3_omnidit_over_diffusers"} <= set(summary)
+
+
+def test_flux_section_times_the_forward_with_batch_invariant_linears(monkeypatch):
+    from torch import nn
+
+    from dit_core import invariant_linear
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the GPU's kernel source, in Triton's interpreter
+    invariant_linear._kernel.cache_clear()
+    swapped = []
+    real = check.set_invariant
+
+    def spy(module, invariant):
+        real(module, invariant)
+        swapped.append((invariant, sum(type(m) is invariant_linear.InvariantLinear for m in module.modules()),
+                        sum(type(m) is nn.Linear for m in module.modules())))
+
+    monkeypatch.setattr(check, "set_invariant", spy)
+    try:
+        result = check.flux_section(cpu_context(flux=TINY_FLUX))
+    finally:
+        invariant_linear._kernel.cache_clear()
+    for batch in (1, 3):
+        row = result["batches"][f"b{batch}"]
+        assert row["invariant_over_omnidit"] > 0 and row["omnidit_invariant_s"] > 0
+        assert row["invariant_vs_omnidit_max_abs"] <= 1e-5 * row["diffusers_max_abs"]
+    # each switch leaves every linear one kind, and the section ends with plain nn.Linear
+    assert all((n_inv == 0) != (n_plain == 0) and (n_inv > 0) == inv for inv, n_inv, n_plain in swapped)
+    assert swapped[-1][0] is False and {inv for inv, _, _ in swapped} == {True, False}
+    assert "flux_b3_invariant_over_omnidit" in check.flux_summary(result)
 
 
 @pytest.mark.parametrize("bad", [["nope"]])

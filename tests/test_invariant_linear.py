@@ -174,3 +174,30 @@ def test_with_streamed_blocks_the_swapped_layers_read_the_streamed_weights(inter
     finally:
         resident.close()
         streamed.close()
+
+
+
+def test_the_vae_encodes_and_decodes_one_request_per_call(tiny_models):
+    """Three image-to-image requests admitted together: three VAE encodes (without the flag one call
+    for all three, as ``decode_pixel_budget`` allows) and one decode each; each equals its run alone."""
+    from helpers import assert_finished, params, run_staggered
+    from tests.test_image_inputs import PROMPT, source_image
+
+    engine = Engine.from_pretrained(tiny_models["flux"], batch_invariant=True, max_batch_size=4)
+    try:
+        assert engine.family.decode_alone and engine.family.decode_pixel_budget == 0
+        specs = [params(seed=40 + i, image=source_image(), strength=0.6, num_inference_steps=3, guidance_scale=3.5)
+                 for i in range(3)]
+        alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
+        decodes = []
+        original = engine.family.vae.decode
+        engine.family.vae.decode = lambda z, *a, **k: decodes.append(len(z)) or original(z, *a, **k)
+        before = (engine.stats.images_encoded, engine.stats.vae_encodes)
+        finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0])
+        assert max(sizes) == 3  # one forward for all three
+        assert (engine.stats.images_encoded - before[0], engine.stats.vae_encodes - before[1]) == (3, 3)
+        assert decodes == [1, 1, 1]
+        for i, ref in enumerate(alone):
+            assert torch.equal(assert_finished(finals[i]), ref), f"request {i}"
+    finally:
+        engine.close()
