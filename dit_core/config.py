@@ -114,7 +114,8 @@ class EngineConfig:
     batch_invariant: on CUDA, the transformer's linear layers run omnidit's fixed-tiling Triton GEMM
         instead of cuBLAS, so a request's output does not depend on the rows it is batched with (cuBLAS
         picks other kernels for other row counts: bf16 outputs moved by up to 1% after 4 steps on an
-        H200). Costs speed (``benchmarks.gpu_check``'s ``invariant`` section); refused with ``quant``,
+        H200). Costs speed (the full-size FLUX.1-dev forward x1.23 on an H200: ``benchmarks.gpu_check``'s
+        ``invariant`` and ``flux`` sections); refused with ``quant``,
         ``max_loras`` > 0 and parallel degrees > 1. The VAE then encodes and decodes one request per call
         (on every device). On CPU the linears stay (the CPU kernels' results are checked batched ==
         alone). Default False. See ``dit_core.invariant_linear``.

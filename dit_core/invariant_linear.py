@@ -17,7 +17,10 @@ the shape: each output tile sums over K in ``BLOCK_K`` steps in a fixed order, r
 masked, and the row count is not a specialisation key (``do_not_specialize``), so a row's result is
 the same bits in a call of 1 row or 100,000. Accumulation is float32; float32 inputs multiply in
 IEEE float32 (no TF32, torch's default for matmul). The cost is speed: a fixed tiling is not the best
-one for every shape (``benchmarks.gpu_check``'s ``invariant`` section measures it against cuBLAS).
+one for every shape. On an H200 the kernel took x1.41-x1.49 cuBLAS's time at FLUX.1's 1024 px shapes,
+the full-size FLUX.1-dev forward x1.23, the medium FLUX engine's mixed burst x1.09-x1.12 in bf16
+(``benchmarks.gpu_check``'s ``invariant`` and ``flux`` sections), and every request of that burst
+came out identical to its run alone, bf16 and float32.
 
 Settings (``EngineConfig.batch_invariant``, ``--batch-invariant``): False (default) leaves
 ``nn.Linear``. True on CUDA makes every ``nn.Linear`` (exact type) of each model's transformer (all
