@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -48,7 +49,9 @@ logger = logging.getLogger(__name__)
 
 # dtype -> the one tiling used for every shape: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Chosen
 # on an H200 (Triton 3.6) over FLUX.1's linear shapes: bf16 the best of 8 tilings tried (x1.37-1.70 of
-# cuBLAS's time per call), float32 the best of 6 (x2.3 at 1,280-4,608 rows; x6.9 at 4 rows)
+# cuBLAS's time per call), float32 the best of 6 (x2.3 at 1,280-4,608 rows; x6.9 at 4 rows). A second
+# sweep (BLOCK_K 32 with 4-5 stages, the weight tile loaded K-contiguous and transposed in registers,
+# groups of 16) came within 10% of it either way, within run-to-run spread: kept
 TILES = {
     torch.bfloat16: (128, 128, 64, 8, 3),
     torch.float16: (128, 128, 64, 8, 3),
@@ -176,8 +179,6 @@ def swap(module: nn.Module) -> int:
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: on CPU tensors, slowly)."""
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -215,8 +216,8 @@ def apply(family, config, name: str = "") -> str:
         choice = "off"
     elif torch.device(config.device).type != "cuda" and not interpreting():
         choice = "cpu kernels"
-        logger.info("batch_invariant for model %s: on CPU nothing is swapped (the CPU kernels' results are "
-                    "checked batched == alone)", name)
+        logger.info("batch_invariant for model %s: on CPU the linears stay (the CPU kernels' results are "
+                    "checked batched == alone); the VAE encodes and decodes one request per call", name)
     elif isinstance(transformer, nn.Module):
         denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
         count = sum(swap(m) for m in denoisers)
