@@ -115,10 +115,10 @@ class EngineConfig:
         instead of cuBLAS, so a request's output does not depend on the rows it is batched with (cuBLAS
         picks other kernels for other row counts: bf16 outputs moved by up to 1% after 4 steps on an
         H200). Costs speed (the full-size FLUX.1-dev forward x1.23 on an H200: ``benchmarks.gpu_check``'s
-        ``invariant`` and ``flux`` sections); refused with ``quant``,
-        ``max_loras`` > 0 and parallel degrees > 1. The VAE then encodes and decodes one request per call
-        (on every device). On CPU the linears stay (the CPU kernels' results are checked batched ==
-        alone). Default False. See ``dit_core.invariant_linear``.
+        ``invariant`` and ``flux`` sections); refused with ``quant``, ``max_loras`` > 0, parallel
+        degrees > 1 and ``compile`` (measured: compiled, it did not hold). The VAE then encodes and
+        decodes one request per call (on every device). On CPU the linears stay (the CPU kernels'
+        results are checked batched == alone). Default False. See ``dit_core.invariant_linear``.
     quant: weight quantization of the transformer (or the components named with ``,components=``):
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.

@@ -128,7 +128,8 @@ def test_on_cpu_without_the_interpreter_nothing_is_swapped_and_the_config_says_s
 
 @pytest.mark.parametrize("kw,why", [({"quant": "int8-weight"}, "quantized layers keep their own GEMMs"),
                                     ({"max_loras": 2}, "LoRA deltas are batched matmuls"),
-                                    ({"ulysses": 2}, "parallel degrees > 1")])
+                                    ({"ulysses": 2}, "parallel degrees > 1"),
+                                    ({"compile": True}, "inductor's own kernels")])
 def test_refused_where_it_cannot_hold_naming_the_field(kw, why):
     from dit_core.config import EngineConfig
 
