@@ -50,8 +50,6 @@ from torch import nn
 # whether bf16 is native here: one test for the whole engine (the gemm attention backend's)
 from attention.backends.gemm import native_bf16  # noqa: F401
 
-from .invariant_linear import interpreting
-
 logger = logging.getLogger(__name__)
 CHOICES = ("auto", "onednn", "aten")
 # the row count oneDNN plans the packed layout for; measured: the same speed for 320 to 5,120 rows
@@ -242,8 +240,6 @@ def why_not(config) -> str | None:
         return f"offload {config.offload} streams the blocks' weights"
     if config.parallel.enabled:
         return "parallel degrees > 1 (worker ranks load their own transformer)"
-    if getattr(config, "batch_invariant", False) and interpreting():
-        return "batch_invariant under Triton's interpreter runs the linears (dit_core.invariant_linear)"
     return None
 
 
@@ -354,15 +350,21 @@ def release_file_pages(tensors, mapped: list[tuple[int, int]] | None = None) -> 
 def apply(family, config, name: str = "") -> str:
     """Pack the family's transformer's linears when ``config.cpu_linear`` resolves to ``onednn``
     (in bf16, with the MLP's GELU fused where ``dit_core.cpu_fusions`` applies); records
-    ``family.cpu_linear`` (what ran) and logs the choice in one line."""
+    ``family.cpu_linear`` (what ran: ``aten`` where no layer was left to pack) and logs the choice in
+    one line."""
     from . import cpu_fusions
 
     choice, reason = resolve(config)
     transformer = getattr(family, "transformer", None)
-    if choice == "onednn" and isinstance(transformer, nn.Module):
+    if not isinstance(transformer, nn.Module):
+        choice, reason = "aten", "no transformer module"
+    if choice == "onednn":
         # a family's ``denoisers`` when it has several (two-stage Wan 2.2: both transformers)
         denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
         count = sum(pack(m) for m in denoisers)
+        if not count:  # every linear already another kind (quantized, or batch_invariant's)
+            choice, reason = "aten", "no plain nn.Linear layer left in the transformer to pack"
+    if choice == "onednn":
         # bf16: tanh-GELU as a post-op of the packed linear before it, unless LoRA hooks add to that
         # linear's output (``cpu_fusions``; fp32 and layers left unpacked are not touched)
         fused = 0 if getattr(config, "max_loras", 0) else sum(cpu_fusions.fuse(m) for m in denoisers)
@@ -370,7 +372,6 @@ def apply(family, config, name: str = "") -> str:
                     config.cpu_linear, name, count, f", {fused} with GELU fused" if fused else "", reason)
     else:
         choice = "aten"
-        logger.info("cpu_linear=%s -> aten for model %s: %s", config.cpu_linear, name,
-                    reason if transformer is not None else "no transformer module")
+        logger.info("cpu_linear=%s -> aten for model %s: %s", config.cpu_linear, name, reason)
     family.cpu_linear = choice
     return choice

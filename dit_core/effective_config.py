@@ -76,7 +76,8 @@ def _cpu_linear(engine) -> dict:
 
 
 def _batch_invariant(engine) -> dict:
-    """Per model: ``triton`` (linears swapped), ``cpu kernels`` (on CPU, nothing swapped) or ``off``."""
+    """Per model: ``triton`` (linears swapped), ``triton interpreter`` (swapped, ``TRITON_INTERPRET=1``),
+    ``cpu kernels`` (on CPU: linears kept, VAE calls one request each) or ``off``."""
     return {model: getattr(family, "batch_invariant", "off") for model, family in engine.models.items()}
 
 
