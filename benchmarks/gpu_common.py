@@ -79,3 +79,9 @@ def backend_status(name: str, device: torch.device, dtype: torch.dtype, head_dim
     if ok:
         return "ok", why
     return ("not installed" if "not installed" in why else "unavailable"), why
+
+
+def burst(engine, prompts: list[str], params: list) -> list[torch.Tensor]:
+    """Every request added at once and run to completion; each one's first output, float32 on the CPU."""
+    return [o.outputs[0].float().cpu() for o in engine.run_to_completion(
+        [engine.make_request(p, s) for p, s in zip(prompts, params)])]

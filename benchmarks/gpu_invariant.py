@@ -16,7 +16,7 @@ import time
 import torch
 
 from benchmarks.common import interleaved
-from benchmarks.gpu_common import max_abs, rel_err, sync, synced
+from benchmarks.gpu_common import burst, max_abs, rel_err, sync, synced
 
 # name -> (M rows, K in, N out): FLUX.1's linears at 1024 px (double blocks: 4096 image tokens; single
 # blocks: 4096 + 512 joint tokens; b4: four such rows) and a modulation linear at a batch of 4 rows
@@ -74,11 +74,6 @@ def kernel_rows(ctx) -> dict:
     return rows
 
 
-def _burst(engine, prompts, params) -> list[torch.Tensor]:
-    return [o.outputs[0].float().cpu() for o in engine.run_to_completion(
-        [engine.make_request(p, s) for p, s in zip(prompts, params)])]
-
-
 def engine_rows(ctx) -> dict:
     from dit_core import Engine, SamplingParams
 
@@ -102,7 +97,7 @@ def engine_rows(ctx) -> dict:
                 def run(_round: int) -> float:
                     sync(device)
                     start = time.perf_counter()
-                    outputs[name] = _burst(engines[name], prompts, params)
+                    outputs[name] = burst(engines[name], prompts, params)
                     sync(device)
                     return time.perf_counter() - start
                 return run
@@ -111,7 +106,7 @@ def engine_rows(ctx) -> dict:
             alone = {n: [e.generate(p, s)[0].float().cpu() for p, s in zip(prompts, params)]
                      for n, e in engines.items()}
             engines["invariant_per_shape"] = build(dtype, True, mixed=False)
-            per_shape = _burst(engines["invariant_per_shape"], prompts, params)
+            per_shape = burst(engines["invariant_per_shape"], prompts, params)
             row = {"backend": engines["invariant"].attention["joint"].name,
                    "linear_layers": engines["invariant"].family.batch_invariant,
                    "cublas_s": cmp.median("cublas"), "invariant_s": cmp.median("invariant"),
@@ -158,3 +153,21 @@ def invariant_summary(result: dict) -> dict:
                         "invariant_per_shape_vs_alone_max_abs", "invariant_over_cublas_time"):
                 out[f"invariant_engine_{dtype}_{key}"] = row[key]
     return out
+
+
+def set_invariant(module, invariant: bool) -> None:
+    """The ``flux`` section's switch (``benchmarks.gpu_check``): ``module``'s linears through ``batch_invariant``'s GEMM
+    (``InvariantLinear``) or plain ``nn.Linear`` again, the same parameters either way."""
+    import torch.nn as nn
+
+    from dit_core.invariant_linear import InvariantLinear, swap
+
+    if invariant:
+        swap(module)
+        return
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is InvariantLinear:
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
