@@ -9,8 +9,8 @@ stopped after ``--section-timeout`` seconds, and all together get ``--budget`` s
   shapes (FLUX.1 at 512 and 1024 px, batch 1 and 4; SD3 at 1024 px with CFG; Wan 2.1 14B at 480p,
   81 frames), bf16: time per call and max abs error against float32 SDPA (bf16 SDPA, named so, where
   float32 does not fit). A backend whose package is missing is reported as "not installed".
-* ``varlen`` (``benchmarks/gpu_packed.py``, like ``mixed``): packed sequences of mixed lengths (FLUX.1 requests of six sizes and prompt lengths, as
-  the engine packs a mixed-size batch): SDPA once per sequence, SDPA per group of equal lengths, and each
+* ``varlen`` (``benchmarks/gpu_packed.py``, like ``mixed``): packed sequences of mixed lengths (FLUX.1
+  requests of six sizes and prompt lengths, as the engine packs a mixed-size batch): SDPA once per sequence, SDPA per group of equal lengths, and each
   backend's packed path, and torch's FlashAttention varlen kernel: error against float32 SDPA per
   sequence, the first sequence alone against packed with the others, time.
 * ``mixed``: a burst of 8 requests of mixed sizes and prompt lengths on the random ``medium`` FLUX
