@@ -10,9 +10,10 @@ stopped after ``--section-timeout`` seconds, and all together get ``--budget`` s
   81 frames), bf16: time per call and max abs error against float32 SDPA (bf16 SDPA, named so, where
   float32 does not fit). A backend whose package is missing is reported as "not installed".
 * ``varlen`` (``benchmarks/gpu_packed.py``, like ``mixed``): packed sequences of mixed lengths (FLUX.1
-  requests of six sizes and prompt lengths, as the engine packs a mixed-size batch): SDPA once per sequence, SDPA per group of equal lengths, and each
-  backend's packed path, and torch's FlashAttention varlen kernel: error against float32 SDPA per
-  sequence, the first sequence alone against packed with the others, time.
+  requests of six sizes and prompt lengths, as the engine packs a mixed-size batch): SDPA once per
+  sequence, SDPA per group of equal lengths, each backend's packed path, and torch's FlashAttention
+  varlen kernel: error against float32 SDPA per sequence, the first sequence alone against packed with
+  the others, time.
 * ``mixed``: a burst of 8 requests of mixed sizes and prompt lengths on the random ``medium`` FLUX
   checkpoint: the engine packing them into shared forwards against one batch per size, interleaved;
   the two sides' outputs and each request run alone compared, and packed against alone once more in

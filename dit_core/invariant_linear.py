@@ -27,9 +27,10 @@ Settings (``EngineConfig.batch_invariant``, ``--batch-invariant``): False (defau
 its ``denoisers``) an :class:`InvariantLinear`; it needs Triton (an error naming the field where it is
 missing), and is refused with ``quant`` (quantized kernels are cuBLAS's or torch's scaled GEMMs),
 ``max_loras`` > 0 (adapter deltas are batched matmuls), parallel degrees > 1 (worker ranks build
-their own transformer) and ``compile=True`` (measured: inductor's own kernels broke it, below). On CPU the linears are not swapped: the CPU engine's results are already
-checked batched == alone (``tests/test_batching.py``); only the VAE calls go one request at a time. The
-choice is logged and shown in the effective config.
+their own transformer) and ``compile=True`` (measured: inductor's own kernels broke it, below). On
+CPU the linears are not swapped: the CPU engine's results are already checked batched == alone
+(``tests/test_batching.py``); only the VAE calls go one request at a time. The choice is logged and
+shown in the effective config.
 
 Under ``torch.compile`` the layer is one opaque op (``omnidit::invariant_linear``, with a fake
 implementation), so inductor cannot replace it with its own GEMM templates. The engine still refuses
