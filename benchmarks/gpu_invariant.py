@@ -124,7 +124,8 @@ def engine_rows(ctx) -> dict:
         out[dtype] = row
         print(f"  engine {dtype}: packed vs alone cuBLAS {row['cublas_packed_vs_alone_max_abs']:.2e}, invariant "
               f"{row['invariant_packed_vs_alone_max_abs']:.2e} "
-              f"(per size {row['invariant_per_shape_vs_alone_max_abs']:.2e}; of {row['alone_max_abs']:.3g}); time x{row['invariant_over_cublas_time']:.2f} of cuBLAS's",
+              f"(per size {row['invariant_per_shape_vs_alone_max_abs']:.2e}; of {row['alone_max_abs']:.3g}); "
+              f"time x{row['invariant_over_cublas_time']:.2f} of cuBLAS's",
               flush=True)
     return out
 
