@@ -54,8 +54,10 @@ logger = logging.getLogger(__name__)
 # dtype -> the one tiling used for every shape: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Chosen
 # on an H200 (Triton 3.6) over FLUX.1's linear shapes: bf16 the best of 8 tilings tried (x1.37-1.70 of
 # cuBLAS's time per call), float32 the best of 6 (x2.3 at 1,280-4,608 rows; x6.9 at 4 rows). A second
-# sweep (BLOCK_K 32 with 4-5 stages, the weight tile loaded K-contiguous and transposed in registers,
-# groups of 16) came within 10% of it either way, within run-to-run spread: kept
+# sweep, per shape against this tiling's time: the weight tile loaded K-contiguous and transposed in
+# registers x0.78-x1.06 (faster at 4 of 5 shapes, most at the 4-row one, whose own ratio to cuBLAS moved
+# x1.6-x2.0 between runs), groups of 16 x0.95-x0.99, BLOCK_K 32 x0.93-x1.24. Not adopted without a
+# repeat run on a GPU (none left this session)
 TILES = {
     torch.bfloat16: (128, 128, 64, 8, 3),
     torch.float16: (128, 128, 64, 8, 3),
