@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 # cuBLAS's time per call), float32 the best of 6 (x2.3 at 1,280-4,608 rows; x6.9 at 4 rows). A second
 # sweep, per shape against this tiling's time: the weight tile loaded K-contiguous and transposed in
 # registers x0.78-x1.06 (faster at 4 of 5 shapes, most at the 4-row one, whose own ratio to cuBLAS moved
-# x1.6-x2.0 between runs), groups of 16 x0.95-x0.99, BLOCK_K 32 x0.94-x1.24. Not adopted without a
+# x1.6-x2.1 between runs), groups of 16 x0.95-x0.99, BLOCK_K 32 x0.94-x1.24. Not adopted without a
 # repeat run on a GPU (none left this session)
 TILES = {
     torch.bfloat16: (128, 128, 64, 8, 3),
