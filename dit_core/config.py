@@ -26,7 +26,9 @@ class EngineConfig:
 
     device: the torch device the engine computes on, e.g. ``cpu`` or ``cuda:0`` (CUDA only where present).
     max_batch_size: requests per forward (each request may bring several rows:
-        ``num_outputs``, doubled when it uses CFG).
+        ``num_outputs``, doubled when it uses CFG). With ``mixed_sizes``, small requests of many sizes
+        reach this cap long before ``max_tokens_per_step``: for such traffic, raise it (see
+        ``docs/guide/mixed-traffic.md``).
     max_tokens_per_step: rows x (image + text tokens) per forward. A request that
         alone exceeds it is rejected when added.
     mixed_sizes: requests of different sizes (and text lengths) share one forward, each row's tokens

@@ -24,7 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-warmup", default=None,
                    help="image sizes the --compile warm-up covers, e.g. 32x32,64x64 (default: the model's size)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
-    p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward (default 8)")
+    p.add_argument("--max-batch-size", type=int, default=8,
+                   help="requests per forward (default 8); with mixed sizes packed, raise it for traffic of "
+                        "many small requests (the token budget still bounds a forward)")
     p.add_argument("--max-tokens-per-step", type=int, default=65536,
                    help="rows x tokens per forward, CFG rows counted (default 65536)")
     p.add_argument("--no-mixed-sizes", dest="mixed_sizes", action="store_false",
