@@ -25,17 +25,14 @@ round, after the same warm-up, one request of every size, for each):
   text length), so mixed traffic fragments into small batches;
 * ``diffusers``: the stock pipeline (``FluxPipeline`` / ``QwenImagePipeline``), one request at a time,
   in arrival order;
-* ``packed b=8``: the packed engine with ``EngineConfig.max_batch_size`` at its default, 8 requests per
-  forward (run when ``--max-batch-size`` is not 8; keys ``packed_default_cap_over_per_shape_*``).
+* ``packed, no cap``: the packed engine with ``max_batch_size`` = ``--requests`` (run when
+  ``--max-batch-size`` is below it; keys ``packed_no_cap_over_per_shape_*``): the token budget
+  (``max_tokens_per_step``) alone bounds its forwards. With the cap of 8 (the engine's default and
+  ``--max-batch-size``'s), the cap, not the token budget, bounds a packed forward of these small requests
+  (about 100 tokens each), while the per-shape engine's batches never reach it (their mean is 1.3-2.6).
 
-``--max-batch-size`` (both engines above) defaults to the round's request count: no request cap, so the
-token budget (``max_tokens_per_step``) is the admission rule, as issue 39 asks of packed batches. The
-engine's default cap of 8 requests, not the token budget, is what bounds a packed forward of these small
-requests (about 100 tokens each): measured on a 2-core EPYC, 24 requests arriving together ran in 4.1-4.7 s
-packed with no cap against 4.6-5.5 s with the cap of 8, while the per-shape engine's batches never reach 8
-(their mean is 1.5). Both figures are written. The engines run with every other ``EngineConfig`` field at
-its default (``batch_limits`` too: fixed unless ``max_step_ms`` is set) and the prompt cache off; every
-round sends fresh prompts. Per side: throughput (requests / seconds until the last finished) and p95 latency (finish -
+The engines run with every other ``EngineConfig`` field at its default (``batch_limits`` too: fixed
+unless ``max_step_ms`` is set) and the prompt cache off; every round sends fresh prompts. Per side: throughput (requests / seconds until the last finished) and p95 latency (finish -
 arrival); per engine side also ``forward_s``, the seconds inside its transformer forwards (``run_engine``),
 and per round ``last_arrival_s`` / ``drain_s`` (last finish - last arrival): no side's wall can be
 shorter than the last arrival plus that request's own latency, which bounds every throughput ratio.
@@ -91,8 +88,7 @@ SUBJECTS = ["cat", "dog", "red car", "house by the sea", "tree", "bird", "city a
 DETAIL = "with soft morning light, seen from a low angle, in muted colors, with a lot of fine detail"
 SAME_ENGINE_TOL = 1e-5  # packed vs per-shape: issue 39's fidelity bound for a mixed batch against solo
 DIFFUSERS_TOL = 1e-4  # an engine vs the stock pipeline, as in every benchmark
-DEFAULT_CAP = 8  # EngineConfig.max_batch_size's default (checked against it in main)
-CAPPED = f"packed b={DEFAULT_CAP}"
+UNCAPPED = "packed, no cap"
 KEYS = ("packed_over_per_shape_throughput", "packed_over_per_shape_p95", "packed_over_diffusers_throughput",
         "outputs_identical", "audio_throughput_ratio", "throughput_ratio_256", "warm_start_compile_ratio",
         "first_request_after_ready_s")
@@ -302,9 +298,9 @@ def measure_model(work: Workload, args) -> dict:
     if packable:
         engines["packed"] = Engine.from_pretrained(folder, mixed_sizes=True, **common)
         engines["per-shape"] = Engine.from_pretrained(folder, mixed_sizes=False, **common)
-        if args.max_batch_size != DEFAULT_CAP:  # the packed engine as a user gets it, in the same rounds
-            engines[CAPPED] = Engine.from_pretrained(folder, mixed_sizes=True, **{**common,
-                                                                                    "max_batch_size": DEFAULT_CAP})
+        if args.max_batch_size < args.requests:  # the packed engine with no request cap, in the same rounds
+            engines[UNCAPPED] = Engine.from_pretrained(folder, mixed_sizes=True, **{**common,
+                                                                                      "max_batch_size": args.requests})
     else:  # today's engine: the per-shape side only; the packed figures stay null
         engines["per-shape"] = Engine.from_pretrained(folder, **common)
     for name, engine in engines.items():
@@ -322,7 +318,7 @@ def measure_model(work: Workload, args) -> dict:
     mixed.rate = rate = args.load * cap
     cmp = interleaved(sides, args.repeats, warmup=0)
     diffs = {"packed_vs_per_shape": mixed.max_diff("packed", "per-shape"),
-             "packed_default_cap_vs_per_shape": mixed.max_diff(CAPPED, "per-shape"),
+             "packed_no_cap_vs_per_shape": mixed.max_diff(UNCAPPED, "per-shape"),
              "packed_vs_diffusers": mixed.max_diff("packed", "diffusers"),
              "per_shape_vs_diffusers": mixed.max_diff("per-shape", "diffusers")}
     result = {"model": work.name, "folder": str(folder), "requests": args.requests, "steps": args.steps,
@@ -337,13 +333,12 @@ def measure_model(work: Workload, args) -> dict:
                 "packed_over_diffusers_throughput": ("packed", "diffusers", "throughput_img_s")}.items():
             result[key] = cmp.ratio(num, den, metric)
             result[key + "_spread"] = cmp.ratio_spread(num, den, metric)
-        if CAPPED in cmp.sides:
+        if UNCAPPED in cmp.sides:
             for key, metric in (("throughput", "throughput_img_s"), ("p95", "p95_s")):
-                result[f"packed_default_cap_over_per_shape_{key}"] = cmp.ratio(CAPPED, "per-shape", metric)
-                result[f"packed_default_cap_over_per_shape_{key}_spread"] = cmp.ratio_spread(CAPPED, "per-shape",
-                                                                                              metric)
+                result[f"packed_no_cap_over_per_shape_{key}"] = cmp.ratio(UNCAPPED, "per-shape", metric)
+                result[f"packed_no_cap_over_per_shape_{key}_spread"] = cmp.ratio_spread(UNCAPPED, "per-shape", metric)
         result["outputs_identical"] = (diffs["packed_vs_per_shape"] <= SAME_ENGINE_TOL
-                                       and (diffs["packed_default_cap_vs_per_shape"] or 0.0) <= SAME_ENGINE_TOL
+                                       and (diffs["packed_no_cap_vs_per_shape"] or 0.0) <= SAME_ENGINE_TOL
                                        and diffs["packed_vs_diffusers"] <= DIFFUSERS_TOL
                                        and diffs["per_shape_vs_diffusers"] <= DIFFUSERS_TOL)
     med = lambda s, m: cmp.median(s, m)  # noqa: E731
@@ -446,8 +441,8 @@ def summarize(models: dict[str, dict], audio: dict | None, big: dict | None, war
     if models and len(packed) == len(models):
         for key, pick in (("packed_over_per_shape_throughput", min), ("packed_over_per_shape_p95", max),
                           ("packed_over_diffusers_throughput", min),
-                          ("packed_default_cap_over_per_shape_throughput", min),
-                          ("packed_default_cap_over_per_shape_p95", max)):
+                          ("packed_no_cap_over_per_shape_throughput", min),
+                          ("packed_no_cap_over_per_shape_p95", max)):
             if all(key in r for r in packed.values()):
                 summary[key + "_by_model"] = {m: r[key] for m, r in packed.items()}
                 summary[key] = pick(summary[key + "_by_model"].values())
@@ -519,25 +514,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--load", type=float, default=4.0,
                     help="Poisson arrival rate as a multiple of diffusers' measured capacity (default 4: above "
                          "every side's capacity, so no side's throughput is the arrival rate's)")
-    ap.add_argument("--max-batch-size", type=int, default=None,
-                    help="EngineConfig.max_batch_size of the packed and per-shape engines (default: --requests, so "
-                         "no request cap: the token budget bounds a step); when it is not the engine's default "
-                         f"({DEFAULT_CAP}), a third engine, packed with the default cap, runs in the same rounds")
+    ap.add_argument("--max-batch-size", type=int, default=8,
+                    help="EngineConfig.max_batch_size of the packed and per-shape engines (default 8, the engine's); "
+                         "when it is below --requests, one more packed engine with no request cap (max_batch_size "
+                         "= --requests: the token budget bounds a step) runs in the same rounds")
     ap.add_argument("--models", default=",".join(WORKLOADS), help=f"of {list(WORKLOADS)}")
     ap.add_argument("--skip", default="", help="comma-separated parts left out: audio, 256, warm (their keys null)")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.steps, args.repeats = 12, 4, 3
-    if args.max_batch_size is None:
-        args.max_batch_size = args.requests
     started = time.perf_counter()
     fields = engine_fields()
-    from dit_core.config import EngineConfig
-
-    default_cap = {f.name: f.default for f in dataclasses.fields(EngineConfig)}["max_batch_size"]
-    if default_cap != DEFAULT_CAP:
-        ap.error(f"EngineConfig.max_batch_size's default is {default_cap}, not {DEFAULT_CAP}: "
-                 "update benchmarks.mixed_traffic.DEFAULT_CAP")
     print(f"EngineConfig.mixed_sizes: {'present' if 'mixed_sizes' in fields else 'MISSING (no packed side)'}; "
           f"learned batch limits (batch_gain_threshold): "
           f"{'present' if 'batch_gain_threshold' in fields else 'MISSING (audio_throughput_ratio null)'}", flush=True)

@@ -111,14 +111,14 @@ def test_mixed_traffic_summary_has_every_issue_key_and_nulls_what_it_could_not_m
     assert summary["packed_over_diffusers_throughput"] == 2.8 and summary["outputs_identical"] is False
     assert summary["audio_throughput_ratio"] == 1.1 and summary["warm_start_compile_ratio"] == 0.25
     assert summary["targets"]["warm_start_compile_ratio <= 0.3"] is True
-    assert "packed_default_cap_over_per_shape_throughput" not in summary  # no default-cap side was run
-    # the packed engine at the engine's default request cap, run beside: its worse figure over models too
-    capped = {m: {**r, "packed_default_cap_over_per_shape_throughput": cap,
-                  "packed_default_cap_over_per_shape_p95": 1.0} for (m, r), cap in zip(models.items(), (1.5, 1.25))}
-    summary = mt.summarize(capped, audio, big, warm)
-    assert summary["packed_default_cap_over_per_shape_throughput"] == 1.25
-    assert summary["packed_default_cap_over_per_shape_throughput_by_model"]["flux-small"] == 1.5
-    assert summary["packed_default_cap_over_per_shape_p95"] == 1.0
+    assert "packed_no_cap_over_per_shape_throughput" not in summary  # no uncapped side was run
+    # the packed engine with no request cap, run beside: its worse figure over models too
+    uncapped = {m: {**r, "packed_no_cap_over_per_shape_throughput": cap,
+                    "packed_no_cap_over_per_shape_p95": 1.0} for (m, r), cap in zip(models.items(), (1.5, 1.25))}
+    summary = mt.summarize(uncapped, audio, big, warm)
+    assert summary["packed_no_cap_over_per_shape_throughput"] == 1.25
+    assert summary["packed_no_cap_over_per_shape_throughput_by_model"]["flux-small"] == 1.5
+    assert summary["packed_no_cap_over_per_shape_p95"] == 1.0
     # no packed side (EngineConfig without mixed_sizes) and no learned limits: null, with the reason
     today = {m: {k: v for k, v in r.items() if not k.startswith(("packed", "outputs"))} for m, r in models.items()}
     summary = mt.summarize(today, {**audio, "learned_batch_limits": False}, big, None, {"warm": "left out"})
