@@ -14,7 +14,6 @@ import torch
 
 from ..request import Request
 from .base import BlockInputs
-from . import rotary
 from .packed_rows import PackedRows, RowTokens, joint_attend, modulate
 from .processors.flux import _project
 
@@ -121,7 +120,7 @@ def single_block(block, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Te
 def joint_attention(layout: PackedRows, q, k, v, backend) -> torch.Tensor:
     """Attention of each row over [its text; its image] tokens with its rotary table; q/k/v [T, H, D] in the
     streams' order (all text tokens, then all image tokens); returns [T, H * D] in that order."""
-    return joint_attend(layout, q, k, v, backend, rotate=rotary.rotate)
+    return joint_attend(layout, q, k, v, backend, rotate=_rotate)
 
 
 def cache_signal(family, x: BlockInputs) -> torch.Tensor:
@@ -133,3 +132,10 @@ def cache_signal(family, x: BlockInputs) -> torch.Tensor:
 def _heads(attn, qkv, norm_q, norm_k):
     q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv)
     return norm_q(q), norm_k(k), v
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb`` (real form, FLUX's pairing) with one table row per token: x [T, H, D]."""
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
+from diffusers.models.embeddings import apply_rotary_emb
 
 from attention import Backend, attend
-
-from .. import rotary
 
 
 class FluxProcessor:
@@ -32,8 +31,9 @@ class FluxProcessor:
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
         if image_rotary_emb is not None:
-            # [S, D] tables (diffusers' ``apply_rotary_emb``, sequence_dim 1) or per-row [B, S, D]
-            q, k = rotary.rotate(q, *image_rotary_emb), rotary.rotate(k, *image_rotary_emb)
+            rotate = _rotate_rows if image_rotary_emb[0].dim() == 3 else (
+                lambda x, emb: apply_rotary_emb(x, emb, sequence_dim=1))
+            q, k = rotate(q, image_rotary_emb), rotate(k, image_rotary_emb)
         out = attend(q, k, v, self.backend, valid=valid).flatten(2, 3).to(q.dtype)
         if not joint:
             return out
@@ -46,3 +46,11 @@ def _project(attn, x, fused: str, names=("to_q", "to_k", "to_v")):
     if getattr(attn, "fused_projections", False) and hasattr(attn, fused):
         return getattr(attn, fused)(x).chunk(3, dim=-1)
     return tuple(getattr(attn, n)(x) for n in names)
+
+
+def _rotate_rows(x: torch.Tensor, emb) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb`` (real form, FLUX's pairing) with per-row tables [B, S, D]."""
+    cos, sin = emb[0][:, :, None, :], emb[1][:, :, None, :]
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
