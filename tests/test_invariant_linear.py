@@ -177,7 +177,6 @@ def test_with_streamed_blocks_the_swapped_layers_read_the_streamed_weights(inter
         streamed.close()
 
 
-
 def test_the_vae_encodes_and_decodes_one_request_per_call(tiny_models):
     """Three image-to-image requests admitted together: three VAE encodes (without the flag one call
     for all three, as ``decode_pixel_budget`` allows) and one decode each; each equals its run alone."""
