@@ -34,8 +34,9 @@ round, after the same warm-up, one request of every size, for each):
 The engines run with every other ``EngineConfig`` field at its default (``batch_limits`` too: fixed
 unless ``max_step_ms`` is set) and the prompt cache off; every round sends fresh prompts. Per side:
 throughput (requests / seconds until the last finished) and p95 latency (finish - arrival); per engine
-side also ``forward_s``, the seconds inside its transformer forwards (``run_engine``), and per round ``last_arrival_s`` / ``drain_s`` (last finish - last arrival): no side's wall can be
-shorter than the last arrival plus that request's own latency, which bounds every throughput ratio.
+side also ``forward_s``, the seconds inside its transformer forwards (``run_engine``), and per round
+``last_arrival_s`` / ``drain_s`` (last finish - last arrival): no side's wall can be shorter than the
+last arrival plus that request's own latency, which bounds every throughput ratio.
 Every request's output is compared across the sides (max abs diff): ``outputs_identical`` holds when
 both packed engines and per-shape agree within 1e-5 (issue 39's fidelity bound) and packed and per-shape
 agree with diffusers within 1e-4 (every benchmark's bound against diffusers), on every request of every
