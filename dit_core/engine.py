@@ -18,6 +18,7 @@ import torch
 from ar_adapters import PromptCache
 from attention import resolve as resolve_attention
 
+from .adapters.model_stores import adapter_store, attach_adapters, check_loras, pin_loras
 from .cache import make_step_cache
 from . import cpu_linear, invariant_linear
 from .config import EngineConfig
@@ -452,51 +453,6 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
             release_offload(family)
             family.close()
         raise
-
-
-def attach_adapters(models: dict[str, Family], config: EngineConfig) -> None:
-    """Give each model that takes LoRA adapters its store (``family.adapters``) when ``max_loras`` > 0."""
-    from .adapters import LOADERS, AdapterStore
-
-    for family in models.values():
-        family.adapters = None
-        if config.max_loras and family.name in LOADERS:
-            family.adapters = AdapterStore(family, config.max_loras, config.max_lora_rank)
-
-
-def adapter_store(family: Family, name: str):
-    store = getattr(family, "adapters", None)
-    if store is None:
-        from .adapters import LOADERS
-
-        why = ("max_loras=0 in this engine" if family.name in LOADERS
-               else f"LoRA adapters are supported for {sorted(LOADERS)} models so far")
-        raise InvalidParamError("loras", name, f"a model that takes LoRA adapters (model {name!r}: {why})")
-    return store
-
-
-def pin_loras(family: Family, name: str, loras) -> None:
-    """Check and hold a request's adapters at once (under the store's lock). An adapter unloaded since the
-    request was checked (``make_request``, in another thread) is the request's ``InvalidParamError``."""
-    from .adapters import AdapterNotLoadedError
-
-    store = adapter_store(family, name)
-    try:
-        store.pin(loras)
-    except AdapterNotLoadedError as e:
-        leaving = " and not being unloaded" if store.is_retiring(e.name) else ""  # (AdapterStore.retire)
-        usable = sorted(d["name"] for d in store.describe() if not store.is_retiring(d["name"]))
-        raise InvalidParamError("loras", e.name, f"an adapter loaded for model {name!r}{leaving}: "
-                                                 f"{usable or 'none loaded'}") from e
-
-
-def check_loras(family: Family, name: str, loras) -> None:
-    """Every adapter a request names is resident for its model."""
-    store = adapter_store(family, name)
-    for adapter, _ in loras:
-        if adapter not in store.adapters:
-            raise InvalidParamError("loras", adapter, f"an adapter loaded for model {name!r}: "
-                                                      f"{sorted(store.adapters) or 'none loaded'}")
 
 
 def require_policy(family: Family, name: str) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from dit_core import InvalidParamError
 from dit_core.adapters import (AdapterError, AdapterExistsError, AdapterInUseError, AdapterNotLoadedError,
                                AdapterTransformersError)
-from dit_core.engine import adapter_store
+from dit_core.adapters.model_stores import adapter_store
 
 from .auth import owner_of
 from .errors import APIError

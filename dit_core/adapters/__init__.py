@@ -5,7 +5,8 @@
   with clear errors for whatever cannot apply;
 - ``store``: the resident adapters of one model (``max_loras``, ``max_lora_rank``; LRU; an adapter
   held by a live request is never evicted);
-- ``apply``: the per-row deltas inside one forward (hooks on the existing linear layers).
+- ``apply``: the per-row deltas inside one forward (hooks on the existing linear layers);
+- ``model_stores``: the engine's side: each model's store, and the checks a request's adapters pass.
 """
 
 from .apply import RowAdapters, linear_layers
