@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from attention.rotary import TableCache, rotate_pairs
+
 from ..request import Request
 from .base import BlockInputs
 from .packed_rows import PackedRows, RowTokens, joint_attend, modulate
@@ -135,7 +137,10 @@ def _heads(attn, qkv, norm_q, norm_k):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """diffusers' ``apply_rotary_emb`` (real form, FLUX's pairing) with one table row per token: x [T, H, D]."""
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
-    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+    """diffusers' ``apply_rotary_emb`` (real form, FLUX's pairing) with one table row per token: x [T, H, D]
+    (bit-identical, as one complex multiply where that is: ``attention.rotary``)."""
+    table = _TABLES.get(cos, sin)
+    return rotate_pairs(x, None if table is None else table[:, None, :], cos[:, None, :], sin[:, None, :])
+
+
+_TABLES = TableCache()  # the layout's per-token tables are the same tensors in every block of a forward

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import torch
-from diffusers.models.embeddings import apply_rotary_emb
 
 from attention import Backend, attend
+from attention.rotary import TableCache, rotate_pairs
 
 
 class FluxProcessor:
     def __init__(self, backends: dict[str, Backend]):
         self.backend = backends["joint"]
+        self.tables = TableCache()
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, image_rotary_emb=None,
@@ -30,10 +31,12 @@ class FluxProcessor:
             eq, ek, ev = eq.unflatten(-1, heads), ek.unflatten(-1, heads), ev.unflatten(-1, heads)
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
-        if image_rotary_emb is not None:
-            rotate = _rotate_rows if image_rotary_emb[0].dim() == 3 else (
-                lambda x, emb: apply_rotary_emb(x, emb, sequence_dim=1))
-            q, k = rotate(q, image_rotary_emb), rotate(k, image_rotary_emb)
+        if image_rotary_emb is not None:  # shared tables [L, D], or per row [B, L, D]
+            cos, sin = image_rotary_emb
+            table = self.tables.get(cos, sin)
+            cos, sin, table = (None if t is None else t[:, :, None, :] if t.dim() == 3 else t[None, :, None, :]
+                               for t in (cos, sin, table))
+            q, k = rotate_pairs(q, table, cos, sin), rotate_pairs(k, table, cos, sin)
         out = attend(q, k, v, self.backend, valid=valid).flatten(2, 3).to(q.dtype)
         if not joint:
             return out
@@ -47,10 +50,3 @@ def _project(attn, x, fused: str, names=("to_q", "to_k", "to_v")):
         return getattr(attn, fused)(x).chunk(3, dim=-1)
     return tuple(getattr(attn, n)(x) for n in names)
 
-
-def _rotate_rows(x: torch.Tensor, emb) -> torch.Tensor:
-    """diffusers' ``apply_rotary_emb`` (real form, FLUX's pairing) with per-row tables [B, S, D]."""
-    cos, sin = emb[0][:, :, None, :], emb[1][:, :, None, :]
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

@@ -9,10 +9,20 @@ from __future__ import annotations
 import torch
 
 from attention import Backend, attend
+from attention.rotary import TableCache, rotate_pairs
+
+_TABLES = TableCache()  # a forward's blocks rotate with the same tables: the complex one is built once
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's interleaved rotary embedding on [B, L, H, D] (pairs (0,1), (2,3), ...)."""
+    """Wan's interleaved rotary embedding on [B, L, H, D] (pairs (0,1), (2,3), ...): as one complex
+    multiply where that is bit-identical (``attention.rotary``; the table is built once per forward)."""
+    table = _TABLES.get(cos, sin)
+    return rotate_pairs(x, table, cos, sin, real=real_rotate)
+
+
+def real_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotation in diffusers' real form."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[..., 0::2], sin[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
