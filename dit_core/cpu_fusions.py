@@ -1,4 +1,5 @@
-"""GELU fused into the packed bf16 linear before it (a oneDNN post-op), on CPUs with native bf16.
+"""GELU fused into the packed linear before it (a oneDNN post-op): bf16 on CPUs with native bf16, fp32 on
+CPUs with AVX-512.
 
 In an eager bf16 forward on CPU, the MLP's tanh-GELU is a separate pass over the widest activation of
 every block: on the small FLUX at 256x256, batch 8, it was 43 ms of a 384 ms forward (11%, 5 ms a
@@ -18,9 +19,16 @@ It applies only where nothing adds to the linear's output before the activation:
 when it packs bf16 linears (``cpu_linear``) and ``max_loras`` is 0 (LoRA adds each row's delta to the
 linear's output through a forward hook). ``quant.swap_linears`` leaves a fused layer as it is (it is no
 longer a plain linear: ``dense_linear`` is None), and a fused layer cast to another dtype computes
-``gelu(linear(x))`` densely, as before fusing. fp32 is not fused: on an AVX2-only EPYC the fused fp32
-GEMM measured slower (``benchmarks/flux_stages.py``), and fp32 outputs stay those of diffusers' order
-of operations.
+``gelu(linear(x))`` densely, as before fusing (``cpu_linear.pack`` packs it again, fused, in the new
+dtype).
+
+float32 fuses only where the CPU has AVX-512 (``fp32_fuses``). On the 2-core AVX-512 BF16 EPYC the fused
+640 x 384 -> 1536 projection ran x1.3 the speed of the linear then ``F.gelu``
+(``gelu_fused_over_separate_speed_float32_*`` of ``python -m benchmarks.bf16_path``), and the eager fp32
+engine x1.03 faster at 64x64 (8 prompts, 64 text tokens); an earlier measurement on an AVX2-only EPYC had
+the fused fp32 GEMM slower, so there fp32 keeps the separate pass. oneDNN's GELU differs from torch's by
+up to 4.8e-7 on its outputs (the same order as the packed GEMM's own difference from aten's, about 3e-6
+on the tests' images; the engine's fp32 images stay within the tests' 1e-4 of diffusers).
 """
 
 from __future__ import annotations
@@ -65,11 +73,13 @@ class PackedLinearGELU(PackedLinear):
 
 
 class Projection(nn.Module):
-    """What diffusers' ``GELU`` activation becomes once its GELU lives in ``proj``: ``proj(x)``."""
+    """What diffusers' ``GELU`` activation becomes once its GELU lives in ``proj``: ``proj(x)``. Keeps the
+    activation module it replaced (outside its children: ``state_dict`` keys stay ``proj.*``) for ``unfuse``."""
 
-    def __init__(self, proj: PackedLinearGELU):
+    def __init__(self, proj: PackedLinearGELU, original: nn.Module):
         super().__init__()
         self.proj = proj
+        self.__dict__["original"] = original
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.proj(hidden_states)
@@ -79,8 +89,16 @@ def _tanh_gelu(module) -> bool:
     return getattr(module, "approximate", None) == "tanh"
 
 
+def fp32_fuses() -> bool:
+    """Whether packed float32 linears take the GELU too: on CPUs with AVX-512 (measured faster there,
+    slower on an AVX2-only EPYC; see the module)."""
+    return torch.cpu._is_avx512_supported()
+
+
 def _fusable(layer) -> bool:
-    return type(layer) is PackedLinear and layer.is_packed and layer.weight.dtype == torch.bfloat16
+    if not (type(layer) is PackedLinear and layer.is_packed):
+        return False
+    return layer.weight.dtype == torch.bfloat16 or (layer.weight.dtype == torch.float32 and fp32_fuses())
 
 
 def _fuse_gelu_module(parent: nn.Module, name: str, module: nn.Module) -> bool:
@@ -88,7 +106,7 @@ def _fuse_gelu_module(parent: nn.Module, name: str, module: nn.Module) -> bool:
     if not (_tanh_gelu(module) and _fusable(getattr(module, "proj", None))):
         return False
     module.proj.__class__ = PackedLinearGELU  # same state, the fused forward
-    setattr(parent, name, Projection(module.proj))
+    setattr(parent, name, Projection(module.proj, module))
     return True
 
 
@@ -102,8 +120,30 @@ def _fuse_flux_single(parent: nn.Module, name: str, block: nn.Module) -> bool:
     return True
 
 
-# module class name -> fuse(parent, attribute name, module) -> whether it fused
+def _unfuse_projection(parent: nn.Module, name: str, module: Projection) -> bool:
+    original = module.original
+    module.proj.__class__ = PackedLinear
+    original.proj = module.proj
+    setattr(parent, name, original)
+    return True
+
+
+def _unfuse_flux_single(parent: nn.Module, name: str, block: nn.Module) -> bool:
+    if not isinstance(getattr(block, "proj_mlp", None), PackedLinearGELU):
+        return False
+    block.proj_mlp.__class__ = PackedLinear
+    block.act_mlp = nn.GELU(approximate="tanh")
+    return True
+
+
+# module class name -> fuse(parent, attribute name, module) -> whether it fused; and the reverse
 FUSIONS = {"GELU": _fuse_gelu_module, "FluxSingleTransformerBlock": _fuse_flux_single}
+UNFUSIONS = {"Projection": _unfuse_projection, "FluxSingleTransformerBlock": _unfuse_flux_single}
+
+
+def fused_count(module: nn.Module) -> int:
+    """How many packed layers under ``module`` run with the GELU fused."""
+    return sum(isinstance(m, PackedLinearGELU) and m.is_packed for m in module.modules())
 
 
 def fuse(module: nn.Module) -> int:
@@ -116,4 +156,17 @@ def fuse(module: nn.Module) -> int:
                 count += 1
     if count:
         logger.info("cpu_fusions: tanh-GELU fused into %d packed bf16 linears", count)
+    return count
+
+
+def unfuse(module: nn.Module) -> int:
+    """Undo ``fuse`` under ``module``, in place (the activations back as they were, the layers plain packed
+    linears): what quantizing a packed module does first, so the layers it swaps are those it swaps in an
+    engine that quantizes before packing. How many."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            rule = UNFUSIONS.get(type(child).__name__)
+            if rule is not None and rule(parent, name, child):
+                count += 1
     return count

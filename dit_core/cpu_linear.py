@@ -365,8 +365,8 @@ def apply(family, config, name: str = "") -> str:
         if not count:  # every linear already another kind (quantized, or batch_invariant's)
             choice, reason = "aten", "no plain nn.Linear layer left in the transformer to pack"
     if choice == "onednn":
-        # bf16: tanh-GELU as a post-op of the packed linear before it, unless LoRA hooks add to that
-        # linear's output (``cpu_fusions``; fp32 and layers left unpacked are not touched)
+        # tanh-GELU as a post-op of the packed linear before it (bf16; fp32 on AVX-512), unless LoRA hooks add to that
+        # linear's output (``cpu_fusions``; layers left unpacked are not touched)
         fused = 0 if getattr(config, "max_loras", 0) else sum(cpu_fusions.fuse(m) for m in denoisers)
         logger.info("cpu_linear=%s -> onednn for model %s: %d linear layers of the transformer packed%s (%s)",
                     config.cpu_linear, name, count, f", {fused} with GELU fused" if fused else "", reason)

@@ -207,9 +207,10 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
         bf16_linear, _ = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "bfloat16"}))
         fused = 0
         if bf16_linear == "onednn":
-            cpu_linear.pack(half)
+            cpu_linear.pack(half)  # layers the fp32 engine fused are packed again, fused, in bf16
             if not config.get("max_loras"):  # as the engine's bf16 would run (cpu_linear.apply)
-                fused = cpu_fusions.fuse(half)
+                cpu_fusions.fuse(half)
+            fused = cpu_fusions.fused_count(half)
         if hasattr(family, "attention_processor"):  # the attention backends the engine resolves for bf16
             from attention import resolve as resolve_attention
 
@@ -219,7 +220,8 @@ def measure_forward(path: str | Path, config: dict, rounds: int = 3, min_s: floa
             bf16_kernels = f", {bf16_attention['joint'].name} attention"
         else:
             bf16_kernels = ""
-        kernels = {"float32": f"{getattr(family, 'cpu_linear', 'aten')} linears",
+        kernels = {"float32": f"{getattr(family, 'cpu_linear', 'aten')} linears"
+                              f"{', GELU fused' if cpu_fusions.fused_count(tr) else ''}",
                    "bfloat16": f"{bf16_linear} linears{', GELU fused' if fused else ''}{bf16_kernels}"}
         if compiled:
             from .compile import compile_family
@@ -291,8 +293,8 @@ def resolve(paths: dict, config: dict) -> Choice:
 
 def _kernels(config: dict) -> str:
     """What the measurement's sides run under ``config`` (part of the cache key): bf16's linears
-    (``cpu_linear`` resolved for bfloat16) and whether the blocks are compiled."""
-    from . import cpu_linear
+    (``cpu_linear`` resolved for bfloat16), whether fp32's take the GELU, and whether the blocks are compiled."""
+    from . import cpu_fusions, cpu_linear
     from .config import EngineConfig
 
     try:
@@ -301,5 +303,10 @@ def _kernels(config: dict) -> str:
         linear = "aten"
     attention = config.get("attention") or "auto"  # auto: ``gemm`` for bf16 where native (attention.selection)
     fused = "" if config.get("max_loras") else ", GELU fused"  # dit_core.cpu_fusions
+    try:
+        fp32_linear = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "float32"}))[0]
+    except ValueError:
+        fp32_linear = "aten"
+    fp32_fused = fp32_linear == "onednn" and fused and cpu_fusions.fp32_fuses()
     return (f"bf16 {linear} linears{fused if linear == 'onednn' else ''}, attention {attention}"
-            + (", compiled" if config.get("compile") else ""))
+            + (", fp32 GELU fused" if fp32_fused else "") + (", compiled" if config.get("compile") else ""))

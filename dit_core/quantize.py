@@ -25,6 +25,7 @@ import torch
 
 import quant
 
+from . import cpu_fusions
 from .errors import InvalidParamError, UnknownModelError
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,10 @@ def apply_quant(family, value: str | None) -> None:
         if quant.is_quantized(module):
             raise InvalidParamError("quant", value, f"none: this folder's {name} is already quantized "
                                                     f"(see {QUANT_KEY} in its model_index.json)")
+        fused = cpu_fusions.unfuse(module)  # packed already (quantized after loading): swap the plain layers
         report = quant.quantize_module(module, spec, family.device)
+        if fused:
+            cpu_fusions.fuse(module)  # the layers left packed take their GELU again
         family.quant_reports[name] = report
         logger.info("quant %s on %s: %d layers quantized, %d kept (%s), %.1f -> %.1f MB", spec, name,
                     len(report.quantized), len(report.kept), "; ".join(sorted(set(report.kept.values()))),

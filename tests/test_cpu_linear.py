@@ -2,13 +2,15 @@
 A packed layer computes what nn.Linear does (float32 rounding apart), eager and compiled, holds its
 weight exactly; the engine packs by default on CPU in float32, and says why it does not elsewhere."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
 from dit_core import Engine, InvalidParamError
-from dit_core import cpu_linear
+from dit_core import cpu_fusions, cpu_linear
 from dit_core.cpu_linear import PackedLinear, native_bf16, pack
 from helpers import params
 
@@ -69,6 +71,40 @@ def test_engine_packs_by_default_on_cpu_and_matches_aten(tiny_models):
         assert (a - b).abs().max().item() <= 1e-4
     alone = packed.generate(prompts[:1], p)[0]  # batched with others or alone: the same image
     assert (alone - packed.generate(prompts, p)[0]).abs().max().item() <= 1e-5
+
+
+def test_fp32_fuses_the_gelu_only_where_the_cpu_has_avx512(tiny_models, monkeypatch):
+    tr = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2).family.transformer
+    assert (cpu_fusions.fused_count(tr) > 0) == torch.cpu._is_avx512_supported()
+    monkeypatch.setattr(cpu_fusions, "fp32_fuses", lambda: False)
+    assert cpu_fusions.fused_count(Engine.from_pretrained(tiny_models["flux"], max_batch_size=2).family.transformer) == 0
+    ref = nn.Linear(64, 256)
+    layer = PackedLinear(copy.deepcopy(ref))
+    layer.__class__ = cpu_fusions.PackedLinearGELU
+    x = torch.randn(9, 64)
+    with torch.no_grad():  # oneDNN's GEMM and GELU against aten's: fp32 rounding apart
+        assert (layer(x) - nn.functional.gelu(ref(x), approximate="tanh")).abs().max().item() <= 2e-6
+
+
+def test_unfuse_gives_back_the_modules_fuse_replaced():
+    from diffusers.models.attention import FeedForward
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    model = nn.ModuleDict({"ff": FeedForward(64, activation_fn="gelu-approximate"),
+                           "single": FluxSingleTransformerBlock(64, 2, 32)}).eval()
+    keys, before = list(model.state_dict()), [type(m) for m in model.modules()]
+    pack(model)
+    packed_types = [type(m) for m in model.modules()]
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        want = model["ff"](x)
+        assert cpu_fusions.fuse(model) == (2 if cpu_fusions.fp32_fuses() else 0)
+        assert list(model.state_dict()) == keys
+        assert (model["ff"](x) - want).abs().max().item() <= 2e-6
+        assert cpu_fusions.unfuse(model) == (2 if cpu_fusions.fp32_fuses() else 0)
+        assert [type(m) for m in model.modules()] == packed_types and list(model.state_dict()) == keys
+        assert torch.equal(model["ff"](x), want)
+    assert len(packed_types) == len(before)
 
 
 def test_auto_stays_aten_where_packing_cannot_apply(tiny_models):
@@ -215,6 +251,7 @@ def test_load_state_dict_changes_a_packed_engine_as_it_changes_an_aten_engine(ti
     assert (after - before).abs().max().item() > 1e-2  # the new weights changed the image...
     assert (after - plain.generate(["a cat"], p)[0]).abs().max().item() <= 1e-4  # ...as they changed aten's
     assert pack(plain.family.transformer) > 0  # and exactly as packing the aten engine's loaded weights does
+    cpu_fusions.fuse(plain.family.transformer)  # (then fusing, as the engine does: fp32 fuses on AVX-512)
     assert torch.equal(plain.generate(["a cat"], p)[0], after)
     packed.family.transformer.load_state_dict(original)
     assert torch.equal(packed.generate(["a cat"], p)[0], before)  # loading the original back: the same image

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dit_core import Engine, EngineConfig, InvalidParamError
-from dit_core import cpu_linear, dtype_auto
+from dit_core import cpu_fusions, cpu_linear, dtype_auto
 from dit_core.effective_config import effective_config
 from dit_core.families import load_family
 from dit_core.zoo import default_model
@@ -56,7 +56,8 @@ def test_engine_measures_once_then_reads_the_cache(tmp_path, monkeypatch, caplog
     assert engine.family.transformer.dtype == engine.config.torch_dtype
     shown = effective_config(engine)["dtype_auto"]
     assert shown["dtype"] == engine.config.dtype and min(shown["seconds"].values()) > 0
-    assert shown["kernels"]["float32"] == "onednn linears" and "measured now" in shown["reason"]
+    assert shown["kernels"]["float32"] == "onednn linears" + (", GELU fused" if cpu_fusions.fp32_fuses() else "")
+    assert "measured now" in shown["reason"]
     lines = [r.getMessage() for r in caplog.records if r.name == "dit_core.dtype_auto"]
     assert len(lines) == 1 and "measured now" in lines[0] and engine.config.dtype in lines[0]
     (entry,) = json.loads((tmp_path / "dtype_auto.json").read_text()).values()
@@ -155,7 +156,8 @@ def test_measurement_runs_the_kernels_the_engine_would_run(tiny_models, monkeypa
     seconds = dtype_auto.measure_forward(tiny_models["flux"], {"compile": compile}, rounds=1, min_s=0.0)
     tail = ", compiled" if compile else ""
     native = cpu_linear.native_bf16()  # bf16 packed and attention as two bf16 GEMMs (``gemm``) where native
-    assert seconds.kernels == {"float32": "onednn linears" + tail,
+    fp32 = "onednn linears" + (", GELU fused" if cpu_fusions.fp32_fuses() else "")  # (AVX-512: cpu_fusions)
+    assert seconds.kernels == {"float32": fp32 + tail,
                                "bfloat16": ("onednn linears, GELU fused, gemm" if native else "aten linears, sdpa")
                                + " attention" + tail}
     assert set(seconds) == {"float32", "bfloat16"} and min(seconds.values()) > 0
@@ -177,6 +179,6 @@ def test_a_choice_measured_with_other_kernels_is_measured_again(tmp_path, tiny_m
     eager, compiled = dtype_auto._kernels({}), dtype_auto._kernels({"compile": True})
     assert compiled == eager + ", compiled"
     assert eager == ("bf16 onednn linears, GELU fused" if cpu_linear.native_bf16() else "bf16 aten linears") \
-        + ", attention auto"
+        + ", attention auto" + (", fp32 GELU fused" if cpu_fusions.fp32_fuses() else "")
     assert dtype_auto._kernels({"cpu_linear": "aten", "attention": "sdpa"}) == "bf16 aten linears, attention sdpa"
     assert "GELU fused" not in dtype_auto._kernels({"max_loras": 2})  # LoRA hooks keep the GELU apart
