@@ -18,17 +18,20 @@ absorbed becomes ``nn.Identity`` (FLUX's ``act_mlp``) or its module a bare proje
 It applies only where nothing adds to the linear's output before the activation: the engine fuses
 when it packs bf16 linears (``cpu_linear``) and ``max_loras`` is 0 (LoRA adds each row's delta to the
 linear's output through a forward hook). ``quant.swap_linears`` leaves a fused layer as it is (it is no
-longer a plain linear: ``dense_linear`` is None), and a fused layer cast to another dtype computes
+longer a plain linear: ``dense_linear`` is None); quantizing an engine's packed transformer
+(``dit_core.quantize.apply_quant``) first undoes the fusion (``unfuse``), so the same layers are swapped
+as when quantization runs before packing, and fuses what stays packed again; and a fused layer cast to another dtype computes
 ``gelu(linear(x))`` densely, as before fusing (``cpu_linear.pack`` packs it again, fused, in the new
 dtype).
 
 float32 fuses only where the CPU has AVX-512 (``fp32_fuses``). On the 2-core AVX-512 BF16 EPYC the fused
-640 x 384 -> 1536 projection ran x1.3 the speed of the linear then ``F.gelu``
-(``gelu_fused_over_separate_speed_float32_*`` of ``python -m benchmarks.bf16_path``), and the eager fp32
-engine x1.03 faster at 64x64 (8 prompts, 64 text tokens); an earlier measurement on an AVX2-only EPYC had
-the fused fp32 GEMM slower, so there fp32 keeps the separate pass. oneDNN's GELU differs from torch's by
-up to 4.8e-7 on its outputs (the same order as the packed GEMM's own difference from aten's, about 3e-6
-on the tests' images; the engine's fp32 images stay within the tests' 1e-4 of diffusers).
+640 x 384 -> 1536 and 2560 x 384 -> 1536 projections ran x1.14-1.18 the speed of the linear then
+``F.gelu`` (``gelu_fused_over_separate_speed_float32_*`` of ``python -m benchmarks.bf16_path``; bf16:
+x1.34-1.36); on an AVX2-only EPYC an earlier stop measured the fused fp32 GEMM slower (37.5 against 28 ms,
+docs/guide/speed.md), so there fp32 keeps the separate pass. An Intel AVX-512 Xeon was not measured.
+oneDNN's GELU differs from torch's by up to 4.8e-7 on its outputs (the same order as the packed GEMM's
+own difference from aten's, about 3e-6 on the tests' images; the engine's fp32 images stay within the
+tests' 1e-4 of diffusers).
 """
 
 from __future__ import annotations
