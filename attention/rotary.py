@@ -56,12 +56,12 @@ def pair_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def rotate_pairs(x: torch.Tensor, table: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  real: Callable = None) -> torch.Tensor:
     """The real-form rotation ``real(x, cos, sin)`` of ``x`` [..., D] (pairs (2i, 2i+1); cos / sin
-    [..., D] broadcast to x, repeat-interleaved; result in x's dtype, computed in fp32; default
+    float32 [..., D] broadcast to x, repeat-interleaved; result in x's dtype, computed in fp32; default
     ``real_form``, diffusers' FLUX form) through ``table`` (``pair_table`` of them, broadcast the same
     way on [..., D / 2]) where that is bit-identical; otherwise (or with no table) ``real`` itself."""
     pairs = x.shape[-1] // 2
-    if table is not None and x.device.type == "cpu" and table.dtype == torch.complex64 and x.shape[-1] % 2 == 0 \
-            and vector_loop_only(x.numel() // 2, pairs):
+    if table is not None and x.device.type == "cpu" and cos.dtype == torch.float32 and x.shape[-1] % 2 == 0 \
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and vector_loop_only(x.numel() // 2, pairs):
         xf = x.float().contiguous()
         out = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (pairs, 2))) * table).flatten(-2)
         return out.to(x.dtype)

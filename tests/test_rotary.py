@@ -120,3 +120,12 @@ def test_benchmark_quick_writes_every_key():
         for length in (80, 768):
             assert summary[f"complex_over_real_speed_{dtype}_{length}"] > 0
     assert summary["bit_identical"] is True and summary["complex_form_taken"] is True
+
+
+def test_tables_other_than_float32_take_the_real_form():
+    """The complex table is complex64: float64 tables (which the real form computes in float64) keep it."""
+    cos, sin = (t.double() for t in tables(80, 64, 1))
+    x = torch.randn(2, 80, 3, 64)
+    c4, s4 = cos[None, :, None, :], sin[None, :, None, :]
+    got = rotate_pairs(x, pair_table(cos, sin)[None, :, None, :], c4, s4)
+    assert torch.equal(got, real_form(x, c4, s4))
