@@ -150,15 +150,11 @@ def fused_count(module: nn.Module) -> int:
 
 
 def fuse(module: nn.Module) -> int:
-    """Fuse every registered (packed bf16 linear, tanh-GELU) pair under ``module``, in place; how many."""
-    count = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            rule = FUSIONS.get(type(child).__name__)
-            if rule is not None and rule(parent, name, child):
-                count += 1
+    """Fuse every registered (packed linear, tanh-GELU) pair under ``module`` that ``_fusable`` allows, in
+    place; how many."""
+    count = _rewrite(module, FUSIONS)
     if count:
-        logger.info("cpu_fusions: tanh-GELU fused into %d packed bf16 linears", count)
+        logger.info("cpu_fusions: tanh-GELU fused into %d packed linears", count)
     return count
 
 
@@ -166,10 +162,16 @@ def unfuse(module: nn.Module) -> int:
     """Undo ``fuse`` under ``module``, in place (the activations back as they were, the layers plain packed
     linears): what quantizing a packed module does first, so the layers it swaps are those it swaps in an
     engine that quantizes before packing. How many."""
+    return _rewrite(module, UNFUSIONS)
+
+
+def _rewrite(module: nn.Module, rules: dict) -> int:
+    """Apply ``rules`` (module class name -> rule(parent, name, child) -> whether it changed) to every
+    child under ``module``; how many changed."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            rule = UNFUSIONS.get(type(child).__name__)
+            rule = rules.get(type(child).__name__)
             if rule is not None and rule(parent, name, child):
                 count += 1
     return count
