@@ -15,18 +15,24 @@ import pytest
 import torch
 
 from benchmarks import gpu_check as check
+from benchmarks import gpu_context as ctxm
+from benchmarks import gpu_flux as fluxm
+from benchmarks import gpu_invariant as invariant
+from benchmarks import gpu_kernels as kernels
+from benchmarks import gpu_models as models
+from benchmarks import gpu_packed as packed
 from benchmarks import offload
 from benchmarks.common import RESULTS
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_FLUX = check.FluxSetup(dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+TINY_FLUX = ctxm.FluxSetup(dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
                               num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                               guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
                          vae=(8, 16), size=32, text_tokens=16, batches=(1, 3))
 
 
-def cpu_context(**kw) -> check.Context:
-    return check.Context(device=torch.device("cpu"), dtype=torch.float32, repeats=1, seconds=0.02, **kw)
+def cpu_context(**kw) -> ctxm.Context:
+    return ctxm.Context(device=torch.device("cpu"), dtype=torch.float32, repeats=1, seconds=0.02, **kw)
 
 
 def test_without_cuda_it_exits_0_says_why_and_writes_nothing():
@@ -98,35 +104,35 @@ def test_a_spent_budget_stops_the_running_section_and_skips_the_rest():
 
 
 def test_shapes_are_flux1_dev_at_1024():
-    cfg = check.FLUX_DEV
+    cfg = ctxm.FLUX_DEV
     assert (cfg["num_layers"], cfg["num_single_layers"], cfg["num_attention_heads"], cfg["attention_head_dim"]) == (
         19, 38, 24, 128)
     width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     assert width == 3072
-    assert check.FULL_FLUX.tokens() == (4096, 512) and check.FULL_FLUX.batches == (1, 4)
-    b, h, s, d = check.ATTENTION_SHAPES[check.MAIN_ATTENTION_SHAPE]
-    assert (b, h, s, d) == (1, 24, sum(check.FULL_FLUX.tokens()), 128)
-    assert check.ATTENTION_SHAPES["flux-1024-b4"][0] == 4
-    assert check.ATTENTION_BACKENDS[0] == "sdpa"
-    assert set(check.ATTENTION_BACKENDS) == {"sdpa", "flash", "xformers", "sage"}
-    for m, k, n in check.FP8_SHAPES.values():  # FLUX's linears, all takeable by the scaled-mm kernel
+    assert ctxm.FULL_FLUX.tokens() == (4096, 512) and ctxm.FULL_FLUX.batches == (1, 4)
+    b, h, s, d = ctxm.ATTENTION_SHAPES[ctxm.MAIN_ATTENTION_SHAPE]
+    assert (b, h, s, d) == (1, 24, sum(ctxm.FULL_FLUX.tokens()), 128)
+    assert ctxm.ATTENTION_SHAPES["flux-1024-b4"][0] == 4
+    assert ctxm.ATTENTION_BACKENDS[0] == "sdpa"
+    assert set(ctxm.ATTENTION_BACKENDS) == {"sdpa", "flash", "xformers", "sage"}
+    for m, k, n in ctxm.FP8_SHAPES.values():  # FLUX's linears, all takeable by the scaled-mm kernel
         assert k in (width, 4 * width, 5 * width) and n in (width, 4 * width)
         assert m in (4096, 4608, 4 * 4608) and k % 16 == 0 and n % 16 == 0
 
 
 def test_sequence_plans_need_two_gpus_and_divide_the_heads():
-    assert check.sequence_plans(0, 8) == {} and check.sequence_plans(1, 8) == {}
-    assert check.sequence_plans(2, 8) == {"ring2": {"ring": 2}, "ulysses2": {"ulysses": 2}}
-    assert check.sequence_plans(3, 8) == check.sequence_plans(2, 8)
-    eight = check.sequence_plans(8, 24)
+    assert models.sequence_plans(0, 8) == {} and models.sequence_plans(1, 8) == {}
+    assert models.sequence_plans(2, 8) == {"ring2": {"ring": 2}, "ulysses2": {"ulysses": 2}}
+    assert models.sequence_plans(3, 8) == models.sequence_plans(2, 8)
+    eight = models.sequence_plans(8, 24)
     assert eight["ulysses8"] == {"ulysses": 8} and eight["ring8"] == {"ring": 8}
     assert eight["usp4x2"] == {"ulysses": 4, "ring": 2}
-    four = check.sequence_plans(4, 6)  # 6 heads: no Ulysses over 4
+    four = models.sequence_plans(4, 6)  # 6 heads: no Ulysses over 4
     assert "ulysses4" not in four and four["usp2x2"] == {"ulysses": 2, "ring": 2}
 
 
 def test_parallel_section_skips_with_its_reason_and_the_summary_says_so():
-    results = check.run_sections({"parallel": check.parallel_section,
+    results = check.run_sections({"parallel": models.parallel_section,
                                "fp8": lambda ctx: (_ for _ in ()).throw(RuntimeError("no fp8 here"))}, cpu_context())
     assert results["parallel"]["status"] == "skipped"
     assert results["parallel"]["reason"] == "0 CUDA GPUs: sequence parallelism needs 2 or more"
@@ -137,7 +143,7 @@ def test_parallel_section_skips_with_its_reason_and_the_summary_says_so():
 
 
 def test_attention_section_reports_missing_packages_as_not_installed():
-    result = check.attention_section(cpu_context(attention_shapes={"t": (1, 2, 24, 16)}))
+    result = kernels.attention_section(cpu_context(attention_shapes={"t": (1, 2, 24, 16)}))
     assert result["backends"]["sdpa"] == "ok"
     for name in ("flash", "xformers", "sage"):  # CUDA-only: never "ok" on CPU
         package = {"flash": "flash_attn", "xformers": "xformers", "sage": "sageattention"}[name]
@@ -145,18 +151,18 @@ def test_attention_section_reports_missing_packages_as_not_installed():
         assert result["backends"][name] == expected, result["why"][name]
     cell = result["shapes"]["t"]["backends"]["sdpa"]
     assert cell["max_abs_err_vs_fp32"] == 0.0 and cell["ratio_vs_sdpa"] == 1.0 and cell["ms"] > 0
-    summary = check.attention_summary({**result, "main_shape": "t"})
+    summary = kernels.attention_summary({**result, "main_shape": "t"})
     assert summary["attention"]["sdpa"]["time_over_sdpa"] == 1.0
     assert {summary["attention"][n] for n in ("flash", "xformers", "sage")} <= {"not installed", "unavailable"}
 
 
 def test_fp8_section_runs_the_quant_layer_against_its_linear():
-    result = check.fp8_section(cpu_context(fp8_shapes={"t": (8, 64, 48)}))
+    result = kernels.fp8_section(cpu_context(fp8_shapes={"t": (8, 64, 48)}))
     assert result["kernel"] == "upcast"  # CPU: scaled-mm needs capability >= 8.9
     row = result["shapes"]["t"]
     assert row["kernel"] == "upcast" and row["bf16_rel_err"] < 1e-6  # float32 here: the same GEMM
     assert 1e-4 < row["fp8_rel_err"] < 0.1  # e4m3 weights: lossy, bounded
-    summary = check.fp8_summary(result)
+    summary = kernels.fp8_summary(result)
     assert summary["fp8_rel_err_max"] == row["fp8_rel_err"] and summary["fp8_speedup_vs_bf16"] == row["fp8_speedup"]
     assert summary["fp8_speedup_vs_bf16_back_to_back"] == row["fp8_speedup_back_to_back"] > 0
     assert row["fp8_ms_back_to_back"] > 0 and row["bf16_ms_back_to_back"] > 0
@@ -164,14 +170,14 @@ def test_fp8_section_runs_the_quant_layer_against_its_linear():
 
 def test_offload_section_streams_blocks_with_the_resident_result():
     ctx = cpu_context(checkpoint_size="tiny", image_size=32, steps=2, batches=(1, 2))
-    result = check.offload_section(ctx)
+    result = models.offload_section(ctx)
     rows = result["rows"]
     assert set(rows) == {"none", "blocks:1", "disk:1"}
     for config in ("blocks:1", "disk:1"):  # within the offload benchmark's "identical" (GEMM alignment)
         assert rows[config]["max_abs_diff_vs_none"] <= offload.TOLERANCE
         assert rows[config]["offload"]["policy"] == config and rows[config]["offload"]["loads"] > 0
     json.dumps(result)  # plain numbers and strings: the JSON holds what was measured
-    summary = check.offload_summary(result)
+    summary = models.offload_summary(result)
     assert summary["offload_blocks1_max_abs_diff"] == rows["blocks:1"]["max_abs_diff_vs_none"]
     assert "offload_disk1_time_over_resident_b2" in summary
 
@@ -180,7 +186,7 @@ def test_offload_section_streams_blocks_with_the_resident_result():
 def test_flux_section_compares_the_engine_forward_with_diffusers_on_a_tiny_config(dtype):
     ctx = cpu_context(flux=TINY_FLUX)
     ctx.dtype = dtype  # bfloat16: the GPU run's path (parameters made in bf16 directly)
-    result = check.flux_section(ctx)
+    result = fluxm.flux_section(ctx)
     assert torch.get_default_dtype() == torch.float32  # restored after building in bf16
     assert result["dtype"] == str(dtype).replace("torch.", "")
     from dit_core.cpu_linear import native_bf16
@@ -197,7 +203,7 @@ def test_flux_section_compares_the_engine_forward_with_diffusers_on_a_tiny_confi
         assert row["omnidit_s"] > 0 and row["diffusers_s"] > 0
         assert row["invariant_over_omnidit"] is None  # batch_invariant's GEMM: CUDA or Triton's interpreter only
     json.dumps(result)
-    summary = check.flux_summary(result)
+    summary = fluxm.flux_summary(result)
     assert summary["flux_max_abs_diff"] == max(r["max_abs_diff"] for r in result["batches"].values())
     assert {"flux_b1_omnidit_over_diffusers", "flux_b3_omnidit_over_diffusers"} <= set(summary)
 
@@ -210,16 +216,16 @@ def test_flux_section_times_the_forward_with_batch_invariant_linears(monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the GPU's kernel source, in Triton's interpreter
     invariant_linear._kernel.cache_clear()
     swapped = []
-    real = check.set_invariant
+    real = fluxm.set_invariant
 
     def spy(module, invariant):
         real(module, invariant)
         swapped.append((invariant, sum(type(m) is invariant_linear.InvariantLinear for m in module.modules()),
                         sum(type(m) is nn.Linear for m in module.modules())))
 
-    monkeypatch.setattr(check, "set_invariant", spy)
+    monkeypatch.setattr(fluxm, "set_invariant", spy)
     try:
-        result = check.flux_section(cpu_context(flux=TINY_FLUX))
+        result = fluxm.flux_section(cpu_context(flux=TINY_FLUX))
     finally:
         invariant_linear._kernel.cache_clear()
     for batch in (1, 3):
@@ -229,7 +235,7 @@ def test_flux_section_times_the_forward_with_batch_invariant_linears(monkeypatch
     # each switch leaves every linear one kind, and the section ends with plain nn.Linear
     assert all((n_inv == 0) != (n_plain == 0) and (n_inv > 0) == inv for inv, n_inv, n_plain in swapped)
     assert swapped[-1][0] is False and {inv for inv, _, _ in swapped} == {True, False}
-    assert "flux_b3_invariant_over_omnidit" in check.flux_summary(result)
+    assert "flux_b3_invariant_over_omnidit" in fluxm.flux_summary(result)
 
 
 @pytest.mark.parametrize("bad", [["nope"]])
@@ -242,7 +248,7 @@ def test_unknown_section_is_refused_naming_the_choices(bad, capsys):
 
 def test_varlen_section_compares_each_packed_path_with_per_sequence_sdpa():
     ctx = cpu_context(varlen_rows={"t": ((16, 8), (4, 8), (8, 4), (16, 8))}, varlen_heads=(2, 16))
-    result = check.varlen_section(ctx)
+    result = packed.varlen_section(ctx)
     cells = result["sets"]["t"]["paths"]
     assert result["sets"]["t"]["sdpa_packed_path"] == "per-length groups"  # CPU
     assert result["unavailable"]["torch_flash_varlen"] == "torch's flash kernels run on CUDA only"
@@ -253,7 +259,7 @@ def test_varlen_section_compares_each_packed_path_with_per_sequence_sdpa():
         assert cell["first_row_alone_vs_packed_max_abs"] < 1e-6
     assert cells["per_row_sdpa"]["time_over_per_row"] == 1.0
     assert set(result["unavailable"]) == {"torch_flash_varlen", "flash", "xformers", "sage"}  # CUDA only
-    summary = check.varlen_summary(result)["varlen_t"]
+    summary = packed.varlen_summary(result)["varlen_t"]
     assert summary["sdpa"]["time_over_per_row"] == cells["sdpa"]["time_over_per_row"]
     assert summary["flash"] == "unavailable" and summary["sdpa_path"] == "per-length groups"
     json.dumps(result)
@@ -262,14 +268,14 @@ def test_varlen_section_compares_each_packed_path_with_per_sequence_sdpa():
 def test_mixed_section_packs_a_burst_of_sizes_into_fewer_forwards_with_the_same_outputs():
     ctx = cpu_context(checkpoint_size="tiny", steps=2, mixed_requests=((32, 32, 16), (64, 32, 8), (32, 64, 16),
                                                                         (32, 32, 8)))
-    result = check.mixed_section(ctx)
+    result = packed.mixed_section(ctx)
     # packed: every request in each step's one forward; per shape: one forward per (size, FLUX text length)
     # per step, and no two of these share both
     assert result["forwards"] == {"packed": 2, "per_shape": 2 * 4}
     assert result["packed_vs_per_shape_max_abs"] <= 1e-5 and result["packed_vs_alone_max_abs"] <= 1e-5
     assert result["alone_max_abs"] > 0 and result["packed_over_per_shape_throughput"] > 0
     assert result["float32_packed_vs_alone_max_abs"] is None  # float32 already: no second run
-    summary = check.mixed_summary(result)
+    summary = packed.mixed_summary(result)
     assert summary["mixed_packed_over_per_shape_throughput"] == result["packed_over_per_shape_throughput"]
     json.dumps(result)
 
@@ -339,7 +345,7 @@ def test_invariant_section_times_the_kernel_and_compares_bursts_with_requests_al
     try:
         ctx = cpu_context(checkpoint_size="tiny", steps=2, mixed_requests=((32, 32, 16), (64, 32, 8), (32, 64, 16)),
                           invariant_shapes={"proj": (130, 96, 80), "modulation": (3, 64, 200)})
-        result = check.invariant_section(ctx)
+        result = invariant.invariant_section(ctx)
     finally:
         invariant_linear._kernel.cache_clear()
     kernels = result["kernels"]
@@ -352,7 +358,7 @@ def test_invariant_section_times_the_kernel_and_compares_bursts_with_requests_al
     assert engine["linear_layers"] == "triton interpreter"
     assert engine["invariant_packed_vs_alone_max_abs"] == 0.0 and engine["invariant_per_shape_vs_alone_max_abs"] == 0.0
     assert engine["invariant_vs_cublas_alone_max_abs"] <= 1e-5 * max(1.0, engine["alone_max_abs"])
-    summary = check.invariant_summary(result)
+    summary = invariant.invariant_summary(result)
     assert summary["invariant_kernel_rows_equal"] is True
     assert summary["invariant_engine_float32_invariant_packed_vs_alone_max_abs"] == 0.0
     json.dumps(result)

@@ -1,7 +1,7 @@
 """serve/ray_app: `omnidit serve --replicas` on Ray Serve, end to end, on one Ray cluster for the module.
 
-The cluster is the CLI itself (``omnidit serve --replicas 1 --max-replicas 2 ...`` in a subprocess,
-the embedded digits model with its thinker as a shared stage, plus the tiny Stable Audio and Wan
+The cluster (tests/ray_cluster.py) is the CLI itself (``omnidit serve --replicas 1 --max-replicas 2 ...``
+in a subprocess, the embedded digits model with its thinker as a shared stage, plus the tiny Stable Audio and Wan
 checkpoints, the embedded TTS model and the embedded reaching policy for the audio, video, speech and
 robot routes, batch-aware routing with a budget of 4 requests per forward), started together with
 ``omnidit serve`` of the same flags without Ray (the single-process reference of
@@ -11,7 +11,6 @@ replica; every later test runs against 2 replicas; the last stops it with SIGTER
 no Ray process is left.
 """
 
-import argparse
 import base64
 import concurrent.futures
 import dataclasses
@@ -19,14 +18,8 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -37,193 +30,18 @@ import soundfile as sf
 import torch
 from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
-from PIL import Image
 
 from dit_core import EngineConfig
 from dit_core.video import decode_mp4
-from dit_core.zoo import default_model, default_policy, digits_lora, tts_model
+from dit_core.zoo import default_model, default_policy, tts_model
 from dit_core.zoo.reach_env import ReachEnv
 from serve import ray_flags
 from serve.app import ServeSettings
-from serve.cli import build_parser
-from serve.server import free_port
 from serve_helpers import assert_error, live_server, post_then_hang_up
-
-DIGITS_LORA = digits_lora()  # the shipped example adapter of the digits model (dit_core/zoo/digits_lora)
-SERVE_PARSER = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
-KEY = "s3cret"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-OTHER_KEY = "kb-0c4a86e2"  # the cluster's --api-keys-file (beside --api-key KEY): another owner
-BUDGET = 4  # --max-batch-size: the router's per-replica budget
-# Ray Serve's autoscaler hears about load every 10 s by default; the test cluster reports faster.
-FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0"}
-AUTOSCALING = {"upscale_delay_s": 0, "downscale_delay_s": 3600, "look_back_period_s": 1, "metrics_interval_s": 0.5}
-
-
-def post(url, body, timeout=180, **kw):
-    return httpx.post(f"{url}/v1/images/generations", json=body, headers=AUTH, timeout=timeout, **kw)
-
-
-def replicas(url) -> dict:
-    r = httpx.get(f"{url}/v1/replicas", headers=AUTH, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def accepted(url) -> dict:
-    """replica id -> {routing key: requests accepted}."""
-    return {e["replica"]: e["accepted"] for e in replicas(url)["engines"]}
-
-
-def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll_s)
-
-
-def descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-# --max-pixel-steps: above the slowest request of these tests (a 32x32 video of 81 frames x 1000 steps,
-# 8.3e7), below a 512x512 image of 1000 steps (2.6e8)
-PIXEL_STEPS = 1 << 27
-TRIM_S = 7.0  # --malloc-trim-interval: not the default, so the replicas' own trims show that it reached them
-
-
-def serve_flags(extra_models: dict, keys_file: Path) -> list[str]:
-    """The cluster's flags that mean the same without Ray: its models, engine and server settings."""
-    models = [arg for name, path in extra_models.items() for arg in ("--model", f"{name}={path}")]
-    return ["--model", "digits", *models, "--model", "tts", "--model", "reach", "--dtype", "float32",
-            "--api-key", KEY, "--api-keys-file", str(keys_file), "--lora-dir", str(keys_file.parent / "loras"),
-            "--max-batch-size", str(BUDGET),
-            "--max-pixel-steps", str(PIXEL_STEPS), "--malloc-trim-interval", str(TRIM_S)]
-
-
-# the Ray Serve layout: flags of kind "scale_out" in serve.ray_flags.REACH (no meaning in one process)
-RAY_FLAGS = ["--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
-             "--autoscaling", json.dumps(AUTOSCALING), "--replica-threads", "1", "--replica-cpus", "0.5",
-             "--shared-thinker", "--shutdown-timeout", "5"]
-
-
-# `omnidit serve` (no Ray) that prints, as it exits, the Ray modules it imported: the single-process server
-# must import none (tests/test_ray_routing.py imports Ray; this process is the real server path, start to stop)
-REPORT_RAY = ("import atexit, runpy, sys; atexit.register(lambda: print('ray modules imported:', sorted(m for m in "
-              "sys.modules if m == 'ray' or m.startswith('ray.')), flush=True)); "
-              "runpy.run_module('serve.cli', run_name='__main__', alter_sys=True)")
-
-
-@contextmanager
-def cli_servers(specs: list[tuple[list[str], dict]]):
-    """``omnidit serve FLAGS`` for each (flags, environment) spec, each in a subprocess on a free port, all
-    started at once (their imports overlap on the machine's cores), from when each /health answers:
-    [(process, url, its output file)]. Stopped with SIGTERM at the end; no process they started (Ray's
-    included) is left behind."""
-    started = []
-    try:
-        for flags, env in specs:
-            port = free_port()
-            out = tempfile.TemporaryFile("w+")  # (a pipe nobody reads could fill and stall the server)
-            launch = ["-c", REPORT_RAY] if "--replicas" not in flags else ["-m", "serve.cli"]
-            proc = subprocess.Popen([sys.executable, *launch, "serve", *flags, "--port", str(port)], stdout=out,
-                                    stderr=subprocess.STDOUT, text=True,
-                                    env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
-            started.append((proc, f"http://127.0.0.1:{port}", out))
-        for proc, url, out in started:
-            def healthy():
-                assert proc.poll() is None, output(out)
-                try:
-                    return httpx.get(f"{url}/health", timeout=2).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_for(healthy, 600, "the server to come up", poll_s=0.1)  # a loaded 2-core machine starts Ray slowly
-        yield started
-    finally:
-        for proc, _, out in started:
-            if proc.poll() is None:
-                stop(proc)
-            out.close()
-
-
-def output(out) -> str:
-    out.seek(0)
-    return out.read()
-
-
-def stop(proc) -> int:
-    """SIGTERM, then wait for the process (killed after 90 s); no process it started is left. Its exit status."""
-    left = descendants(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    for p in alive(left):  # never leave a Ray process behind, even when a test failed
-        p.kill()
-    return proc.wait()
-
-
-@pytest.fixture(scope="module")
-def keys_file():
-    path = Path(tempfile.mkdtemp(prefix="omnidit-keys-")) / "keys"
-    path.write_text(f"# KEY [NAME]\n{OTHER_KEY} bob\n")
-    (path.parent / "loras").mkdir()  # --lora-dir: the shipped digits adapter
-    shutil.copy(DIGITS_LORA, path.parent / "loras" / "bold.safetensors")
-    yield path
-    shutil.rmtree(path.parent, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def servers(request, tiny_audio, wan_tiny, keys_file):
-    """The cluster and, when a collected test asks for ``one_process``, ``omnidit serve`` with the same flags
-    but no Ray, started together: the one-process server imports and loads while Ray starts."""
-    flags = serve_flags({"sound": tiny_audio, "clips": wan_tiny}, keys_file)
-    specs = [(flags + RAY_FLAGS, FAST_METRICS)]
-    if any("one_process" in item.fixturenames for item in request.session.items):
-        specs.append((flags, {}))
-    with cli_servers(specs) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def cluster(servers):
-    proc, url, _ = servers[0]
-    return proc, url
-
-
-@pytest.fixture(scope="module")
-def one_process(servers):
-    """(process, url, output file) of the same flags' single-process server."""
-    return servers[1]
-
-
-@pytest.fixture(scope="module")
-def scaled(cluster):
-    """Load the one-replica app past its autoscaling target until Ray Serve adds the second replica."""
-    proc, url = cluster
-    before = len(replicas(url)["engines"])
-    body = {"prompt": "digit 7", "num_inference_steps": 200}
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        load = [pool.submit(post, url, {**body, "seed": i}) for i in range(6)]
-        start = time.monotonic()
-        engines = wait_for(lambda: e if len(e := replicas(url)["engines"]) == 2 else None, 300,
-                           "a second engine replica", poll_s=0.25)
-        seconds = time.monotonic() - start
-        statuses = [f.result().status_code for f in load]
-    return dict(url=url, proc=proc, before=before, after=len(engines), seconds=seconds, statuses=statuses)
+from ray_cluster import (AUDIO, AUTH, BUDGET, KEY, OTHER_KEY, RAY_FLAGS, SERVE_PARSER, SPEECH, TRIM_S, VIDEO,
+                        accepted, alive, audio_and_videos, descendants, lora_lists, output, png_pixels, post,
+                        record_actors, replicas, robot_actions, routed, serve_flags, speech, stop, wait_for)
+from ray_cluster import cluster, keys_file, one_process, scaled, servers  # noqa: F401  (the module's fixtures)
 
 
 def test_a_lora_loaded_before_scaling_is_recorded_and_a_failed_one_is_not(cluster, keys_file):
@@ -243,10 +61,6 @@ def test_a_lora_loaded_before_scaling_is_recorded_and_a_failed_one_is_not(cluste
 def test_autoscaling_adds_a_replica_under_load(scaled):
     assert scaled["before"] == 1 and scaled["after"] == 2
     assert scaled["statuses"] == [200] * 6
-
-
-def png_pixels(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))), dtype=np.int16)
 
 
 def test_same_images_as_the_single_process_server(scaled):
@@ -299,12 +113,6 @@ def test_streaming_errors_models_and_api_key(scaled):
                                                               ("reach", "actions")]
     detail = httpx.get(f"{url}/v1/models/digits", headers=AUTH).json()
     assert detail["details"]["defaults"]["height"] == 32
-
-
-def lora_lists(url) -> dict:
-    """replica id -> (its adapters' names, the recorded adapters it failed to load)."""
-    listing = httpx.get(f"{url}/v1/loras", headers=AUTH, timeout=60).json()
-    return {x["replica"]: ([a["name"] for a in x["data"]], x["failed"]) for x in listing["replicas"]}
 
 
 def test_a_replica_added_later_holds_the_adapters_loaded_before_it(scaled):
@@ -388,46 +196,6 @@ def test_a_lora_load_reaches_every_replica_and_is_listed_per_replica(scaled):
         r = httpx.delete(f"{url}/v1/loras/bold", params={"model": "digits"}, headers=AUTH, timeout=60)
     assert r.status_code == 200 and {x["replica"] for x in r.json()["replicas"] if x["unloaded"]} == ids
     assert httpx.get(f"{url}/v1/loras", headers=AUTH, timeout=60).json()["data"] == []
-
-
-AUDIO = {"model": "sound", "prompt": "a bell", "seconds": 0.1, "num_inference_steps": 3, "seed": 5,
-         "guidance_scale": 3.0, "negative_prompt": "hiss", "response_format": "wav"}
-VIDEO = {"num_frames": 5, "num_inference_steps": 2, "max_sequence_length": 16, "seed": 3}
-
-
-SPEECH = {"model": "tts", "input": "3 1 4 hello", "voice": "adam"}
-
-
-def speech(url: str, headers: dict) -> dict:
-    """TTS through the ``openai`` client, streamed (wav) and whole (flac), as SSE (httpx), and the voices."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-    with client.audio.speech.with_streaming_response.create(**SPEECH, response_format="wav",
-                                                            extra_body={"seed": 5}) as resp:
-        streamed = b"".join(resp.iter_bytes())
-    whole = client.audio.speech.create(**SPEECH, response_format="flac", extra_body={"seed": 6}).content
-    with httpx.stream("POST", f"{url}/v1/audio/speech", headers=headers, timeout=120,
-                      json={**SPEECH, "seed": 7, "response_format": "pcm", "stream_format": "sse"}) as r:
-        assert r.status_code == 200, r.read()
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-    voices = httpx.get(f"{url}/v1/audio/voices", headers=headers, timeout=30).json()["data"]
-    return {"streamed": streamed, "whole": whole, "sse": events,
-            "voices": [(v["id"], v["model"], v["description"]) for v in voices]}
-
-
-def audio_and_videos(url: str, headers: dict) -> dict:
-    """Text-to-audio (httpx), a video job (the ``openai`` client) and a synchronous video (httpx)."""
-    audio = httpx.post(f"{url}/v1/audio/generate", json=AUDIO, headers=headers, timeout=120)
-    assert audio.status_code == 200, audio.text
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-    job = client.videos.create_and_poll(model="clips", prompt="waves", size="32x32", extra_body=VIDEO,
-                                        poll_interval_ms=50)
-    assert job.status == "completed" and job.progress == 100, job
-    sync = httpx.post(f"{url}/v1/videos/sync", json={"model": "clips", "prompt": "a cat", "size": "48x32",
-                                                      **VIDEO, "seed": 4}, headers=headers, timeout=120)
-    assert sync.status_code == 200, sync.text
-    return {"audio": audio.content, "rate": audio.headers["x-sample-rate"], "job": job.size,
-            "job_mp4": client.videos.download_content(job.id).read(), "sync_mp4": sync.content,
-            "sync_headers": {k: sync.headers[k] for k in ("x-num-frames", "x-fps", "x-seed")}}
 
 
 def test_audio_speech_and_videos_match_the_single_process_server(scaled, tiny_audio, wan_tiny, tmp_path):
@@ -515,17 +283,6 @@ def test_audio_and_video_errors_and_deleting_a_running_job_on_replicas(scaled):
     assert 0 < sum(settled.values()) - sum(forwards.values()) < 1000  # not even one chunk's 1000 steps
 
 
-def robot_actions(url: str, key: str | None) -> tuple[dict, list]:
-    """Two observations of the reaching task through the stock openpi client, on one session (seeds 3, 4)."""
-    policy = WebsocketClientPolicy(url.replace("http://", "ws://") + "/v1/realtime/robot/openpi?model=reach&seed=3",
-                                   api_key=key)
-    env = ReachEnv()
-    observation, _ = env.reset(seed=0)
-    first = policy.infer(observation)
-    observation, *_ = env.step(first["actions"][0])
-    return policy.get_server_metadata(), [first["actions"], policy.infer(observation)["actions"]]
-
-
 def test_robot_socket_matches_the_single_process_server(scaled):
     meta, remote = robot_actions(scaled["url"], KEY)
     threads = torch.get_num_threads()
@@ -577,17 +334,6 @@ def test_metrics_expose_one_series_per_replica(scaled):
     assert {r["replica"] for r in stats["replicas"]} == ids
     assert stats["steps"]["total"] == sum(r["steps"]["total"] for r in stats["replicas"]) > 0
     assert stats["requests"]["finished"] == sum(r["requests"]["finished"] for r in stats["replicas"]) >= 6
-
-
-def routed(url, size: str, n: int, steps: int = 80) -> dict:
-    """Send ``n`` concurrent requests of one routing key; requests each replica accepted."""
-    before = accepted(url)
-    body = {"prompt": "digit 8", "size": size, "num_inference_steps": steps}
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        results = list(pool.map(lambda i: post(url, {**body, "seed": i}), range(n)))
-    assert [r.status_code for r in results] == [200] * n, [r.text for r in results]
-    key = f"digits|{size.split('x')[1]}x{size.split('x')[0]}x1"
-    return {rid: keys.get(key, 0) - before.get(rid, {}).get(key, 0) for rid, keys in accepted(url).items()}
 
 
 def test_batch_aware_routing_keeps_a_key_together_then_spreads(scaled):
@@ -653,17 +399,6 @@ def test_replicas_run_the_engine_the_same_flags_give_in_one_process(scaled, one_
     assert remote_error["message"] == local_error["message"]
     for engine in replicas(url)["engines"]:  # the process-memory settings act in each replica's own process
         assert engine["memory"]["malloc_trim_s"] == TRIM_S and engine["memory"]["gc_frozen"], engine["memory"]
-
-
-def record_actors(proc) -> list[psutil.Process]:
-    """The process of the app's ``LoraRecord`` deployment replica (Ray titles it ``ray::ServeReplica:...``)."""
-    def titled(p):
-        try:
-            return "LoraRecord" in " ".join(p.cmdline())
-        except psutil.Error:
-            return False
-
-    return [p for p in alive(descendants(proc.pid)) if titled(p)]
 
 
 def test_killing_a_replica_fails_its_requests_clearly_and_the_survivor_serves(scaled, keys_file):

@@ -1,0 +1,99 @@
+"""The figures of ``benchmarks.mixed_traffic``'s summary that other benchmarks own (issue 39 parts 2 and 3):
+``audio_part`` (``benchmarks.audio``'s part (a) with learned batch limits), ``ratio_256``
+(``benchmarks.engine_throughput``'s together scenario at 256x256, default and learned limits) and
+``warm_start_part`` (``benchmarks.warm_start``'s child process, a first start and a second); and what
+both modules share: ``engine_fields`` and the small FLUX folder, built once per run."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+from argparse import Namespace
+
+import torch
+
+from benchmarks.common import scratch_dir, spread
+
+
+def engine_fields() -> set[str]:
+    from dit_core.config import EngineConfig
+
+    return {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+@functools.lru_cache(maxsize=None)
+def flux_folder():  # one build per run: the mixed traffic and the 256x256 scenario share it
+    from dit_core.random_models import build
+
+    return build("flux", "small", scratch_dir() / "flux-small")
+
+
+def audio_part(quick: bool) -> dict:
+    """benchmarks.audio's part (a), its engine asked for learned batch limits; ``learned_batch_limits`` is
+    what part_a reports it ran with (False where EngineConfig or part_a has no batch_limits)."""
+    from benchmarks import audio
+
+    asked = "learn" if "batch_limits" in engine_fields() else "fixed"
+    a = audio.part_a(Namespace(model=None, requests=8, steps=6 if quick else 20, repeats=1 if quick else 3,
+                               batch_limits=asked))
+    return {**a, "learned_batch_limits": (a.get("batch_limits") or {}).get("mode") == "learn"}
+
+
+def ratio_256(quick: bool) -> dict:
+    """engine_throughput's together scenario at 256x256, 64 text tokens, on the small FLUX: the engine as
+    configured by default ("engine b=8") and, where present, with learned batch limits ("... learned")."""
+    from diffusers import FluxPipeline
+
+    from benchmarks import engine_throughput as et
+    from benchmarks.common import mm_gflops
+    from dit_core import Engine
+
+    model = flux_folder()
+    args = Namespace(requests=4 if quick else 16, steps=4 if quick else 8)
+    pipe = FluxPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    engines = {"engine b=8": Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0)}
+    if "batch_limits" in engine_fields():
+        engines["engine b=8 learned"] = Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0,
+                                                               batch_limits="learn")
+    flops = et.transformer_flops_per_row(engines["engine b=8"], 256, 64)
+    scenario = et.Scenario("256x256 64 tokens together", 256, 64, args, [0.0] * args.requests, flops,
+                           mm_gflops(seconds=0.3))
+    result = {**et.measure(scenario, pipe, engines, 1 if quick else 3), "steps": args.steps}
+    result["default_engine_ratio"] = result["throughput_ratio"]
+    if "engine b=8 learned" in engines:  # per round, learned engine over diffusers (they ran back to back)
+        tput = lambda side: result["sides"][side]["throughput_img_s"]["samples"]  # noqa: E731
+        ratios = [a / b for a, b in zip(tput("engine b=8 learned"), tput("diffusers"))]
+        result["learned_engine_ratio"] = statistics.median(ratios)
+        result["learned_engine_ratio_spread"] = spread(ratios)
+        result["learned_over_default"] = statistics.median(
+            a / b for a, b in zip(tput("engine b=8 learned"), tput("engine b=8")))
+        result["batch_limits"] = engines["engine b=8 learned"].batch_limits.snapshot()
+        print(f"256x256: learned limits x{result['learned_engine_ratio']:.2f} over diffusers "
+              f"(default engine x{result['default_engine_ratio']:.2f})", flush=True)
+    return result
+
+
+def warm_start_part(quick: bool) -> dict:
+    """benchmarks.warm_start's child process: a first start, then a second over the same cache folder."""
+    from benchmarks import warm_start
+    from dit_core.random_models import build
+
+    size, sizes, repeats = ("tiny", "32x32", 1) if quick else ("small", "64x64", 2)
+    model = str(build("flux", size, scratch_dir() / f"flux-{size}"))
+    tmp = scratch_dir()
+    rounds, identical = [], True
+    for r in range(repeats):
+        got = {side: warm_start.run_child(model, sizes, tmp / f"cache-{r}", tmp / f"{r}-{side}.pt")
+               for side in ("cold", "warm")}
+        identical &= torch.equal(torch.load(tmp / f"{r}-cold.pt"), torch.load(tmp / f"{r}-warm.pt"))
+        rounds.append(got)
+        print(f"warm start round {r}: first start's warm-up {got['cold']['warmup_s']:.2f} s, second "
+              f"{got['warm']['warmup_s']:.2f} s (cache {got['warm']['cache']}), first request after ready "
+              f"{got['warm']['first_request_s'] * 1e3:.0f} ms", flush=True)
+    ratios = [x["warm"]["warmup_s"] / x["cold"]["warmup_s"] for x in rounds]
+    return {"model": f"flux {size}", "sizes": sizes, "rounds": rounds, "ratio": statistics.median(ratios),
+            "ratio_spread": spread(ratios),
+            "first_request_after_ready_s": statistics.median(x["warm"]["first_request_s"] for x in rounds),
+            "outputs_identical": identical}
