@@ -294,19 +294,22 @@ def resolve(paths: dict, config: dict) -> Choice:
 def _kernels(config: dict) -> str:
     """What the measurement's sides run under ``config`` (part of the cache key): bf16's linears
     (``cpu_linear`` resolved for bfloat16), whether fp32's take the GELU, and whether the blocks are compiled."""
-    from . import cpu_fusions, cpu_linear
+    from . import cpu_fusions
+
+    linear = _linear_choice(config, "bfloat16")
+    attention = config.get("attention") or "auto"  # auto: ``gemm`` for bf16 where native (attention.selection)
+    fuses = not config.get("max_loras")  # LoRA hooks keep the GELU apart (dit_core.cpu_fusions)
+    fp32_fused = fuses and cpu_fusions.fp32_fuses() and _linear_choice(config, "float32") == "onednn"
+    return (f"bf16 {linear} linears{', GELU fused' if fuses and linear == 'onednn' else ''}, attention {attention}"
+            + (", fp32 GELU fused" if fp32_fused else "") + (", compiled" if config.get("compile") else ""))
+
+
+def _linear_choice(config: dict, dtype: str) -> str:
+    """``cpu_linear`` resolved for ``config`` computing in ``dtype``."""
+    from . import cpu_linear
     from .config import EngineConfig
 
     try:
-        linear = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "bfloat16"}))[0]
-    except ValueError:  # cpu_linear="onednn" where bf16 cannot be packed: the engine refuses it later
-        linear = "aten"
-    attention = config.get("attention") or "auto"  # auto: ``gemm`` for bf16 where native (attention.selection)
-    fused = "" if config.get("max_loras") else ", GELU fused"  # dit_core.cpu_fusions
-    try:
-        fp32_linear = cpu_linear.resolve(EngineConfig(**{**config, "dtype": "float32"}))[0]
-    except ValueError:
-        fp32_linear = "aten"
-    fp32_fused = fp32_linear == "onednn" and fused and cpu_fusions.fp32_fuses()
-    return (f"bf16 {linear} linears{fused if linear == 'onednn' else ''}, attention {attention}"
-            + (", fp32 GELU fused" if fp32_fused else "") + (", compiled" if config.get("compile") else ""))
+        return cpu_linear.resolve(EngineConfig(**{**config, "dtype": dtype}))[0]
+    except ValueError:  # cpu_linear="onednn" where it cannot apply: the engine refuses it later
+        return "aten"
