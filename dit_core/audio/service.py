@@ -14,6 +14,7 @@ request if the talker is still speaking, and every chunk it submitted that is no
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -33,6 +34,8 @@ from ..request import EventKind
 from .speech import Assembler, SpeechText
 
 logger = logging.getLogger(__name__)
+# how long a stream that ends early waits for the talker thread to send its aborts (one talker step, normally)
+ABORT_SENT_WAIT_S = 10.0
 
 
 @dataclass
@@ -173,11 +176,17 @@ class SpeechService:
             utt.timeline["done"] = time.perf_counter()
             finished = True
         finally:
-            if not finished:
-                self.abort(req.id)
-            else:
-                self._commands.put(("close", req.id))
             self._record(utt)
+            if finished:
+                self._commands.put(("close", req.id))
+            else:  # the stream ends once the talker thread has sent every abort (its open() no longer counts it)
+                sent = concurrent.futures.Future()
+                self._commands.put(("abort", req.id, sent))
+                if not self._stop.is_set():
+                    try:
+                        await asyncio.wait_for(asyncio.wrap_future(sent), ABORT_SENT_WAIT_S)
+                    except asyncio.TimeoutError:
+                        logger.warning("speech %s: its abort was not sent within %g s", req.id, ABORT_SENT_WAIT_S)
 
     def abort(self, request_id: str) -> None:
         """Stop an utterance at any point: its talker request (while it speaks) and every chunk it
@@ -227,6 +236,8 @@ class SpeechService:
                 self._add(cmd[1])
             elif cmd[0] == "abort":
                 self._abort(cmd[1])
+                if len(cmd) > 2:  # a stream waits for it (``stream``)
+                    cmd[2].set_result(None)
             elif cmd[0] == "close":  # delivered whole: nothing left to abort
                 self._open.pop(cmd[1], None)
             try:

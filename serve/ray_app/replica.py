@@ -118,8 +118,10 @@ class EngineReplica:
             except RequestFailedError as e:
                 yield failure(e)
         finally:  # finished, failed, or the caller cancelled the stream (its HTTP client went away)
-            self.live.pop(start.request_id, None)
-            await pieces.aclose()  # aborts the utterance (talker and chunks) unless it finished
+            try:  # aborts the utterance (talker and chunks) unless it finished, and returns once the aborts are sent
+                await pieces.aclose()
+            finally:  # so "live" counts the utterance until then
+                self.live.pop(start.request_id, None)
 
     async def resolve(self, prompt, params=None, model: str | None = None):
         """The request's resolved ``SamplingParams`` (defaults and seed filled in), or a rejection."""
