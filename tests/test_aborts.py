@@ -1,7 +1,9 @@
 """Aborts reach everything a request queued: a client that goes away (or an abort) at any point leaves
 no step of its work to run. Each test holds the engine loop right after a step, makes the client go
 away, waits until the abort is on its way to the engine, lets the loop go, and checks that the engine
-took no further step for that work: every chunk or denoise step not yet computed was cancelled.
+took no further step for that work: every chunk or denoise step not yet computed was cancelled. One
+speech test holds the talker thread inside a talker step instead: a stream that closes returns only once
+its aborts are sent.
 
 Covered elsewhere: a robot socket closed mid-inference (tests/test_openpi_socket.py), a plain image
 request whose client hangs up (tests/test_serve.py), and the same on Ray replicas
@@ -136,6 +138,59 @@ def test_speech_cancelled_after_its_talker_finished_computes_no_further_chunk(sp
     # every chunk submitted ended; those not computed by the hold (and any still on their way in) were aborted
     assert len(chunks) == service.timelines[req.id]["chunks"] and len(aborted) >= left
     assert "talker_done" in service.timelines[req.id]  # it was the chunks, not the talker, that were cut
+
+
+def test_a_stream_cut_while_its_talker_steps_closes_once_its_aborts_are_sent(speech):
+    """The client goes away while the talker thread is inside a talker step: closing the stream waits
+    for that thread to send the aborts, so once it has closed nothing of the utterance is open, and a
+    chunk the step in flight submitted is aborted with the rest (none is submitted after the close)."""
+    aengine, service = speech
+    req = make_speech_request(service.text, " ".join(["7"] * 32), "adam", seed=5, steps=40)
+    seen: set[str] = set()  # the utterance's chunk requests, from their events
+
+    def listen(event):
+        if event.request_id.startswith(f"{req.id}-chunk"):
+            seen.add(event.request_id)
+
+    arm, in_step, release = threading.Event(), threading.Event(), threading.Event()
+    talker_step = service.talker.step
+
+    def held_step():  # on the talker thread
+        if arm.is_set():
+            arm.clear()
+            in_step.set()
+            release.wait(60)
+        return talker_step()
+
+    async def scenario():
+        stream = service.stream(req)
+        await stream.__anext__()  # the first audio
+        assert service.live() == 1, "the talker finished before the first audio: the test needs a longer text"
+        arm.set()
+        assert await asyncio.to_thread(in_step.wait, 60), "the talker took no further step"
+        closing = asyncio.ensure_future(stream.aclose())  # the client went away
+        await asyncio.sleep(0.5)
+        assert not closing.done(), "the stream closed before the talker thread sent its aborts"
+        assert service.open() == 1
+        release.set()
+        await asyncio.wait_for(closing, 30)
+        assert service.open() == 0 and service.live() == 0  # at once: the aborts were sent before it closed
+        submitted = set(seen) | {r.id for r in aengine.engine.scheduler.running + aengine.engine.scheduler.waiting
+                                 if r.id.startswith(req.id)}
+        await asyncio.sleep(0.5)
+        return submitted
+
+    aengine.listeners.append(listen)
+    service.talker.step = held_step  # this object only
+    try:
+        submitted = asyncio.run(scenario())
+    finally:
+        release.set()
+        del service.talker.step  # the class's method again
+        aengine.listeners.remove(listen)
+    wait_until(lambda: not aengine.engine.has_unfinished(), 60, "the aborted chunks to leave the engine")
+    assert seen <= submitted, f"chunks submitted after the stream closed: {sorted(seen - submitted)}"
+    assert service.timelines[req.id]["chunks"] >= 1 and "talker_done" not in service.timelines[req.id]
 
 
 def test_whole_speech_cancelled_while_its_chunks_run_computes_no_further_chunk(speech):
