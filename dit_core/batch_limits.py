@@ -28,6 +28,13 @@ row counts from the smallest, the limit is the last one reached before a count w
 ``threshold`` (``EngineConfig.batch_gain_threshold``) or whose time exceeds ``max_step_ms``. It is never
 below one request: a step always admits one request of its key when none is running.
 
+One exception looks at the rows waiting (``demand``: the rows of the key's live requests). A knee where rows
+per second go flat leaves a small last step when the demand is a little above the limit, and a small step
+costs more per row. So when the demand is itself a trusted count (within ``max_step_ms``), and that count was
+measured faster than the quickest way to serve the same rows in steps of at most the limit, the step takes
+them all. On the 256x256 small FLUX, 8 rows at once took 532 ms, against 395 + 153 ms for 6 then 2. Where
+rows per second fall past the knee (the audio DiT), the steps of the limit stay quicker, and nothing changes.
+
 Exploring, so the counts the rule needs get measured (bisection: the knee is found in a few explorations,
 not one row at a time). First, the top of the walk: when the limit was reached from the count before it
 across a gap of more than one request's rows, a step explores down to the midpoint of that gap (it holds
@@ -175,7 +182,22 @@ class BatchLimits:
                 if chances % self.explore_every:
                     return Limit(rows)
                 return Limit(target) if target < rows else Limit(rows, target)
-        return Limit(rows)
+        return Limit(max(rows, self._all_at_once(times, rows, demand)))
+
+    def _all_at_once(self, times: dict[int, float], rows: int, demand: int | float) -> int:
+        """``demand`` when its rows are a trusted count (within ``max_step_ms``) measured faster than the
+        quickest way to serve them in steps of at most ``rows`` trusted rows each; else 0. Past a flat knee a
+        small last step costs more per row than one step of them all (e.g. 8 rows at 256x256: one step of 8
+        against 6 then 2)."""
+        if demand <= rows or demand not in times:
+            return 0
+        if self.max_step_ms is not None and times[demand] > self.max_step_ms:
+            return 0
+        small = {r: t for r, t in times.items() if r <= rows}
+        quickest = [0.0] + [math.inf] * demand  # the least time to serve d rows in steps of the small counts
+        for d in range(1, demand + 1):
+            quickest[d] = min((t + quickest[d - r] for r, t in small.items() if r <= d), default=math.inf)
+        return demand if times[demand] < quickest[demand] < math.inf else 0
 
     def snapshot(self) -> list[dict]:
         """Per bucket: model, row_tokens (the bucket's bound), limit_rows (None: nothing trusted yet),

@@ -193,3 +193,36 @@ def test_a_learning_engine_shows_its_limits_in_stats_and_metrics_and_changes_no_
             row = f'omnidit_batch_limit_rows{{model="d",row_tokens="{bucket["row_tokens"]}"}}'
             assert f"{row} {float(bucket['limit_rows'])}" in metrics, metrics
     assert stats["config"]["batch_limits"] == "learn"
+
+
+# step times (ms) the 256x256 small FLUX learned on a 2-core EPYC (engine_throughput --sizes 256 --batch-limits
+# both, 2026-12-05): rows per second rise to 6 rows, and 7 or 8 rows are no faster per row
+FLUX_256 = {1: 86.891, 2: 152.736, 3: 215.858, 4: 282.811, 5: 335.721, 6: 394.759, 7: 470.068, 8: 532.235}
+
+
+def test_rows_past_a_flat_knee_run_at_once_when_a_small_last_step_would_cost_more():
+    limits, b = BatchLimits(), ("m", 512)
+    for rows, ms in FLUX_256.items():
+        for _ in range(2):
+            limits.observe(b, rows, ms)
+    assert limits.snapshot()[0]["limit_rows"] == 6 and limits.snapshot()[0]["converged"]
+    assert limits.limit(b, demand=6) == Limit(6)
+    assert limits.limit(b, demand=8) == Limit(8)  # 532 ms against 6 then 2 rows' 548
+    assert limits.limit(b, demand=7) == Limit(7)  # 470 against 6 then 1: 482
+    assert limits.limit(b, demand=12) == Limit(6)  # 12 rows were never measured: steps of 6
+    assert BatchLimits(max_step_ms=500).limit(b, demand=8) == Limit(1)  # (nothing learned there)
+    capped = BatchLimits(max_step_ms=500)
+    for rows, ms in FLUX_256.items():
+        for _ in range(2):
+            capped.observe(b, rows, ms)
+    assert capped.limit(b, demand=8) == Limit(6)  # 8 rows' step is over max_step_ms
+    assert capped.limit(b, demand=7) == Limit(7)
+
+
+def test_rows_past_a_falling_knee_still_wait_for_the_next_step():
+    # rows per second fall past 2 rows (the audio DiT's case): 4 rows at once lose to two steps of 2
+    limits, b = BatchLimits(), ("m", 512)
+    for rows, ms in {1: 10.0, 2: 12.0, 3: 30.0, 4: 40.0}.items():
+        for _ in range(2):
+            limits.observe(b, rows, ms)
+    assert limits.limit(b, demand=4) == Limit(2) and limits.limit(b, demand=3) == Limit(2)
