@@ -55,7 +55,8 @@ class EngineConfig:
         before then (default True; see ``dit_core.policies``).
     batch_limits: ``"fixed"`` (``max_batch_size`` and ``max_tokens_per_step`` alone bound a step) or ``"learn"``:
         per model and shape bucket, the engine learns from its own step times how a forward's time grows with
-        its rows and admits rows only while one more row still pays (``dit_core.batch_limits``); None (default):
+        its rows and admits rows only while one more row still pays, or every row waiting where one step of them
+        all was measured quicker than steps of that limit (``dit_core.batch_limits``); None (default):
         ``learn`` when ``max_step_ms`` is set, else ``fixed``.
     batch_gain_threshold: with ``batch_limits="learn"``, the least gain one more row must bring: the share
         of a row's own throughput it adds (1: a free row, 0: rows per second unchanged); default 0.05.

@@ -100,7 +100,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default on)")
     p.add_argument("--batch-limits", default=None, choices=["fixed", "learn"],
                    help="learn: also cap each step at the rows the engine learned still pay, per model and shape, "
-                        "from its own step times (one more row must raise rows per second by --batch-gain-threshold);"
+                        "from its own step times (one more row must raise rows per second by "
+                        "--batch-gain-threshold, unless one step of every row waiting was measured quicker);"
                         " fixed: --max-batch-size and --max-tokens-per-step alone; the limits show in "
                         "/v1/engine/stats and /metrics (default: learn with --max-step-ms, else fixed)")
     p.add_argument("--batch-gain-threshold", type=float, default=0.05, metavar="G",
