@@ -24,9 +24,11 @@ the share of a row's own throughput each added row brings: 1 when the added rows
 step grows in proportion (rows per second unchanged), below 0 when rows per second fall. (It equals
 ``a * (rows/s at b / rows/s at a - 1) / (b - a)``: the raise in rows per second per added row, scaled by
 the rows already there, so one threshold means the same at 2 rows and at 200.) Walking up the trusted
-row counts from the smallest, the limit is the last one reached before a count whose gain is below
-``threshold`` (``EngineConfig.batch_gain_threshold``) or whose time exceeds ``max_step_ms``. It is never
-below one request: a step always admits one request of its key when none is running.
+row counts from the smallest, a count becomes the limit when its gain over the limit so far is at least
+``threshold`` (``EngineConfig.batch_gain_threshold``); a count below it is passed over, not an end (step
+times are not monotone on a CPU: at 64x64, 5 rows took longer than 6, and a noisy 2 rows as long as two
+steps of 1 hid the gain of 4 and 6), and the walk ends at a count whose time exceeds ``max_step_ms``. It
+is never below one request: a step always admits one request of its key when none is running.
 
 One exception looks at the rows waiting (``demand``: the rows of the key's live requests). A knee where rows
 per second go flat leaves a small last step when the demand is a little above the limit, and a small step
@@ -39,9 +41,10 @@ Exploring, so the counts the rule needs get measured (bisection: the knee is fou
 not one row at a time). First, the top of the walk: when the limit was reached from the count before it
 across a gap of more than one request's rows, a step explores down to the midpoint of that gap (it holds
 that many rows, so the gain of the last rows added is measured, not their average with the first ones).
-Then above: when the walk stopped on a refused count more than one request above the limit, a step
-explores up to the midpoint; when it ended at the largest count measured, as far as admission allows
-(``max_batch_size``, ``max_tokens_per_step``). Each takes one chance in every ``explore_every``; a midpoint
+Then above: when the first count refused above the limit is more than one request above it, a step
+explores up to the midpoint (a midpoint already measured, one the walk passed over, is not explored);
+when no count above the limit was refused, as far as admission allows (``max_batch_size``,
+``max_tokens_per_step``). Each takes one chance in every ``explore_every``; a midpoint
 that ``tries`` chances could not measure ends that search. With neither gap left to split the bucket has
 converged (it still takes more rows than it has seen when more requests wait than ever before). With
 ``max_step_ms`` an exploration up goes no further than the line through the two largest counts says stays
@@ -121,13 +124,15 @@ class BatchLimits:
     def _walk(self, times: dict[int, float]) -> tuple[int, int | None, int | None]:
         """(the limit, the count before it on the walk or None, the count above it refused or None)."""
         counts = list(times)
-        limit, before = counts[0], None
+        limit, before, refused = counts[0], None, None
         for b in counts[1:]:
-            too_long = self.max_step_ms is not None and times[b] > self.max_step_ms
-            if too_long or self.gain(limit, times[limit], b, times[b]) < self.threshold:
-                return limit, before, b
-            limit, before = b, limit
-        return limit, before, None
+            if self.max_step_ms is not None and times[b] > self.max_step_ms:
+                return limit, before, refused or b  # (times only grow past here, or the machine got busier)
+            if self.gain(limit, times[limit], b, times[b]) < self.threshold:
+                refused = refused or b  # a bump (5 rows slower than 6): a later count may still pay over the limit
+                continue
+            limit, before, refused = b, limit, None
+        return limit, before, refused
 
     def _within_max_step(self, times: dict[int, float], rows: int) -> int | float:
         """The most rows a step may explore up to under ``max_step_ms``: on the line through the two largest
@@ -158,7 +163,8 @@ class BatchLimits:
             up = up if up > rows else 0
         else:
             up = self._mid(rows, refused, unit)
-        return rows, down, up
+        # a midpoint already measured (a count the walk passed over) has nothing left to teach
+        return rows, (0 if down in times else down), (0 if up in times else up)
 
     # ---- admission ----
 

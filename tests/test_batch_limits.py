@@ -226,3 +226,16 @@ def test_rows_past_a_falling_knee_still_wait_for_the_next_step():
         for _ in range(2):
             limits.observe(b, rows, ms)
     assert limits.limit(b, demand=4) == Limit(2) and limits.limit(b, demand=3) == Limit(2)
+
+
+def test_a_count_that_does_not_pay_does_not_hide_a_larger_one_that_does():
+    # step times a 64x64 small FLUX learned (engine_throughput --quick --batch-limits both, 2026-12-05): 2 rows
+    # cost two of 1 and 5 rows more than 6, yet 4 and 6 rows pay over 1 and 4
+    flux_64 = {1: 29.8, 2: 57.988, 4: 77.421, 5: 106.371, 6: 105.524, 7: 130.0, 8: 145.533}  # (7: made up)
+    limits, b = BatchLimits(), ("m", 128)
+    for rows, ms in flux_64.items():
+        for _ in range(2):
+            limits.observe(b, rows, ms)
+    snap = limits.snapshot()[0]
+    assert snap["limit_rows"] == 6 and snap["converged"]  # (walking no further than the first count refused: 1)
+    assert limits.limit(b, demand=8) == Limit(8)  # 146 ms against two steps of 4: 155
