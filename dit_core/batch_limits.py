@@ -35,7 +35,7 @@ per second go flat leaves a small last step when the demand is a little above th
 costs more per row. So when the demand is itself a trusted count (within ``max_step_ms``), and that count was
 measured faster than the quickest way to serve the same rows in steps of at most the limit, the step takes
 them all. On the 256x256 small FLUX, 8 rows at once took 532 ms, against 395 + 153 ms for 6 then 2. Where
-rows per second fall past the knee (the audio DiT), the steps of the limit stay quicker, and nothing changes.
+rows per second fall past the knee, the steps of the limit stay quicker, and nothing changes.
 
 Exploring, so the counts the rule needs get measured (bisection: the knee is found in a few explorations,
 not one row at a time). First, the top of the walk: when the limit was reached from the count before it
