@@ -200,31 +200,31 @@ def test_a_learning_engine_shows_its_limits_in_stats_and_metrics_and_changes_no_
 FLUX_256 = {1: 86.891, 2: 152.736, 3: 215.858, 4: 282.811, 5: 335.721, 6: 394.759, 7: 470.068, 8: 532.235}
 
 
-def test_rows_past_a_flat_knee_run_at_once_when_a_small_last_step_would_cost_more():
-    limits, b = BatchLimits(), ("m", 512)
-    for rows, ms in FLUX_256.items():
+def learned(times: dict, bucket=("m", 512), **options) -> BatchLimits:
+    """A learner that saw each row count's time twice (trusted)."""
+    limits = BatchLimits(**options)
+    for rows, ms in times.items():
         for _ in range(2):
-            limits.observe(b, rows, ms)
+            limits.observe(bucket, rows, ms)
+    return limits
+
+
+def test_rows_past_a_flat_knee_run_at_once_when_a_small_last_step_would_cost_more():
+    limits, b = learned(FLUX_256), ("m", 512)
     assert limits.snapshot()[0]["limit_rows"] == 6 and limits.snapshot()[0]["converged"]
     assert limits.limit(b, demand=6) == Limit(6)
     assert limits.limit(b, demand=8) == Limit(8)  # 532 ms against 6 then 2 rows' 548
     assert limits.limit(b, demand=7) == Limit(7)  # 470 against 6 then 1: 482
     assert limits.limit(b, demand=12) == Limit(6)  # 12 rows were never measured: steps of 6
     assert BatchLimits(max_step_ms=500).limit(b, demand=8) == Limit(1)  # (nothing learned there)
-    capped = BatchLimits(max_step_ms=500)
-    for rows, ms in FLUX_256.items():
-        for _ in range(2):
-            capped.observe(b, rows, ms)
+    capped = learned(FLUX_256, max_step_ms=500)
     assert capped.limit(b, demand=8) == Limit(6)  # 8 rows' step is over max_step_ms
     assert capped.limit(b, demand=7) == Limit(7)
 
 
 def test_rows_past_a_falling_knee_still_wait_for_the_next_step():
-    # rows per second fall past 2 rows (the audio DiT's case): 4 rows at once lose to two steps of 2
-    limits, b = BatchLimits(), ("m", 512)
-    for rows, ms in {1: 10.0, 2: 12.0, 3: 30.0, 4: 40.0}.items():
-        for _ in range(2):
-            limits.observe(b, rows, ms)
+    # rows per second fall past 2 rows: 4 rows at once lose to two steps of 2
+    limits, b = learned({1: 10.0, 2: 12.0, 3: 30.0, 4: 40.0}), ("m", 512)
     assert limits.limit(b, demand=4) == Limit(2) and limits.limit(b, demand=3) == Limit(2)
 
 
@@ -232,10 +232,7 @@ def test_a_count_that_does_not_pay_does_not_hide_a_larger_one_that_does():
     # step times a 64x64 small FLUX learned (engine_throughput --quick --batch-limits both, 2026-12-05): 2 rows
     # cost two of 1 and 5 rows more than 6, yet 4 and 6 rows pay over 1 and 4
     flux_64 = {1: 29.8, 2: 57.988, 4: 77.421, 5: 106.371, 6: 105.524, 7: 130.0, 8: 145.533}  # (7: made up)
-    limits, b = BatchLimits(), ("m", 128)
-    for rows, ms in flux_64.items():
-        for _ in range(2):
-            limits.observe(b, rows, ms)
+    limits, b = learned(flux_64, ("m", 128)), ("m", 128)
     snap = limits.snapshot()[0]
     assert snap["limit_rows"] == 6 and snap["converged"]  # (walking no further than the first count refused: 1)
     assert limits.limit(b, demand=8) == Limit(8)  # 146 ms against two steps of 4: 155
