@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from benchmarks.common import BlockCounter  # noqa: F401  (forward pre-hooks on the transformer's blocks)
@@ -93,3 +95,24 @@ def engine_maker(model: str, max_batch_size: int, **base):
         return made[key]
 
     return get
+
+
+
+@contextlib.contextmanager
+def packed_rows_seen(modules: dict):
+    """By name, the rows each module got per call of a packed forward (2-D input: tokens x features);
+    the dense forwards' calls (3-D inputs) are not recorded."""
+    seen = {name: [] for name in modules}
+
+    def hook(name):
+        def hit(_module, args, _out):
+            if args[0].dim() == 2:
+                seen[name].append(args[0].shape[0])
+        return hit
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in modules.items()]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()

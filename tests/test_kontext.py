@@ -17,7 +17,7 @@ from dit_core import Engine, SamplingParams
 from dit_core.errors import InvalidParamError
 from dit_core.families.flux_kontext import ReferenceInputs
 from dit_core.random_models.flux_kontext import build_kontext
-from helpers import assert_cached_rows_equal_alone, assert_finished, params, run_staggered
+from helpers import assert_cached_rows_equal_alone, assert_finished, packed_rows_seen, params, run_staggered
 
 PROMPT = "make the cat red"
 
@@ -172,14 +172,19 @@ def forwards(engine) -> dict:
 
 def test_mixed_batch_rows_equal_alone_packed(kontext):
     """References of 0, 120 and 36 tokens, start images and another output size in one packed forward
-    per step (no padding, no split), each row as alone."""
+    per step (no padding, no split), each row as alone; the last block skips the reference tokens."""
     _, engine = kontext
     specs = mixed_specs() + [params(seed=7, image=picture(40, 48, seed=6), num_inference_steps=6, height=48,
                                     width=32)]
     alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
     before = forwards(engine)
-    finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1, 1, 2, 0])
+    tr = engine.family.transformer
+    last = tr.single_transformer_blocks[-1]
+    with packed_rows_seen({"image": tr.x_embedder, "mlp": last.proj_mlp, "out": last.proj_out}) as seen:
+        finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 1, 1, 2, 0])
     assert max(sizes) == len(specs)
+    # the last block runs its MLP and output projection on the generated tokens, not on the references'
+    assert seen["mlp"] == seen["out"] and any(m < n for m, n in zip(seen["mlp"], seen["image"]))
     after = forwards(engine)
     assert after.get("packed", 0) > before.get("packed", 0)
     assert (after["padded"], after["by_length"]) == (before["padded"], before["by_length"])

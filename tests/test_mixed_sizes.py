@@ -7,7 +7,7 @@ import torch
 
 from dit_core import Engine, EngineConfig
 from dit_core.mixed_sizes import why_not
-from helpers import CFG, assert_finished, params, run_staggered
+from helpers import CFG, assert_finished, packed_rows_seen, params, run_staggered
 
 # per family: no cache, and thresholds at which the tiny models skip rows (as tests/test_step_cache.py)
 CASES = [("flux", "none"), ("flux", "fbcache:0.3"), ("flux", "teacache:0.6"),
@@ -89,6 +89,19 @@ def test_mixed_sizes_share_one_forward_and_each_row_equals_its_solo_run(family, 
         assert skipped == skipped_alone > 0
 
 
+def test_the_last_block_computes_only_the_image_tokens(flux_engines):
+    """Nothing reads the text tokens after FLUX's last single block: in a packed forward its MLP and output
+    projection run on the image tokens alone (the rows still equal their solo runs: the test above)."""
+    engine = flux_engines()
+    tr = engine.family.transformer
+    last = tr.single_transformer_blocks[-1]
+    with packed_rows_seen({"image": tr.x_embedder, "text": tr.context_embedder, "mlp": last.proj_mlp,
+                           "out": last.proj_out}) as seen:
+        finals, sizes = run_staggered(engine, flux_specs(), arrivals=[0, 0, 0, 0])
+    assert max(sizes) == 4 and seen["image"] and all(n > 0 for n in seen["text"])
+    assert seen["mlp"] == seen["out"] == seen["image"]  # per packed forward: its image tokens, every one
+
+
 def test_rows_of_one_shape_keep_the_dense_forward(flux_engines, monkeypatch):
     from dit_core.families import flux_packed
 
@@ -163,3 +176,44 @@ def test_wan_mixed_sizes_and_frames_share_one_forward(cache, wan_tiny):
         assert (got - alone[i]).abs().max().item() <= 1e-5, f"request {i}"
     if cache != "none":
         assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) == skipped_alone > 0
+
+
+@pytest.mark.parametrize("backend", [n for n, why in __import__("attention").available_backends(
+    "cpu", torch.float32, 32).items() if why == "ok"])
+@pytest.mark.parametrize("outputs", [None, [3, 4, 1, 6]], ids=["all-image-tokens", "leading-ones"])
+def test_output_attend_gives_the_output_tokens_rows_of_joint_attend(backend, outputs):
+    """The last block's attention (queries for the tokens the head reads only) against every key of the row:
+    each output token's row is ``joint_attend``'s, for every runnable backend; two rows of one joint length
+    and one output count share a group, and rows of one joint length with other counts do not."""
+    from attention import get_backend
+    from dit_core.families.packed_rows import PackedRows, RowTokens, joint_attend, output_attend
+
+    img, txt = [6, 4, 8, 6], [5, 7, 3, 5]
+    layout = PackedRows({"img": RowTokens(img, "cpu"), "txt": RowTokens(txt, "cpu")}, outputs=outputs)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(img) + sum(txt), 2, 32, generator=g) for _ in range(3))
+    impl = get_backend(backend)
+    full = joint_attend(layout, q, k, v, impl)
+    pos, counts = layout.output_tokens("txt", "img")
+    assert counts == (outputs or img) and len(pos) == sum(counts)
+    got = output_attend(layout, q.index_select(0, pos), k, v, impl)
+    # Not bit for bit: a query's sums can round differently with the number of query rows in the call (here,
+    # SDPA's CPU kernel for rows of 1-3 queries, and math's bmm for any count): up to 4.2e-7 measured on these
+    # inputs. With SDPA (the default) each call holds rows of one query count, the row's own, so the count
+    # never follows its batchmates; and the rows stay within 1e-5 of their solo runs (the tests above).
+    torch.testing.assert_close(got, full.index_select(0, pos), rtol=0, atol=1e-6)
+    kept = layout.select(torch.tensor([2, 0]))
+    assert kept.outputs == (None if outputs is None else [outputs[2], outputs[0]])
+
+
+def test_qwenimage_last_block_skips_the_text_stream(mixed_engines):
+    """Qwen-Image's last block in a packed forward: no text query, output projection or MLP; its image MLP
+    on every image token (the rows still equal their solo runs: the first test)."""
+    engine = mixed_engines("qwenimage")
+    last = engine.family.transformer.transformer_blocks[-1]
+    with packed_rows_seen({"img_mlp": last.img_mlp, "txt_mlp": last.txt_mlp, "add_q_proj": last.attn.add_q_proj,
+                           "to_add_out": last.attn.to_add_out, "img_in": engine.family.transformer.img_in}) as seen:
+        finals, sizes = run_staggered(engine, mixed_specs("qwenimage"), arrivals=[0, 0, 0, 0])
+    assert max(sizes) == 4 and seen["img_in"]
+    assert seen["img_mlp"] == seen["img_in"]  # every image token, once per packed forward
+    assert seen["txt_mlp"] == seen["add_q_proj"] == seen["to_add_out"] == []

@@ -28,7 +28,7 @@ from dit_core.errors import InvalidParamError
 from dit_core.families import qwen_packed
 from dit_core.families.qwen_edit import EDIT_TEMPLATE, EDIT_TEMPLATE_DROP, EditInputs, calculate_dimensions
 from dit_core.random_models.qwenimage import build_edit
-from helpers import assert_cached_rows_equal_alone, assert_finished, params, run_staggered
+from helpers import assert_cached_rows_equal_alone, assert_finished, packed_rows_seen, params, run_staggered
 from serve.app import ServeSettings
 from serve_helpers import live_server, png
 
@@ -147,7 +147,8 @@ def test_reference_size_is_the_pipelines(edit):
 
 def test_mixed_batch_rows_equal_alone(edit):
     """Text to image, two edits with references of 16 and 32 tokens (one with CFG), an edit with another
-    output size and an image-to-image row: one packed step; each row as alone."""
+    output size and an image-to-image row: one packed step; each row as alone, and the last block runs on
+    the generated tokens only."""
     engine, pipe = edit
     common = dict(num_inference_steps=3)
     specs = [
@@ -158,10 +159,15 @@ def test_mixed_batch_rows_equal_alone(edit):
         params(seed=5, image=picture(40, 48), strength=0.7, **common),  # image-to-image
     ]
     alone = [torch.stack(engine.generate(PROMPT, p)) for p in specs]
-    with forwards_of(engine) as forwards, packed_rows() as packed:
+    last = engine.family.transformer.transformer_blocks[-1]
+    with forwards_of(engine) as forwards, packed_rows() as packed, packed_rows_seen(
+            {"img_mlp": last.img_mlp, "txt_mlp": last.txt_mlp, "add_q_proj": last.attn.add_q_proj}) as ran:
         first = engine.stats.steps
         finals, sizes = run_staggered(engine, [(PROMPT, p) for p in specs], arrivals=[0, 0, 0, 0, 1])
         steps = engine.stats.steps - first
+    # the last block computes what the head reads, the generated tokens (first step: four rows of 16 and one
+    # of 24, the CFG edit's uncond row included; then the image-to-image row's 16 join), and nothing of the text
+    assert ran == {"img_mlp": [16 * 4 + 24, 16 * 5 + 24, 16 * 5 + 24], "txt_mlp": [], "add_q_proj": []}
     # one forward a step (nothing was retried request by request); the last step is the late row's alone
     assert max(sizes) == len(specs) and forwards[0] == steps == 4 and len(packed) == 3
     # rows' image tokens: generated, then the reference's (cond and uncond rows of the CFG edit alike)

@@ -244,7 +244,9 @@ class Family(abc.ABC):
 
     def run_blocks(self, x: BlockInputs, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Blocks [start, stop) on ``x``; returns the new (image, text) streams. The step caches call
-        this; under parallelism the blocks run across processes."""
+        this; under parallelism the blocks run across processes. A range that ends at the last block may
+        return text None, and image tokens the head does not read unchanged: a family's last block may
+        skip the outputs nothing reads (FLUX's packed forward does, ``flux_packed.last_single_block``)."""
         if self.parallel is not None:
             return self.parallel.run_blocks(x, start, stop)
         img, txt = x.img, x.txt

@@ -98,8 +98,10 @@ class FluxFamily(PackedFlowFamily):
         n_double = len(tr.transformer_blocks)
         block = tr.transformer_blocks[index] if index < n_double else tr.single_transformer_blocks[index - n_double]
         if x.layout is not None:
-            run = flux_packed.double_block if index < n_double else flux_packed.single_block
-            return run(block, x, self.attention_backends["joint"])
+            if index < n_double:
+                return flux_packed.double_block(block, x, self.attention_backends["joint"])
+            return flux_packed.single_block(block, x, self.attention_backends["joint"],
+                                            last=index == self.num_blocks - 1)
         txt, img = block(hidden_states=x.img, encoder_hidden_states=x.txt, temb=x.rows["temb"],
                          image_rotary_emb=x.shared["image_rotary_emb"])
         return img, txt

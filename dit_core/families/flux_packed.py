@@ -5,7 +5,9 @@ Written from the blocks' own submodules (their weights, norms and attention proj
 the modulation (shift, scale, gate) is computed once per row from that row's timestep embedding and
 expanded to its tokens; every linear runs once over all tokens of a stream; attention runs per row
 over [its text tokens; its image tokens] with its own rotary table (positions of its own token grid).
-Every operation is the dense one's, token for token, so a row gets what it gets alone.
+Every operation is the dense one's, token for token, so a row gets what it gets alone. The last
+single block computes only what the head reads (``last_single_block``): the text tokens, and a Kontext
+row's reference tokens, give it their keys and values and skip its queries, MLP and output projection.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from attention.rotary import TableCache, rotate_pairs
 
 from ..request import Request
 from .base import BlockInputs
-from .packed_rows import PackedRows, RowTokens, joint_attend, modulate
+from .packed_rows import PackedRows, RowTokens, joint_attend, modulate, output_attend
 from .processors.flux import _project
 
 
@@ -48,7 +50,8 @@ def packed_inputs(family, requests: list[Request]) -> dict:
             timesteps.append(req.timestep.expand(n))
     device = family.device
     layout = PackedRows({"img": RowTokens(img_counts, device), "txt": RowTokens(txt_counts, device)},
-                        {s: {k: torch.cat(v) for k, v in parts.items()} for s, parts in rope.items()})
+                        {s: {k: torch.cat(v) for k, v in parts.items()} for s, parts in rope.items()},
+                        outputs=None if generated == img_counts else generated)
     hidden = torch.cat(latents)
     return dict(hidden_states=hidden, timestep=torch.cat(timesteps).to(hidden.dtype) / 1000,
                 guidance=family.guidance(owners), pooled_projections=torch.stack(pooled),
@@ -101,9 +104,12 @@ def double_block(block, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Te
     return img, txt
 
 
-def single_block(block, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Tensor]:
+def single_block(block, x: BlockInputs, backend, last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A ``FluxSingleTransformerBlock`` on packed streams (text then image, streams' order); returns
-    (image, text)."""
+    (image, text). ``last``: the transformer's last block, whose text outputs (and a Kontext reference's)
+    nothing reads: ``last_single_block``."""
+    if last:
+        return last_single_block(block, x, backend), None
     ri, rt = x.rows_of("img"), x.rows_of("txt")
     both = torch.cat([rt.row_index, ri.row_index])  # each token's row, text stream then image stream
     hidden = torch.cat([x.txt, x.img])
@@ -117,6 +123,35 @@ def single_block(block, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Te
     if hidden.dtype == torch.float16:
         hidden = hidden.clip(-65504, 65504)
     return hidden[rt.total:], hidden[:rt.total]
+
+
+def last_single_block(block, x: BlockInputs, backend) -> torch.Tensor:
+    """``single_block`` for the tokens the head reads only (``PackedRows.output_tokens``: every image token,
+    or a Kontext row's generated ones): the other tokens give their keys and values and nothing else, so
+    the MLP, the output projection and the attention queries skip them. A kept token goes through the
+    same operations as in the full block, in calls over fewer rows (its attention's sums may round in the
+    last bit differently with its row's query count: ``tests/test_mixed_sizes.py``). Returns the image
+    stream; a token the head does not read keeps its input there."""
+    ri, rt = x.rows_of("img"), x.rows_of("txt")
+    both = torch.cat([rt.row_index, ri.row_index])
+    hidden = torch.cat([x.txt, x.img])
+    pos, _ = x.layout.output_tokens("txt", "img")
+    everything = x.layout.outputs is None  # the output tokens are the image stream, in its order
+    shift, scale, gate = block.norm.linear(block.norm.silu(x.rows["temb"])).chunk(3, dim=1)
+    normed = modulate(block.norm.norm(hidden), both, shift, scale)
+    kept = normed[rt.total:] if everything else normed.index_select(0, pos)
+    mlp = block.act_mlp(block.proj_mlp(kept))
+    attn = block.attn
+    q, k, v = _heads(attn, _project(attn, normed, fused="to_qkv"), attn.norm_q, attn.norm_k)
+    cos, sin = x.layout.stream_tokens("txt", "img", "cos"), x.layout.stream_tokens("txt", "img", "sin")
+    k = _rotate(k, cos, sin)  # first: the tables every block used, so their complex form is cached
+    q = _rotate(q.index_select(0, pos), cos.index_select(0, pos), sin.index_select(0, pos))
+    out = output_attend(x.layout, q, k, v, backend)
+    base = x.img if everything else hidden.index_select(0, pos)
+    new = base + gate.index_select(0, both.index_select(0, pos)) * block.proj_out(torch.cat([out, mlp], dim=1))
+    if new.dtype == torch.float16:
+        new = new.clip(-65504, 65504)
+    return new if everything else x.img.index_copy(0, pos - rt.total, new)
 
 
 def joint_attention(layout: PackedRows, q, k, v, backend) -> torch.Tensor:

@@ -97,9 +97,13 @@ class PackedRows:
     """A packed batch's layout: per stream its ``RowTokens``, and per stream the per-token tensors
     that follow the tokens (e.g. each token's rotary cos/sin), so ``select`` keeps them together."""
 
-    def __init__(self, streams: dict[str, RowTokens], tokens: dict[str, dict[str, torch.Tensor]] | None = None):
+    def __init__(self, streams: dict[str, RowTokens], tokens: dict[str, dict[str, torch.Tensor]] | None = None,
+                 outputs: list[int] | None = None):
         self.streams = streams
         self.tokens = tokens or {name: {} for name in streams}
+        # per row, how many of its leading image-stream tokens the head reads (an edit row's generated
+        # tokens, not its reference's); None: all of them
+        self.outputs = outputs
 
     @property
     def rows(self) -> int:
@@ -111,7 +115,40 @@ class PackedRows:
         for name, stream in self.streams.items():
             pos = stream.positions(idx) if len(idx) else None
             out[name] = {k: v.index_select(0, pos) for k, v in self.tokens[name].items()} if pos is not None else {}
-        return PackedRows({name: s.select(idx) for name, s in self.streams.items()}, out)
+        outputs = None if self.outputs is None else [self.outputs[i] for i in idx.tolist()]
+        return PackedRows({name: s.select(idx) for name, s in self.streams.items()}, out, outputs)
+
+    def output_tokens(self, first: str, second: str) -> tuple[torch.Tensor, list[int]]:
+        """(positions, counts): the positions in ``torch.cat([first stream, second stream])`` of the tokens
+        the head reads (each row's leading ``outputs`` tokens of stream ``second``, all of them when
+        ``outputs`` is None), row after row, and their count per row."""
+        key = ("output_tokens", first, second)
+        if key not in self.__dict__:
+            a, b = self.streams[first], self.streams[second]
+            counts = b.counts if self.outputs is None else self.outputs
+            pos = torch.cat([torch.arange(a.total + b.starts[i], a.total + b.starts[i] + counts[i], device=b.device)
+                             for i in range(self.rows)])
+            self.__dict__[key] = (pos, list(counts))
+        return self.__dict__[key]
+
+    def output_groups(self, first: str, second: str) -> list[tuple[torch.Tensor, torch.Tensor, int, int, int]]:
+        """``joint_groups`` with queries for the output tokens only (``output_tokens``): rows of equal joint
+        length and equal output count together, per group ``(kv_idx, out_idx, rows, q_length, kv_length)``:
+        ``kv_idx`` as ``joint_groups``' idx, ``out_idx`` [rows x q_length] those rows' output tokens' places
+        among all output tokens (``output_tokens``' order)."""
+        key = ("output_groups", first, second)
+        if key not in self.__dict__:
+            perm, cu = self.joint(first, second)
+            _, counts = self.output_tokens(first, second)
+            starts, out_starts, groups = cu.tolist(), list(accumulate(counts, initial=0)), {}
+            for i in range(self.rows):
+                groups.setdefault((starts[i + 1] - starts[i], counts[i]), []).append(i)
+            self.__dict__[key] = [
+                (torch.cat([perm[starts[i]:starts[i + 1]] for i in rows]),
+                 torch.cat([torch.arange(out_starts[i], out_starts[i + 1], device=perm.device) for i in rows]),
+                 len(rows), q_length, kv_length)
+                for (kv_length, q_length), rows in groups.items()]
+        return self.__dict__[key]
 
     def joint(self, first: str, second: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(perm, cu): ``torch.cat([first stream, second stream])[perm]`` lays each row's
@@ -205,3 +242,24 @@ def modulate(x: torch.Tensor, row_index: torch.Tensor, shift: torch.Tensor, scal
     """adaLN on packed tokens: ``x * (1 + scale) + shift`` with each token's row's values of the [rows, D]
     ``shift`` / ``scale`` (``row_index``: token -> row, ``RowTokens.row_index``)."""
     return x * (1 + scale).index_select(0, row_index) + shift.index_select(0, row_index)
+
+
+def output_attend(layout: PackedRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend) -> torch.Tensor:
+    """Attention for the queries of the tokens the head reads (``PackedRows.output_tokens``) only, against
+    every key of their row: q [K, H, D] in ``output_tokens``' order, k/v [T, H, D] in the streams' order
+    (all text tokens, then all image tokens), both rotated already; returns [K, H * D] in q's order. A
+    transformer's last block needs no other query: the text tokens' (and a reference's) outputs are
+    dropped after it. Each query's result is ``joint_attend``'s row for it, up to the last bit (a query's
+    sums may round differently with the number of query rows in the call: ``tests/test_mixed_sizes.py``)."""
+    _, counts = layout.output_tokens("txt", "img")
+    if backend.varlen is not None and backend.name != "sdpa":
+        perm, cu = layout.joint("txt", "img")
+        cu_q = torch.tensor(list(accumulate(counts, initial=0)), dtype=torch.int32, device=q.device)
+        out = attend_packed(q, k.index_select(0, perm), v.index_select(0, perm), cu_q, cu, backend)
+        return out.flatten(1).to(q.dtype)
+    out = q.new_empty(q.shape[0], q.shape[1] * v.shape[2])
+    for kv_idx, out_idx, rows, q_length, kv_length in layout.output_groups("txt", "img"):
+        res = backend.dense(q.index_select(0, out_idx).unflatten(0, (rows, q_length)),
+                            *(t.index_select(0, kv_idx).unflatten(0, (rows, kv_length)) for t in (k, v)))
+        out.index_copy_(0, out_idx, res.flatten(0, 1).flatten(1).to(out.dtype))
+    return out

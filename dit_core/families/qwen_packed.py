@@ -7,7 +7,8 @@ Written from the blocks' own submodules: per block, each stream's modulation (``
 over all tokens of a stream; each row's rotary frequencies for its own image grid and its own text
 (text token j at ``max(h, w) + j``, as the dense forward's table gives it); attention per row over
 [its valid text tokens; its image tokens]. Text is packed without padding, so the text mask of the
-dense batch has nothing left to mask.
+dense batch has nothing left to mask. The last block computes only what the head reads (``last_block``):
+the text tokens, and an edit row's reference tokens, give it their keys and values and nothing else.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 
 from ..request import Request
 from .base import BlockInputs
-from .packed_rows import PackedRows, RowTokens, joint_attend, modulate
+from .packed_rows import PackedRows, RowTokens, joint_attend, modulate, output_attend
 
 
 def packed_inputs(family, requests: list[Request]) -> dict:
     """The rows of ``requests`` (``gather_rows``' order) as packed streams and per-row tensors."""
-    latents, texts, timesteps, owners, img_counts, txt_counts = [], [], [], [], [], []
+    latents, texts, timesteps, owners, img_counts, txt_counts, generated = [], [], [], [], [], [], []
     freqs = {"img": [], "txt": []}
     for req in requests:
         vid, txt = rotary_tables(family, req)
@@ -36,6 +37,7 @@ def packed_inputs(family, requests: list[Request]) -> dict:
             for _ in range(n):
                 texts.append(cond.embeds)
                 img_counts.append(length)
+                generated.append(req.latents.shape[1])
                 txt_counts.append(cond.embeds.shape[0])
                 owners.append(req)
                 freqs["img"].append(vid)
@@ -43,7 +45,8 @@ def packed_inputs(family, requests: list[Request]) -> dict:
             timesteps.append(req.timestep.expand(n))
     device = family.device
     layout = PackedRows({"img": RowTokens(img_counts, device), "txt": RowTokens(txt_counts, device)},
-                        {s: {"freqs": torch.cat(v)} for s, v in freqs.items()})
+                        {s: {"freqs": torch.cat(v)} for s, v in freqs.items()},
+                        outputs=None if generated == img_counts else generated)
     hidden = torch.cat(latents)
     return dict(hidden_states=hidden, timestep=torch.cat(timesteps).to(hidden.dtype) / 1000,
                 guidance=family.guidance(owners), encoder_hidden_states=torch.cat(texts), layout=layout)
@@ -92,6 +95,55 @@ def block(blk, x: BlockInputs, backend) -> tuple[torch.Tensor, torch.Tensor]:
     if img.dtype == torch.float16:
         img = img.clip(-65504, 65504)
     return img, txt
+
+
+def last_block(blk, x: BlockInputs, backend) -> torch.Tensor:
+    """``block`` for the tokens the head reads only (``PackedRows.output_tokens``: every image token, or an
+    edit row's generated ones): the text stream gives its keys and values and nothing else (no text
+    queries, output projection, MLP), and neither do a reference's tokens. A kept token goes through the
+    same operations as in ``block``, in calls over fewer rows. Returns the image stream; a token the head
+    does not read keeps its input there."""
+    ri, rt = x.rows_of("img"), x.rows_of("txt")
+    pos, _ = x.layout.output_tokens("txt", "img")
+    everything = x.layout.outputs is None  # the output tokens are the image stream, in its order
+    img_pos = None if everything else pos - rt.total
+    rows = ri.row_index if everything else ri.row_index.index_select(0, img_pos)
+    img_mod1, img_mod2 = blk.img_mod(x.rows["temb"]).chunk(2, dim=-1)
+    t_shift, t_scale, _ = blk.txt_mod(x.rows["temb"]).chunk(2, dim=-1)[0].chunk(3, dim=-1)
+    shift, scale, gate = img_mod1.chunk(3, dim=-1)
+    img_attn = output_attention(blk.attn, modulate(blk.img_norm1(x.img), ri.row_index, shift, scale),
+                                modulate(blk.txt_norm1(x.txt), rt.row_index, t_shift, t_scale), x.layout,
+                                img_pos, backend)
+    img = (x.img if everything else x.img.index_select(0, img_pos)) + gate.index_select(0, rows) * img_attn
+    shift, scale, gate = img_mod2.chunk(3, dim=-1)
+    img = img + gate.index_select(0, rows) * blk.img_mlp(modulate(blk.img_norm2(img), rows, shift, scale))
+    if img.dtype == torch.float16:
+        img = img.clip(-65504, 65504)
+    return img if everything else x.img.index_copy(0, img_pos, img)
+
+
+def output_attention(attn, img: torch.Tensor, txt: torch.Tensor, layout: PackedRows, img_pos: torch.Tensor | None,
+                     backend) -> torch.Tensor:
+    """``attention``'s image output for the output tokens only (their positions in the image stream
+    ``img_pos``; None: all of them): queries for those tokens, keys and values for every token."""
+    head_dim = attn.inner_dim // attn.heads
+    kept = img if img_pos is None else img.index_select(0, img_pos)
+    q = attn.to_q(kept).unflatten(-1, (-1, head_dim))
+    k, v = (p(img).unflatten(-1, (-1, head_dim)) for p in (attn.to_k, attn.to_v))
+    kt, vt = (p(txt).unflatten(-1, (-1, head_dim)) for p in (attn.add_k_proj, attn.add_v_proj))
+    if attn.norm_q is not None:
+        q = attn.norm_q(q)
+    if attn.norm_k is not None:
+        k = attn.norm_k(k)
+    if attn.norm_added_k is not None:
+        kt = attn.norm_added_k(kt)
+    freqs = layout.tokens["img"]["freqs"]
+    q = apply_rotary_emb_qwen(q[None], freqs if img_pos is None else freqs.index_select(0, img_pos), use_real=False)[0]
+    k = apply_rotary_emb_qwen(k[None], freqs, use_real=False)[0]
+    kt = apply_rotary_emb_qwen(kt[None], layout.tokens["txt"]["freqs"], use_real=False)[0]
+    out = output_attend(layout, q, torch.cat([kt, k]), torch.cat([vt, v]), backend)
+    out = attn.to_out[0](out)
+    return attn.to_out[1](out) if len(attn.to_out) > 1 else out
 
 
 def attention(attn, img: torch.Tensor, txt: torch.Tensor, layout: PackedRows, backend):

@@ -141,7 +141,10 @@ class QwenImageFamily(PackedFlowFamily):
 
     def run_block(self, index: int, x: BlockInputs):
         if x.layout is not None:
-            return qwen_packed.block(self.transformer.transformer_blocks[index], x, self.attention_backends["joint"])
+            block, backend = self.transformer.transformer_blocks[index], self.attention_backends["joint"]
+            if index == self.num_blocks - 1:  # nothing reads the text stream after it
+                return qwen_packed.last_block(block, x, backend), None
+            return qwen_packed.block(block, x, backend)
         txt, img = self.transformer.transformer_blocks[index](
             hidden_states=x.img, encoder_hidden_states=x.txt, encoder_hidden_states_mask=x.rows["mask"],
             temb=x.rows["temb"], image_rotary_emb=x.shared["image_rotary_emb"])
