@@ -97,7 +97,6 @@ def engine_maker(model: str, max_batch_size: int, **base):
     return get
 
 
-
 @contextlib.contextmanager
 def packed_rows_seen(modules: dict):
     """By name, the rows each module got per call of a packed forward (2-D input: tokens x features);

@@ -196,6 +196,9 @@ def test_output_attend_gives_the_output_tokens_rows_of_joint_attend(backend, out
     full = joint_attend(layout, q, k, v, impl)
     pos, counts = layout.output_tokens("txt", "img")
     assert counts == (outputs or img) and len(pos) == sum(counts)
+    # every row has joint length 11: groups follow the output count (rows, queries each)
+    groups = sorted((rows, q_length) for _, _, rows, q_length, _ in layout.output_groups("txt", "img"))
+    assert groups == ([(1, 4), (1, 8), (2, 6)] if outputs is None else [(1, 1), (1, 3), (1, 4), (1, 6)])
     got = output_attend(layout, q.index_select(0, pos), k, v, impl)
     # Not bit for bit: a query's sums can round differently with the number of query rows in the call (here,
     # SDPA's CPU kernel for rows of 1-3 queries, and math's bmm for any count): up to 4.2e-7 measured on these
