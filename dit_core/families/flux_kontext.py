@@ -294,7 +294,8 @@ class FluxKontextFamily(FluxFamily):
     def block_inputs(self, inputs: dict) -> BlockInputs:
         if "layout" in inputs:  # packed rows: where each row's generated tokens are (``cache_signal``)
             x = super().block_inputs(inputs)
-            x.shared["generated"] = generated_tokens(x.rows_of("img"), inputs["generated"])
+            pos, counts = x.layout.output_tokens("txt", "img")  # the generated tokens, in [text; image] order
+            x.shared["generated"] = (RowTokens(counts, x.img.device), pos - x.rows_of("txt").total)
             return x
         ids = inputs["img_ids"]
         if "valid" not in inputs:
@@ -330,11 +331,3 @@ class FluxKontextFamily(FluxFamily):
 
     def signal_rows(self, x: BlockInputs) -> DenseRows:
         return x.shared["generated"][0] if x.layout is not None else super().signal_rows(x)
-
-
-def generated_tokens(stream: RowTokens, generated: list[int]) -> tuple[RowTokens, torch.Tensor]:
-    """The generated tokens of a packed image stream whose rows are [generated; reference] tokens: their
-    rows (``RowTokens``) and their positions in the stream [sum(generated)]."""
-    positions = torch.cat([torch.arange(start, start + n, device=stream.device)
-                           for start, n in zip(stream.starts, generated)])
-    return RowTokens(generated, stream.device), positions

@@ -23,8 +23,9 @@ from .processors.flux import _project
 
 
 def packed_inputs(family, requests: list[Request]) -> dict:
-    """The rows of ``requests`` (``gather_rows``' order) as packed streams and per-row tensors; ``generated``:
-    each row's generated image tokens (the first of its image-stream tokens; the rest are a reference's)."""
+    """The rows of ``requests`` (``gather_rows``' order) as packed streams and per-row tensors. The layout's
+    ``outputs``: each row's generated image tokens (the first of its image-stream tokens; the rest are a
+    reference's), None when no row has a reference."""
     latents, texts, pooled, timesteps, owners, img_counts, txt_counts = [], [], [], [], [], [], []
     rope = {"img": {"cos": [], "sin": []}, "txt": {"cos": [], "sin": []}}
     generated = []
@@ -55,7 +56,7 @@ def packed_inputs(family, requests: list[Request]) -> dict:
     hidden = torch.cat(latents)
     return dict(hidden_states=hidden, timestep=torch.cat(timesteps).to(hidden.dtype) / 1000,
                 guidance=family.guidance(owners), pooled_projections=torch.stack(pooled),
-                encoder_hidden_states=torch.cat(texts), layout=layout, generated=generated)
+                encoder_hidden_states=torch.cat(texts), layout=layout)
 
 
 def rotary_tables(family, req: Request) -> dict:
