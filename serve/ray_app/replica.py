@@ -147,10 +147,13 @@ class EngineReplica:
         return {"keys": keys, "live": len(self.live), "budgets": budgets}
 
     def stats(self) -> dict:
-        """What this replica has done: requests by routing key, forwards, the mean batch, its process."""
+        """What this replica has done: requests by routing key, forwards, the mean batch, its process.
+        ``live``: the requests and utterances its callers still stream; ``unfinished``: the requests its
+        engine holds (an aborted one stays until the step boundary after the forward in flight)."""
         thinkers = {name: getattr(f, "thinker", None) for name, f in self.engine.engine.models.items()}
         return {"replica": self.replica_id, "pid": os.getpid(), "threads": torch.get_num_threads(),
-                "accepted": dict(self.accepted), "live": len(self.live), "forwards": self.forwards,
+                "accepted": dict(self.accepted), "live": len(self.live), "unfinished": self.engine.num_unfinished,
+                "forwards": self.forwards,
                 "batched_requests": self.batched,
                 "mean_batch": self.batched / self.forwards if self.forwards else None,
                 "thinkers": {n: t.kind for n, t in thinkers.items() if t is not None},
