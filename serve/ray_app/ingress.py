@@ -14,7 +14,8 @@ router = APIRouter()
 @router.get("/v1/replicas")
 async def replicas(request: Request):
     """Every engine replica (id, pid, threads, requests accepted by routing key, live requests,
-    requests its engine still holds, forwards and mean batch size) and every shared thinker stage (calls, prompt-cache counters)."""
+    requests its engine still holds, forwards and mean batch size) and every shared thinker stage
+    (calls, prompt-cache counters)."""
     return await request.app.state.client.replica_stats()
 
 
