@@ -5,7 +5,9 @@ equivalence tests hold to diffusers), with CFG on and off and with the step cach
 import pytest
 import torch
 
+from attention import available_backends, get_backend
 from dit_core import Engine, EngineConfig
+from dit_core.families.packed_rows import PackedRows, RowTokens, joint_attend, output_attend
 from dit_core.mixed_sizes import why_not
 from helpers import CFG, assert_finished, packed_rows_seen, params, run_staggered
 
@@ -178,16 +180,15 @@ def test_wan_mixed_sizes_and_frames_share_one_forward(cache, wan_tiny):
         assert sum(finals[i].output.metrics["cache_skipped_rows"] for i in range(len(specs))) == skipped_alone > 0
 
 
-@pytest.mark.parametrize("backend", [n for n, why in __import__("attention").available_backends(
-    "cpu", torch.float32, 32).items() if why == "ok"])
+RUNNABLE = [n for n, why in available_backends("cpu", torch.float32, 32).items() if why == "ok"]
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
 @pytest.mark.parametrize("outputs", [None, [3, 4, 1, 6]], ids=["all-image-tokens", "leading-ones"])
 def test_output_attend_gives_the_output_tokens_rows_of_joint_attend(backend, outputs):
     """The last block's attention (queries for the tokens the head reads only) against every key of the row:
     each output token's row is ``joint_attend``'s, for every runnable backend; two rows of one joint length
     and one output count share a group, and rows of one joint length with other counts do not."""
-    from attention import get_backend
-    from dit_core.families.packed_rows import PackedRows, RowTokens, joint_attend, output_attend
-
     img, txt = [6, 4, 8, 6], [5, 7, 3, 5]
     layout = PackedRows({"img": RowTokens(img, "cpu"), "txt": RowTokens(txt, "cpu")}, outputs=outputs)
     g = torch.Generator().manual_seed(0)
