@@ -2,7 +2,7 @@
 batches and diffusers one request at a time; plus the audio, 256x256 and warm-start figures the
 issue's targets name, each measured by the benchmark that owns it.
 
-    python -m benchmarks.mixed_traffic [--quick] [--repeats 5] [--load 4.0]
+    python -m benchmarks.mixed_traffic [--quick] [--repeats 5] [--load 4.0] [--models flux-small,digits] [--out NAME]
 
 Traffic: Poisson arrivals (seeded, a new draw per round) of image requests whose (height, width) are
 drawn uniformly from {32, 48, 64, 96, 128} squared plus 64x32 and 32x96, with text lengths mixed:
@@ -23,8 +23,8 @@ round, after the same warm-up, one request of every size, for each):
   lengths share one forward (issue 39 part 1);
 * ``per-shape``: ``Engine`` with ``mixed_sizes=False``: today's batch key (height, width, and FLUX's
   text length), so mixed traffic fragments into small batches;
-* ``diffusers``: the stock pipeline (``FluxPipeline`` / ``QwenImagePipeline``), one request at a time,
-  in arrival order;
+* ``diffusers``: the stock pipeline (``FluxPipeline`` / ``QwenImagePipeline``; ``StableDiffusion3Pipeline`` for
+  the opt-in ``--models sd3-small``, the random small SD3 with CFG on), one request at a time, in arrival order;
 * ``packed, no cap``: the packed engine with ``max_batch_size`` = ``--requests`` (run when
   ``--max-batch-size`` is below it; keys ``packed_no_cap_over_per_shape_*``): the token budget
   (``max_tokens_per_step``) alone bounds its forwards. With the cap of 8 (the engine's default and
@@ -77,7 +77,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from benchmarks.common import interleaved, machine, percentiles, write_json
+from benchmarks.common import interleaved, machine, percentiles, scratch_dir, write_json
 from benchmarks.mixed_traffic_parts import audio_part, engine_fields, flux_folder, ratio_256, warm_start_part
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -142,11 +142,32 @@ def _digits_folder():
     return default_model()
 
 
+def _sd3_params(h, w, steps, seed, text):
+    return dict(height=h, width=w, num_inference_steps=steps, guidance_scale=5.0, negative_prompt="", seed=seed,
+                output_type="pt", max_sequence_length=text)
+
+
+def _sd3_call(p):
+    return dict(height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
+                guidance_scale=p.guidance_scale, negative_prompt=p.negative_prompt,
+                max_sequence_length=p.max_sequence_length)
+
+
+def _sd3_folder():
+    from dit_core.random_models import build
+
+    return build("sd3", "small", scratch_dir() / "sd3-small")
+
+
 WORKLOADS = {
     "flux-small": Workload("flux-small", "FluxPipeline", (32, 64, 128), flux_folder, _flux_params, _flux_call, {}),
     "digits": Workload("digits", "QwenImagePipeline", (None,), _digits_folder, _digits_params, _digits_call,
                        {"thinker": "hf"}, tuple(f"handwritten {d}" for d in range(10))),
+    # opt-in (--models sd3-small): the random small SD3 (CLIP-L/G + T5, MMDiT), CFG on (guidance 5)
+    "sd3-small": Workload("sd3-small", "StableDiffusion3Pipeline", (32, 64, 128), _sd3_folder, _sd3_params, _sd3_call,
+                          {}),
 }
+DEFAULT_MODELS = ("flux-small", "digits")  # the models issue 39's targets name
 
 
 def traffic(work: Workload, n: int, steps: int, seed: int, tag: str, sizes=SIZES):
@@ -431,7 +452,10 @@ def main(argv=None) -> dict:
                     help="EngineConfig.max_batch_size of the packed and per-shape engines (default 8, the engine's); "
                          "when it is below --requests, one more packed engine with no request cap (max_batch_size "
                          "= --requests: the token budget bounds a step) runs in the same rounds")
-    ap.add_argument("--models", default=",".join(WORKLOADS), help=f"of {list(WORKLOADS)}")
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                    help=f"comma-separated, of {list(WORKLOADS)} (default: {','.join(DEFAULT_MODELS)})")
+    ap.add_argument("--out", default=None, help="results/<OUT>.json (default mixed_traffic, or mixed_traffic_quick "
+                                                "with --quick)")
     ap.add_argument("--skip", default="", help="comma-separated parts left out: audio, 256, warm (their keys null)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -475,7 +499,7 @@ def main(argv=None) -> dict:
                          "engine prompt cache off; median of per-round ratios; over models the worse figure")
     payload = {"benchmark": "mixed_traffic", "machine": machine(), "args": vars(args), "summary": summary,
                "models": models, "audio": audio, "throughput_256": big, "warm_start": warm}
-    path = write_json("mixed_traffic_quick" if args.quick else "mixed_traffic", payload)
+    path = write_json(args.out or ("mixed_traffic_quick" if args.quick else "mixed_traffic"), payload)
     print(json.dumps({k: v for k, v in summary.items() if k != "method"}, indent=1, default=str))
     print(f"-> {path} ({summary['run_seconds']:.0f} s)")
     return payload

@@ -32,7 +32,7 @@ class EngineConfig:
     max_tokens_per_step: rows x (image + text tokens) per forward. A request that
         alone exceeds it is rejected when added.
     mixed_sizes: requests of different sizes (and text lengths) share one forward, each row's tokens
-        packed variable-length (default True; FLUX, Qwen-Image and Wan text-to-video, see
+        packed variable-length (default True; FLUX, Qwen-Image, SD3 and Wan text-to-video, see
         ``dit_core.mixed_sizes`` for what keeps sizes apart); False: one batch per size, as before.
     policy: which batch key each step serves and the admission order: ``fifo`` (oldest first) or
         ``edf`` (earliest ``deadline_ms`` first, bulk work after); see ``dit_core.policies``.

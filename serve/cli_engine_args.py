@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rows x tokens per forward, CFG rows counted (default 65536)")
     p.add_argument("--no-mixed-sizes", dest="mixed_sizes", action="store_false",
                    help="one batch per image size and text length, as before; by default requests of "
-                        "different sizes share one forward, each row's tokens packed (FLUX, Qwen-Image, Wan; "
+                        "different sizes share one forward, each row's tokens packed (FLUX, Qwen-Image, SD3, Wan; "
                         "not with "
                         "--compile, parallel degrees, block offload or LoRA adapters)")
     p.add_argument("--attention", default=None,

@@ -9,21 +9,24 @@ from attention import available_backends, get_backend
 from dit_core import Engine, EngineConfig
 from dit_core.families.packed_rows import PackedRows, RowTokens, joint_attend, output_attend
 from dit_core.mixed_sizes import why_not
-from helpers import CFG, assert_finished, packed_rows_seen, params, run_staggered
+from helpers import CFG, NO_CFG, assert_finished, packed_rows_seen, params, run_staggered
 
 # per family: no cache, and thresholds at which the tiny models skip rows (as tests/test_step_cache.py)
 CASES = [("flux", "none"), ("flux", "fbcache:0.3"), ("flux", "teacache:0.6"),
-         ("qwenimage", "none"), ("qwenimage", "fbcache:1.0"), ("qwenimage", "teacache:0.6")]
+         ("qwenimage", "none"), ("qwenimage", "fbcache:1.0"), ("qwenimage", "teacache:0.6"),
+         ("sd3", "none"), ("sd3", "fbcache:0.3"), ("sd3.5", "none"), ("sd3.5", "fbcache:0.3")]  # SD3: no TeaCache
+EMBEDDER = {"flux": "x_embedder", "qwenimage": "img_in", "sd3": "time_text_embed", "sd3.5": "time_text_embed"}
 
 
 @pytest.fixture(scope="module")
-def mixed_engines(tiny_models):
+def mixed_engines(tiny_models, variant_models):
     made = {}
 
     def get(family: str = "flux", cache: str = "none", **kw) -> Engine:
         key = (family, cache, tuple(sorted(kw.items())))
         if key not in made:
-            made[key] = Engine.from_pretrained(tiny_models[family], max_batch_size=8, cache=cache, **kw)
+            model = tiny_models[family] if family in tiny_models else variant_models(family)
+            made[key] = Engine.from_pretrained(model, max_batch_size=8, cache=cache, **kw)
         assert not made[key].has_unfinished()
         return made[key]
 
@@ -36,17 +39,18 @@ def flux_engines(mixed_engines):
 
 
 def mixed_specs(family: str = "flux"):
-    """Four sizes, text lengths of their own (FLUX: max_sequence_length; Qwen-Image: the prompts'), CFG on
-    two of them, two outputs on one."""
-    text = (lambda n: {"max_sequence_length": n}) if family == "flux" else (lambda n: {})
-    cfg = CFG[family]
+    """Four sizes, text lengths of their own (FLUX, SD3: max_sequence_length; Qwen-Image: the prompts'), CFG
+    on two of them, two outputs on one."""
+    text = (lambda n: {"max_sequence_length": n}) if family != "qwenimage" else (lambda n: {})
+    base = "sd3" if family.startswith("sd3") else family
+    cfg, off = CFG[base], NO_CFG[base]  # (FLUX's and Qwen-Image's NO_CFG are their defaults)
     return [
         ("a cat", params(height=32, width=32, num_inference_steps=5, seed=1, **text(32), **cfg)),
         ("a photo of a dog running in a big green field", params(height=48, width=48, num_inference_steps=4, seed=2,
-                                                                 **text(64))),
+                                                                 **text(64), **off)),
         ("x", params(height=64, width=32, num_inference_steps=6, seed=3, num_outputs=2, **text(48),
                      **{**cfg, "guidance_scale": 6.5})),
-        ("a red car on the street", params(height=32, width=64, num_inference_steps=5, seed=4, **text(32))),
+        ("a red car on the street", params(height=32, width=64, num_inference_steps=5, seed=4, **text(32), **off)),
     ]
 
 
@@ -75,7 +79,7 @@ def test_mixed_sizes_share_one_forward_and_each_row_equals_its_solo_run(family, 
         finals, _ = run_staggered(engine, [(prompt, p)], arrivals=[0])
         alone.append(assert_finished(finals[0]))
         skipped_alone += finals[0].output.metrics["cache_skipped_rows"]
-    forwards = Forwards(engine.family.transformer, "x_embedder" if family == "flux" else "img_in")
+    forwards = Forwards(engine.family.transformer, EMBEDDER[family])
     first = engine.stats.steps
     finals, sizes = run_staggered(engine, specs, arrivals=[0, 0, 1, 2])
     steps = engine.stats.steps - first

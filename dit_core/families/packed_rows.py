@@ -213,9 +213,10 @@ def unjoint(out: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 def joint_attend(layout: PackedRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend,
-                 rotate=None) -> torch.Tensor:
+                 rotate=None, streams: tuple[str, str] = ("txt", "img")) -> torch.Tensor:
     """Attention of each row over [its text; its image] tokens: q/k/v [T, H, D] in the streams' order
-    (all text tokens, then all image tokens); returns [T, H * D] (q's dtype) in that order.
+    (all text tokens, then all image tokens); returns [T, H * D] (q's dtype) in that order. ``streams``
+    names the order (SD3 joins [image; text]: ``("img", "txt")``, q/k/v all image tokens first).
 
     A backend with its own varlen kernel (flash, flex) gets the rows packed (``attend_packed``). Otherwise
     (sdpa's varlen is itself a loop over groups of equal lengths, and a backend without varlen pads) each
@@ -225,14 +226,14 @@ def joint_attend(layout: PackedRows, q: torch.Tensor, k: torch.Tensor, v: torch.
     q and k with the layout's per-token tables ``cos`` / ``sin`` in the streams' order, once over all
     tokens before any gather (a rotary table is per token, so where the tokens go after does not matter)."""
     if rotate is not None:
-        cos, sin = layout.stream_tokens("txt", "img", "cos"), layout.stream_tokens("txt", "img", "sin")
+        cos, sin = layout.stream_tokens(*streams, "cos"), layout.stream_tokens(*streams, "sin")
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     if backend.varlen is not None and backend.name != "sdpa":
-        perm, cu = layout.joint("txt", "img")
+        perm, cu = layout.joint(*streams)
         q, k, v = q.index_select(0, perm), k.index_select(0, perm), v.index_select(0, perm)
         return unjoint(attend_packed(q, k, v, cu, cu, backend).flatten(1).to(q.dtype), perm)
     out = q.new_empty(q.shape[0], q.shape[1] * v.shape[2])
-    for idx, rows, length in layout.joint_groups("txt", "img"):
+    for idx, rows, length in layout.joint_groups(*streams):
         res = backend.dense(*(t.index_select(0, idx).unflatten(0, (rows, length)) for t in (q, k, v)))
         out.index_copy_(0, idx, res.flatten(0, 1).flatten(1).to(out.dtype))
     return out
@@ -242,6 +243,11 @@ def modulate(x: torch.Tensor, row_index: torch.Tensor, shift: torch.Tensor, scal
     """adaLN on packed tokens: ``x * (1 + scale) + shift`` with each token's row's values of the [rows, D]
     ``shift`` / ``scale`` (``row_index``: token -> row, ``RowTokens.row_index``)."""
     return x * (1 + scale).index_select(0, row_index) + shift.index_select(0, row_index)
+
+
+def gate_add(base: torch.Tensor, row_index: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """adaLN's gated residual on packed tokens: ``base + gate * y`` with each token's row's [rows, D] ``gate``."""
+    return base + gate.index_select(0, row_index) * y
 
 
 def output_attend(layout: PackedRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend) -> torch.Tensor:

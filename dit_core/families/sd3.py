@@ -4,11 +4,11 @@ Matches diffusers' StableDiffusion3Pipeline: CLIP tokens are padded to 77 and
 T5 to ``max_sequence_length`` with no mask, so text length is part of the key.
 CFG runs when ``guidance_scale`` > 1 (negative prompt defaults to "").
 
-SD3 is not ``packable`` (``EngineConfig.mixed_sizes`` leaves its key as it is: size and text length
-in it): its latents enter through a Conv2d patch embedding on each [C, H, W] grid plus a learned
-position table cropped to that grid's center, and leave through an unpatchify per grid, so a packed
-forward would need per-size groups around the blocks, and SD3.5's blocks (a second, image-only
-attention and qk-norm) their own packed loop too. Not written yet; its sizes batch apart.
+With ``mixed_sizes`` (the engine's default) neither size nor text length is in the batch key: a step
+whose rows differ in either runs packed (``sd3_packed``): each request's latents through the patch
+embedding (a Conv2d and the learned position table cropped to its grid) on their own, every row its own
+tokens and modulation in one forward, SD3.5's dual-attention blocks and qk-norm included, and each
+request's output tokens back to its grid.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..params import SamplingParams
 from ..request import Request
+from . import sd3_packed
 from .base import BlockInputs, TextCond, gather_rows
 from .image import ImageFamily
 from .image_inputs import start_from_image
@@ -35,6 +36,7 @@ class SD3Family(ImageFamily):
     # image-to-image and inpainting as StableDiffusion3Img2ImgPipeline / StableDiffusion3InpaintPipeline
     # (see image_inputs.py; the inpaint pipeline's decode differs: see decode_chunk)
     params_used = ImageFamily.params_used | {"image", "mask", "strength"}
+    packable = True
 
     def __init__(self, components, dtype, device, checkpoint=None):
         super().__init__(components, dtype, device, checkpoint)
@@ -57,7 +59,10 @@ class SD3Family(ImageFamily):
         return self.latent_tokens(params) + self.clip_length + params.max_sequence_length
 
     def batch_key(self, params: SamplingParams) -> tuple:
-        return super().batch_key(params) + (params.max_sequence_length,)
+        return super().batch_key(params) + (() if self.mixed_sizes else (params.max_sequence_length,))
+
+    def row_shape(self, req: Request) -> tuple:
+        return super().row_shape(req) + (req.params.max_sequence_length,)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], params: SamplingParams) -> list[TextCond]:
@@ -101,6 +106,8 @@ class SD3Family(ImageFamily):
             req.latents = start_from_image(req, req.latents, lambda latents: latents)
 
     def transformer_inputs(self, requests: list[Request]) -> dict:
+        if self.packs(requests):
+            return sd3_packed.packed_inputs(self, requests)
         latents, timesteps, conds, _ = gather_rows(requests)
         return dict(hidden_states=latents, timestep=timesteps,
                     encoder_hidden_states=torch.stack([c.embeds for c in conds]),
@@ -112,7 +119,16 @@ class SD3Family(ImageFamily):
     def num_blocks(self) -> int:
         return len(self.transformer.transformer_blocks)
 
+    def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        out = super().predict(requests)
+        if out[0][0].dim() == 3:  # packed: each request's output tokens back to its grid
+            grid = lambda t, req: None if t is None else sd3_packed.unpatchify(self, t, req)  # noqa: E731
+            out = [(grid(c, req), grid(u, req)) for (c, u), req in zip(out, requests)]
+        return out
+
     def block_inputs(self, inputs: dict) -> BlockInputs:
+        if "layout" in inputs:
+            return sd3_packed.block_inputs(self, inputs)
         tr = self.transformer
         height, width = inputs["hidden_states"].shape[-2:]
         img = tr.pos_embed(inputs["hidden_states"]).contiguous()
@@ -121,14 +137,20 @@ class SD3Family(ImageFamily):
         return BlockInputs(img, txt, {"temb": temb}, {"size": (height, width)})
 
     def run_block(self, index: int, x: BlockInputs):
+        if x.layout is not None:
+            return sd3_packed.block(self.transformer.transformer_blocks[index], x, self.attention_backends)
         txt, img = self.transformer.transformer_blocks[index](hidden_states=x.img, encoder_hidden_states=x.txt,
                                                               temb=x.rows["temb"])
         return img, txt
 
     def cache_signal(self, x: BlockInputs) -> torch.Tensor:
+        if x.layout is not None:
+            return sd3_packed.cache_signal(self, x)
         return self.transformer.transformer_blocks[0].norm1(x.img, emb=x.rows["temb"])[0]
 
     def head(self, x: BlockInputs) -> torch.Tensor:
+        if x.layout is not None:
+            return sd3_packed.head(self, x)
         tr, p = self.transformer, self.transformer.config.patch_size
         out = tr.proj_out(tr.norm_out(x.img, x.rows["temb"]))
         h, w = x.shared["size"][0] // p, x.shared["size"][1] // p
