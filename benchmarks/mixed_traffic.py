@@ -21,8 +21,8 @@ round, after the same warm-up, one request of every size, for each):
 
 * ``packed``: ``Engine`` with ``EngineConfig(mixed_sizes=True)``: rows of different sizes and text
   lengths share one forward (issue 39 part 1);
-* ``per-shape``: ``Engine`` with ``mixed_sizes=False``: today's batch key (height, width, and FLUX's
-  text length), so mixed traffic fragments into small batches;
+* ``per-shape``: ``Engine`` with ``mixed_sizes=False``: today's batch key (height, width, and FLUX's and
+  SD3's text length), so mixed traffic fragments into small batches;
 * ``diffusers``: the stock pipeline (``FluxPipeline`` / ``QwenImagePipeline``; ``StableDiffusion3Pipeline`` for
   the opt-in ``--models sd3-small``, the random small SD3 with CFG on), one request at a time, in arrival order;
 * ``packed, no cap``: the packed engine with ``max_batch_size`` = ``--requests`` (run when

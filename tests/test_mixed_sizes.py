@@ -225,3 +225,28 @@ def test_qwenimage_last_block_skips_the_text_stream(mixed_engines):
     assert max(sizes) == 4 and seen["img_in"]
     assert seen["img_mlp"] == seen["img_in"]  # every image token, once per packed forward
     assert seen["txt_mlp"] == seen["add_q_proj"] == seen["to_add_out"] == []
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("streams", [("txt", "img"), ("img", "txt")])
+def test_joint_attend_follows_the_streams_order(backend, streams):
+    """Each row attends over [its first stream's tokens; its second's] in the order ``streams`` names (FLUX
+    and Qwen-Image join text first, SD3 image first): q/k/v hold all of the first stream's tokens, then all
+    of the second's; every row's output equals attention over its own joint sequence alone, in that order."""
+    from attention import attend
+
+    counts = {"img": [6, 4, 8, 6], "txt": [5, 7, 3, 5]}
+    layout = PackedRows({name: RowTokens(c, "cpu") for name, c in counts.items()})
+    first, second = (counts[s] for s in streams)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(first) + sum(second), 2, 32, generator=g) for _ in range(3))
+    impl = get_backend(backend)
+    got = joint_attend(layout, q, k, v, impl, streams=streams)
+    a_starts, b_starts = [0], [sum(first)]
+    for n, m in zip(first, second):
+        a_starts.append(a_starts[-1] + n)
+        b_starts.append(b_starts[-1] + m)
+    for i in range(4):
+        idx = torch.cat([torch.arange(a_starts[i], a_starts[i + 1]), torch.arange(b_starts[i], b_starts[i + 1])])
+        alone = attend(*(t[idx][None] for t in (q, k, v)), impl)[0].flatten(1)
+        torch.testing.assert_close(got[idx], alone, rtol=0, atol=1e-6)
