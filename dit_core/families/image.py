@@ -171,7 +171,16 @@ class DiffusersFamily(Family):
             out = self.parallel.forward(inputs)
         else:
             out = self.transformer(**inputs, return_dict=False)[0]
-        return split_rows(out, requests) if layout is None else layout.split(out, requests)
+        if layout is None:
+            return split_rows(out, requests)
+        grid = lambda t, req: None if t is None else self.from_packed(t, req)  # noqa: E731
+        return [(grid(c, req), grid(u, req)) for (c, u), req in zip(layout.split(out, requests), requests)]
+
+    def from_packed(self, tokens: torch.Tensor, req: Request) -> torch.Tensor:
+        """A request's part of a packed forward's output, [n, L, C] -> the layout of its latents (the dense
+        forward's output). Token-shaped latents (FLUX, Qwen-Image) keep it; grid latents (SD3, Wan)
+        unpatchify it."""
+        return tokens
 
     def row_shape(self, req: Request) -> tuple:
         """What rows must share to run as one dense batch (else, with ``mixed_sizes``, they run packed)."""

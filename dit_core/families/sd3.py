@@ -119,12 +119,8 @@ class SD3Family(ImageFamily):
     def num_blocks(self) -> int:
         return len(self.transformer.transformer_blocks)
 
-    def predict(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        out = super().predict(requests)
-        if out[0][0].dim() == 3:  # packed: each request's output tokens back to its grid
-            grid = lambda t, req: None if t is None else sd3_packed.unpatchify(self, t, req)  # noqa: E731
-            out = [(grid(c, req), grid(u, req)) for (c, u), req in zip(out, requests)]
-        return out
+    def from_packed(self, tokens: torch.Tensor, req: Request) -> torch.Tensor:
+        return sd3_packed.unpatchify(self, tokens, req)
 
     def block_inputs(self, inputs: dict) -> BlockInputs:
         if "layout" in inputs:

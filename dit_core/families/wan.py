@@ -227,11 +227,11 @@ class WanFamily(DiffusersFamily):
         return self.predict_stage(requests)
 
     def predict_stage(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        out = super().predict(requests)
-        if out[0][0].dim() == 3:  # packed: each request's output tokens back to its grid
-            grid = lambda t, req: None if t is None else wan_packed.unpatchify(self, t, req)  # noqa: E731
-            out = [(grid(c, req), grid(u, req)) for (c, u), req in zip(out, requests)]
-        return out
+        """One forward over ``requests`` (all of one stage: ``wan_stages`` calls it once per stage)."""
+        return super().predict(requests)
+
+    def from_packed(self, tokens: torch.Tensor, req: Request) -> torch.Tensor:
+        return wan_packed.unpatchify(self, tokens, req)
 
     def guide(self, req: Request, cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
         if uncond is None:
