@@ -62,6 +62,13 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    def unfinished_ids(self) -> list[str]:
+        """Ids of the requests this engine holds (``num_unfinished`` of them): submitted and not yet ended,
+        whether still queued for the loop, waiting or running. A request leaves after its final event has
+        reached the ``listeners``."""
+        with self._lock:
+            return list(self._streams)
+
     # ---- caller side ----
 
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,

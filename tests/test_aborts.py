@@ -175,8 +175,11 @@ def test_a_stream_cut_while_its_talker_steps_closes_once_its_aborts_are_sent(spe
         release.set()
         await asyncio.wait_for(closing, 30)
         assert service.open() == 0 and service.live() == 0  # at once: the aborts were sent before it closed
-        submitted = set(seen) | {r.id for r in aengine.engine.scheduler.running + aengine.engine.scheduler.waiting
-                                 if r.id.startswith(req.id)}
+        # every chunk submitted so far: those the engine holds (queued for its loop too: a chunk the released
+        # step submitted may not have reached the scheduler yet), then those already ended (a chunk's final
+        # event reaches the listeners before it leaves the engine, so none falls between the two reads)
+        held = {rid for rid in aengine.unfinished_ids() if rid.startswith(req.id)}
+        submitted = held | set(seen)
         await asyncio.sleep(0.5)
         return submitted
 
