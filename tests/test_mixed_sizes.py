@@ -5,7 +5,7 @@ equivalence tests hold to diffusers), with CFG on and off and with the step cach
 import pytest
 import torch
 
-from attention import available_backends, get_backend
+from attention import attend, available_backends, get_backend
 from dit_core import Engine, EngineConfig
 from dit_core.families.packed_rows import PackedRows, RowTokens, joint_attend, output_attend
 from dit_core.mixed_sizes import why_not
@@ -233,20 +233,15 @@ def test_joint_attend_follows_the_streams_order(backend, streams):
     """Each row attends over [its first stream's tokens; its second's] in the order ``streams`` names (FLUX
     and Qwen-Image join text first, SD3 image first): q/k/v hold all of the first stream's tokens, then all
     of the second's; every row's output equals attention over its own joint sequence alone, in that order."""
-    from attention import attend
-
     counts = {"img": [6, 4, 8, 6], "txt": [5, 7, 3, 5]}
     layout = PackedRows({name: RowTokens(c, "cpu") for name, c in counts.items()})
-    first, second = (counts[s] for s in streams)
+    a, b = (layout.streams[s] for s in streams)
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(sum(first) + sum(second), 2, 32, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(a.total + b.total, 2, 32, generator=g) for _ in range(3))
     impl = get_backend(backend)
     got = joint_attend(layout, q, k, v, impl, streams=streams)
-    a_starts, b_starts = [0], [sum(first)]
-    for n, m in zip(first, second):
-        a_starts.append(a_starts[-1] + n)
-        b_starts.append(b_starts[-1] + m)
     for i in range(4):
-        idx = torch.cat([torch.arange(a_starts[i], a_starts[i + 1]), torch.arange(b_starts[i], b_starts[i + 1])])
+        idx = torch.cat([torch.arange(a.starts[i], a.starts[i + 1]),
+                         torch.arange(a.total + b.starts[i], a.total + b.starts[i + 1])])
         alone = attend(*(t[idx][None] for t in (q, k, v)), impl)[0].flatten(1)
         torch.testing.assert_close(got[idx], alone, rtol=0, atol=1e-6)

@@ -13,7 +13,7 @@ from .base import BlockInputs
 from .image import ImageFamily
 from .image_inputs import ImageInputs, start_from_image
 from .latents import flow_shift_mu, linear_sigmas, pack_2x2, unpack_2x2
-from .packed_rows import modulate
+from .packed_rows import continuous_modulate
 
 
 class PackedFlowFamily(ImageFamily):
@@ -75,9 +75,7 @@ class PackedFlowFamily(ImageFamily):
     def head(self, x: BlockInputs) -> torch.Tensor:
         tr = self.transformer
         if x.layout is not None:  # packed rows: norm_out's adaLN with each token's row's scale and shift
-            norm = tr.norm_out
-            scale, shift = norm.linear(norm.silu(x.rows["temb"]).to(x.img.dtype)).chunk(2, dim=1)
-            return tr.proj_out(modulate(norm.norm(x.img), x.rows_of("img").row_index, shift, scale))
+            return tr.proj_out(continuous_modulate(tr.norm_out, x.img, x.rows_of("img").row_index, x.rows["temb"]))
         return tr.proj_out(tr.norm_out(x.img, x.rows["temb"]))
 
     def unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:

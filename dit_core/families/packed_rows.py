@@ -245,9 +245,12 @@ def modulate(x: torch.Tensor, row_index: torch.Tensor, shift: torch.Tensor, scal
     return x * (1 + scale).index_select(0, row_index) + shift.index_select(0, row_index)
 
 
-def gate_add(base: torch.Tensor, row_index: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """adaLN's gated residual on packed tokens: ``base + gate * y`` with each token's row's [rows, D] ``gate``."""
-    return base + gate.index_select(0, row_index) * y
+def continuous_modulate(norm, x: torch.Tensor, row_index: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``AdaLayerNormContinuous`` (``norm``) on packed tokens: its (scale, shift) from each row's
+    conditioning ``emb`` [rows, D'], applied to each token with its row's (FLUX's and SD3's ``norm_out``,
+    SD3's last ``norm1_context``)."""
+    scale, shift = norm.linear(norm.silu(emb).to(x.dtype)).chunk(2, dim=1)
+    return modulate(norm.norm(x), row_index, shift, scale)
 
 
 def output_attend(layout: PackedRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend) -> torch.Tensor:

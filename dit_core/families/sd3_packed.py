@@ -20,7 +20,7 @@ from attention import attend_packed
 
 from ..request import Request
 from .base import BlockInputs
-from .packed_rows import PackedRows, RowTokens, gate_add, joint_attend, modulate
+from .packed_rows import PackedRows, RowTokens, continuous_modulate, joint_attend, modulate
 
 
 def packed_inputs(family, requests: list[Request]) -> dict:
@@ -61,9 +61,7 @@ def block(blk, x: BlockInputs, backends: dict) -> tuple[torch.Tensor, torch.Tens
     normed = blk.norm1.norm(x.img)
     img_in = modulate(normed, ii, shift, scale)
     if blk.context_pre_only:  # AdaLayerNormContinuous: (scale, shift), no gates
-        norm = blk.norm1_context
-        c_scale, c_shift = norm.linear(norm.silu(temb).to(x.txt.dtype)).chunk(2, dim=1)
-        txt_in = modulate(norm.norm(x.txt), it, c_shift, c_scale)
+        txt_in = continuous_modulate(blk.norm1_context, x.txt, it, temb)
     else:
         c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = blk.norm1_context.linear(
             blk.norm1_context.silu(temb)).chunk(6, dim=1)
@@ -74,17 +72,16 @@ def block(blk, x: BlockInputs, backends: dict) -> tuple[torch.Tensor, torch.Tens
                         attn.norm_added_k)
     out = joint_attend(x.layout, torch.cat([q, eq]), torch.cat([k, ek]), torch.cat([v, ev]), backends["joint"],
                        streams=("img", "txt"))
-    img = gate_add(x.img, ii, gate, attn.to_out[1](attn.to_out[0](out[:ri.total])))
+    img = x.img + ri.expand(gate) * attn.to_out[1](attn.to_out[0](out[:ri.total]))
     if blk.use_dual_attention:
         shift2, scale2, gate2 = emb[6:]
-        img = gate_add(img, ii, gate2, self_attention(blk.attn2, modulate(normed, ii, shift2, scale2), ri,
-                                                      backends["self"]))
-    img = gate_add(img, ii, gate_mlp, blk.ff(modulate(blk.norm2(img), ii, shift_mlp, scale_mlp)))
+        img = img + ri.expand(gate2) * self_attention(blk.attn2, modulate(normed, ii, shift2, scale2), ri,
+                                                      backends["self"])
+    img = img + ri.expand(gate_mlp) * blk.ff(modulate(blk.norm2(img), ii, shift_mlp, scale_mlp))
     if blk.context_pre_only:
         return img, None
-    txt = gate_add(x.txt, it, c_gate, attn.to_add_out(out[ri.total:]))
-    txt = gate_add(txt, it, c_gate_mlp, blk.ff_context(modulate(blk.norm2_context(txt), it, c_shift_mlp,
-                                                                c_scale_mlp)))
+    txt = x.txt + rt.expand(c_gate) * attn.to_add_out(out[ri.total:])
+    txt = txt + rt.expand(c_gate_mlp) * blk.ff_context(modulate(blk.norm2_context(txt), it, c_shift_mlp, c_scale_mlp))
     return img, txt
 
 
@@ -112,9 +109,7 @@ def cache_signal(family, x: BlockInputs) -> torch.Tensor:
 def head(family, x: BlockInputs) -> torch.Tensor:
     """Packed output tokens [T, p * p * C] (``unpatchify`` per request)."""
     tr = family.transformer
-    norm = tr.norm_out
-    scale, shift = norm.linear(norm.silu(x.rows["temb"]).to(x.img.dtype)).chunk(2, dim=1)
-    return tr.proj_out(modulate(norm.norm(x.img), x.rows_of("img").row_index, shift, scale))
+    return tr.proj_out(continuous_modulate(tr.norm_out, x.img, x.rows_of("img").row_index, x.rows["temb"]))
 
 
 def unpatchify(family, tokens: torch.Tensor, req: Request) -> torch.Tensor:
