@@ -30,8 +30,12 @@ def machine() -> dict:
                 break
     except OSError:
         pass
+    from dit_core.dtype_auto import cpu_signature
+
     return {
         "cpu": cpu,
+        # family / model / stepping and vector extensions: two CPUs both named "AMD EPYC" differ here
+        "cpu_signature": cpu_signature(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -11,8 +11,9 @@ compiled when the engine compiles. On a CPU without native bf16 (no AVX-512 BF16
 ``cpu_linear.native_bf16``) bf16 is emulated and ``auto`` is float32 without measuring.
 
 The result is cached per machine in ``$OMNIDIT_CACHE_DIR/dtype_auto.json`` (default
-``~/.cache/omnidit``), keyed by CPU model, torch version, thread count, device and the
-transformer's config (its shapes), so later starts decide without measuring. On CUDA ``auto``
+``~/.cache/omnidit``), keyed by the CPU (model name, family, model, stepping, vector extensions:
+``cpu_signature``), torch version, thread count, device and the transformer's
+config (its shapes), so later starts decide without measuring. On CUDA ``auto``
 is bfloat16 without a measurement. The choice and its reason are logged in one line, and kept
 (:data:`Choice`) for ``GET /v1/engine/stats`` (``config.dtype_auto``).
 """
@@ -56,6 +57,28 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+SIGNATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
+def cpu_signature() -> str:
+    """The CPU as far as kernel speed goes: model name, family / model / stepping and vector extensions
+    (two EPYCs both called "AMD EPYC", a Zen 3 with AVX2 only and a Zen 4 with AVX-512 BF16, differ here)."""
+    fields, flags = {}, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key in ("model name", "cpu family", "model", "stepping") and key not in fields:
+                fields[key] = value
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        return cpu_model()
+    ext = "+".join(f for f in SIGNATURE_FLAGS if f in flags) or "-"
+    return (f"{fields.get('model name', cpu_model())} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')} stepping {fields.get('stepping', '?')}; {ext})")
+
+
 def model_key(path: str | Path, device: str, kernels: str = "") -> str:
     """What the decision depends on: machine (CPU model, threads, torch), the model's shapes and
     the kernels the sides run (``kernels``: e.g. ``"bf16 onednn linears, compiled"``; a choice
@@ -69,7 +92,7 @@ def model_key(path: str | Path, device: str, kernels: str = "") -> str:
             shapes[name] = {k: v for k, v in data.items() if not k.startswith("_") or k == "_omnidit_defaults"
                             or k == "_class_name"}
     digest = hashlib.sha256(json.dumps(shapes, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    key = f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device}|model {digest}"
+    key = f"{cpu_signature()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device}|model {digest}"
     return f"{key}|{kernels}" if kernels else key
 
 

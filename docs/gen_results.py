@@ -37,7 +37,7 @@ def machine(data: dict) -> str:
     m = data.get("machine") or {}
     if not m:
         return "not recorded"
-    parts = [str(m.get("cpu", "?")), f"{m.get('cores', '?')} cores", f"torch {m.get('torch', '?')}",
+    parts = [str(m.get("cpu_signature") or m.get("cpu", "?")), f"{m.get('cores', '?')} cores", f"torch {m.get('torch', '?')}",
              f"Python {m.get('python', '?')}"]
     if m.get("cuda"):
         parts.append(f"CUDA {m['cuda']}")
