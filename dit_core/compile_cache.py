@@ -101,7 +101,9 @@ def key_fields(engine, name: str, shapes: list[str]) -> dict:
             "model": folder_fingerprint(getattr(family, "model_id", "")),
             "parameters": parameters_fingerprint(getattr(family, "transformer", None)),
             "dtype": str(config.dtype), "device": str(config.device), "shapes": list(shapes),
-            "quant": str(config.quant), "cpu_linear": str(config.cpu_linear),
+            "quant": str(config.quant),
+            # what ran, not only what was asked (``auto`` resolves per dtype and CPU: dit_core.cpu_linear)
+            "cpu_linear": f"{config.cpu_linear} -> {getattr(family, 'cpu_linear', 'aten')}",
             "attention": _names(engine.attention_by_model.get(name, {}))}
 
 

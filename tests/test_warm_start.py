@@ -48,6 +48,7 @@ def test_bundle_key_follows_model_dtype_and_sizes(engines, tiny_models, tmp_path
     name = engine.default_model
     fields = key_fields(engine, name, ["32x32"])
     assert fields["torch"] and fields["dtype"] == "float32" and fields["shapes"] == ["32x32"]
+    assert fields["cpu_linear"] == f"auto -> {engine.family.cpu_linear}"  # the kernels that ran are the key's
     assert CompileCache(fields, tmp_path).key != CompileCache(key_fields(engine, name, ["64x64"]), tmp_path).key
     assert CompileCache({**fields, "dtype": "bfloat16"}, tmp_path).key != CompileCache(fields, tmp_path).key
     model = shutil.copytree(tiny_models["flux"], tmp_path / "flux")
