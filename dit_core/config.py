@@ -113,7 +113,9 @@ class EngineConfig:
         float32 on CPU, weights resident, no parallel degree; else ``aten``), ``"onednn"`` (always;
         an error where it cannot apply) or ``"aten"`` (plain ``nn.Linear``). ``onednn`` packs each
         weight once into oneDNN's layout (no extra memory); the engine ran x1.14 faster than with
-        MKL's GEMMs on an AMD EPYC (eager, 256x256). See ``dit_core.cpu_linear``.
+        MKL's GEMMs on an AMD EPYC (eager, 256x256), and a packed row's result is the same bits
+        whatever rows share its GEMM (aten's is not; on a Zen 3 AVX2 EPYC aten's was x1.01-1.07
+        faster: ``benchmarks.cpu_linear_kernels``). See ``dit_core.cpu_linear``.
     batch_invariant: on CUDA, the transformer's linear layers run omnidit's fixed-tiling Triton GEMM
         instead of cuBLAS, so a request's output does not depend on the rows it is batched with (cuBLAS
         picks other kernels for other row counts: bf16 outputs moved by up to 1% after 4 steps on an
