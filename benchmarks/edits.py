@@ -1,6 +1,6 @@
 """Image-input requests in the batched engine vs diffusers' pipelines one request at a time, same run.
 
-    python -m benchmarks.edits [--quick] [--repeats N]
+    python -m benchmarks.edits [--quick] [--repeats N] [--by-kind] [--out NAME]
 
 Model: the random-weight ``small`` FLUX checkpoint saved as a FLUX Kontext one
 (``dit_core.random_models.flux_kontext``, ~30 M parameter transformer), with
@@ -34,7 +34,7 @@ scenario, ``engine_forwards`` counts the Kontext family's packed / padded / per-
 Quality keys (``img2img_keep_rate`` ... ``edit_model_class_accuracy``) are not measured here: they are
 read from results/edit_quality.json (benchmarks/edit_quality.py) when it has them, else written as
 null and listed under ``missing`` with the reason.
-Writes results/edits.json (``--quick``: results/edits_quick.json).
+Writes results/edits.json (``--quick``: results/edits_quick.json; ``--out NAME``: results/NAME.json).
 """
 
 from __future__ import annotations
@@ -219,6 +219,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None, help="a FLUX Kontext folder (default: build the small random one)")
     ap.add_argument("--by-kind", action="store_true",
                     help="also each kind of the mix apart at 256x256 (edit, img2img, inpaint; about 3 more minutes)")
+    ap.add_argument("--out", default=None, help="results/<OUT>.json (default edits, or edits_quick with --quick)")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.requests, args.steps = 2, 8, 6
@@ -266,7 +267,7 @@ def main(argv=None) -> dict:
     }
     payload = {"benchmark": "edits", "machine": machine(), "args": vars(args), "summary": summary,
                "scenarios": results, "seconds": time.perf_counter() - started}
-    path = write_json("edits_quick" if args.quick else "edits", payload)
+    path = write_json(args.out or ("edits_quick" if args.quick else "edits"), payload)
     print(f"edits x{summary['edit_throughput_ratio']:.2f} at 64x64, x{summary['edit_throughput_ratio_256']:.2f} at "
           f"256x256 (text-to-image x{summary['t2i_throughput_ratio_256']:.2f}); outputs identical: "
           f"{summary['outputs_identical']} -> {path} ({payload['seconds']:.0f} s)")
