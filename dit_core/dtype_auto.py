@@ -80,7 +80,7 @@ def cpu_signature() -> str:
 
 
 def model_key(path: str | Path, device: str, kernels: str = "") -> str:
-    """What the decision depends on: machine (CPU model, threads, torch), the model's shapes and
+    """What the decision depends on: machine (:func:`cpu_signature`, threads, torch), the model's shapes and
     the kernels the sides run (``kernels``: e.g. ``"bf16 onednn linears, compiled"``; a choice
     measured with other kernels is measured again)."""
     path = Path(path)
