@@ -22,18 +22,10 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from dit_core.dtype_auto import cpu_signature
+    from dit_core.dtype_auto import cpu_model, cpu_signature
 
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         # family / model / stepping and vector extensions: two CPUs both named "AMD EPYC" differ here
         "cpu_signature": cpu_signature(),
         "cores": os.cpu_count(),

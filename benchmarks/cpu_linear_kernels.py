@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
 
     model = build_kontext("small", scratch_dir() / "flux-kontext-small", auto_resize=False)
     engines = {k: Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0, cpu_linear=k) for k in KERNELS}
-    shapes = linear_shapes(Engine.from_pretrained(model, cpu_linear="aten").family.transformer)
+    shapes = linear_shapes(engines["aten"].family.transformer)  # aten's layers stay plain nn.Linear
     gemm = gemm_speed(shapes)
     apart = rows_apart(shapes)
     invariance = {k: alone_vs_batched(engines[k], args) for k in KERNELS}

@@ -131,7 +131,7 @@ def row_exact_interpreter_dot(monkeypatch) -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.data.ndim != 2 or a.data.shape[0] == 1:
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-        rows = [original(self, interpreter.TensorHandle(a.data[i:i + 1], a.dtype),  b,
+        rows = [original(self, interpreter.TensorHandle(a.data[i:i + 1], a.dtype), b,
                          interpreter.TensorHandle(d.data[i:i + 1], d.dtype), input_precision,
                          max_num_imprecise_acc).data for i in range(a.data.shape[0])]
         return interpreter.TensorHandle(np.concatenate(rows), d.dtype.scalar)
