@@ -28,7 +28,8 @@ float32 fuses only where the CPU has AVX-512 (``fp32_fuses``). On the 2-core AVX
 640 x 384 -> 1536 and 2560 x 384 -> 1536 projections ran x1.14-1.18 the speed of the linear then
 ``F.gelu`` (``gelu_fused_over_separate_speed_float32_*`` of ``python -m benchmarks.bf16_path``; bf16:
 x1.34-1.36); on an AVX2-only EPYC an earlier stop measured the fused fp32 GEMM slower (37.5 against 28 ms,
-docs/guide/speed.md), so there fp32 keeps the separate pass. An Intel AVX-512 Xeon was not measured.
+docs/guide/speed.md), so there fp32 keeps the separate pass, which the engine runs through omnidit's
+vector kernel (``dit_core.cpu_gelu``). An Intel AVX-512 Xeon was not measured.
 oneDNN's GELU differs from torch's by up to 4.8e-7 on its outputs (the same order as the packed GEMM's
 own difference from aten's, about 3e-6 on the tests' images; the engine's fp32 images stay within the
 tests' 1e-4 of diffusers).
@@ -167,11 +168,13 @@ def unfuse(module: nn.Module) -> int:
 
 def _rewrite(module: nn.Module, rules: dict) -> int:
     """Apply ``rules`` (module class name -> rule(parent, name, child) -> whether it changed) to every
-    child under ``module``; how many changed."""
+    child under ``module`` (the rule of its class, or of the nearest base class that has one); how many
+    changed."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            rule = rules.get(type(child).__name__)
+            # by class name, a subclass's own first (cpu_gelu's kernel GELUs are a GELU's subclasses)
+            rule = next((rules[c.__name__] for c in type(child).__mro__ if c.__name__ in rules), None)
             if rule is not None and rule(parent, name, child):
                 count += 1
     return count

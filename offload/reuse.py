@@ -36,15 +36,8 @@ until it installs again (an engine start does).
 
 It is installed through c10's ``SetCPUAllocator`` (torch's own extension point for the CPU
 allocator) from a small shared library built here with the system C++ compiler on first use
-(about 2 s; cached under ``~/.cache/omnidit/ext``, or ``$OMNIDIT_CACHE_DIR/ext``). The cache
-holds the library and a record of what built it: the hash of the source, the torch build
-(version, git revision, C++ ABI, include and library paths), the compiler (its path and
-``--version``) and the hash of the library's bytes. A cached library is loaded only when its
-record matches all of these and its bytes hash to the recorded value; otherwise (corrupt,
-truncated, replaced, or built from another source, torch or compiler) it is rebuilt. The bytes
-that were hashed are the bytes loaded (from an in-memory file where Linux has ``memfd_create``),
-so the file cannot change between the check and the load. The compiler must be present at
-every start, loading a cached build included (its identity is part of the check).
+(about 2 s; cached under ``~/.cache/omnidit/ext``, or ``$OMNIDIT_CACHE_DIR/ext``, and verified
+before every load: ``offload.native``, which says how).
 
 Installation is process-wide and lasts for the process's life; buffers allocated before it
 keep their own deleter. ``EngineConfig.cpu_allocator`` chooses it (see ``choose``).
@@ -53,15 +46,11 @@ keep their own deleter. ``EngineConfig.cpu_allocator`` chooses it (see ``choose`
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import logging
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+
+from . import native
 
 SOURCE = Path(__file__).with_name("csrc") / "reuse_allocator.cpp"
 MIN_BYTES = 1 << 20  # smaller buffers stay with the allocator that was there
@@ -78,7 +67,7 @@ _lib = None
 _installed = False  # whether this process installed it (it stays installed)
 
 
-class ReuseUnavailable(RuntimeError):
+class ReuseUnavailable(native.NativeUnavailable):
     """The allocator cannot be built or loaded here (no C++ compiler, no torch headers, ...)."""
 
 
@@ -101,107 +90,16 @@ def check_idle_s(value) -> float:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("OMNIDIT_CACHE_DIR") or Path.home() / ".cache" / "omnidit"
-    return Path(root) / "ext"
-
-
-def _build_flags():
-    import torch
-    from torch.utils import cpp_extension
-
-    lib_dir = Path(torch.__file__).parent / "lib"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return ["-O2", "-shared", "-fPIC", "-std=c++17", "-pthread", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
-            f"-L{lib_dir}", "-lc10", f"-Wl,-rpath,{lib_dir}"], torch.__version__
-
-
-def _compiler() -> tuple[str, str]:
-    """The C++ compiler (``$CXX``, else g++ or c++ on the PATH) and its identity: resolved path and
-    ``--version`` output, which the cached library's record must match."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        raise ReuseUnavailable("no C++ compiler (set CXX, or install g++)")
-    try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise ReuseUnavailable(f"{compiler} did not run: {e}") from None
-    if done.returncode != 0:
-        raise ReuseUnavailable(f"{compiler} --version failed: {done.stderr.strip()[-200:]}")
-    return compiler, f"{shutil.which(compiler) or compiler}\n{done.stdout.strip()}"
-
-
-def build_inputs(compiler_id: str) -> dict:
-    """What the library is built from, as its record keeps it: the source's hash, the torch build,
-    the compiler's identity and the flags."""
-    import torch
-
-    flags, version = _build_flags()
-    return {"source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
-            "torch": f"{version} git={torch.version.git_version} debug={torch.version.debug}",
-            "compiler": compiler_id, "flags": flags}
-
-
-def _record_path(target: Path) -> Path:
-    return target.with_suffix(".json")
-
-
-def _verified(target: Path, inputs: dict) -> bytes | None:
-    """The cached library's bytes when its record matches ``inputs`` and the bytes' hash; None
-    (with the reason logged) when it must be rebuilt."""
-    if not target.exists():
-        return None
-    try:
-        record = json.loads(_record_path(target).read_text())
-        data = target.read_bytes()
-    except (OSError, ValueError) as e:
-        logger.warning("reuse allocator: cached %s has no readable record (%s); rebuilding", target.name, e)
-        return None
-    if not isinstance(record, dict) or record.get("inputs") != inputs:
-        logger.warning("reuse allocator: cached %s was built from other inputs; rebuilding", target.name)
-        return None
-    if record.get("so_sha256") != hashlib.sha256(data).hexdigest():
-        logger.warning("reuse allocator: cached %s does not match its recorded hash; rebuilding", target.name)
-        return None
-    return data
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same content
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    return native.cache_dir()
 
 
 def _build_verified() -> tuple[Path, bytes]:
     """The library's path and verified bytes: the cached build when its record matches, else
-    compiled now (and recorded)."""
-    compiler, compiler_id = _compiler()
-    inputs = build_inputs(compiler_id)
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-    target = cache_dir() / f"reuse_allocator-{key[:16]}.so"
-    data = _verified(target, inputs)
-    if data is not None:
-        return target, data
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        try:
-            done = subprocess.run([compiler, str(SOURCE), "-o", str(out), *inputs["flags"]], capture_output=True,
-                                  text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise ReuseUnavailable(f"{compiler} did not run: {e}") from None
-        if done.returncode != 0:
-            raise ReuseUnavailable(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-400:]}")
-        data = out.read_bytes()
-    _write_atomic(target, data)
-    record = {"inputs": inputs, "so_sha256": hashlib.sha256(data).hexdigest()}
-    _write_atomic(_record_path(target), json.dumps(record, indent=1).encode())
-    return target, data
+    compiled now (and recorded); ``offload.native`` does both."""
+    try:
+        return native.build_verified(SOURCE, "reuse_allocator", native.torch_flags(), "reuse allocator")
+    except native.NativeUnavailable as e:
+        raise ReuseUnavailable(str(e)) from None
 
 
 def build() -> Path:
@@ -210,25 +108,10 @@ def build() -> Path:
     return _build_verified()[0]
 
 
-def _open(data: bytes, path: Path) -> ctypes.CDLL:
-    """Load exactly ``data`` (the verified bytes) through an in-memory file, or ``path`` where
-    there is no ``memfd_create``."""
-    if not hasattr(os, "memfd_create"):
-        return ctypes.CDLL(str(path))
-    fd = os.memfd_create("omnidit-reuse-allocator", os.MFD_CLOEXEC)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        return ctypes.CDLL(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)
-
-
 def _load():
     global _lib
     if _lib is None:
-        lib = _open(*reversed(_build_verified()))
+        lib = native.open_library(*reversed(_build_verified()), "omnidit-reuse-allocator")
         lib.omnidit_reuse_install.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_double]
         lib.omnidit_reuse_install.restype = ctypes.c_int
         lib.omnidit_reuse_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
