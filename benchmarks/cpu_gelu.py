@@ -22,7 +22,6 @@ kernel is faster) with its spread, and ``engine_outputs_max_abs_diff``. Writes r
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -87,20 +86,8 @@ def engine_ab(model, args) -> dict:
     cpu_gelu.restore(engines["aten"].family.transformer)
     pictures = edits.inputs_for(64)
     outputs: dict[int, dict] = {}
-
-    def side(name: str):
-        def call(rnd: int) -> float:
-            reqs = edits.make_requests(args.requests, 64, args.steps, 64, f"round {rnd}", pictures)
-            t = time.perf_counter()
-            out, _ = edits.run_engine(engines[name], reqs)
-            wall = time.perf_counter() - t
-            if rnd >= 0:
-                outputs.setdefault(rnd, {})[name] = out
-            return wall
-
-        return call
-
-    cmp = interleaved({"kernel": side("kernel"), "aten": side("aten")}, args.repeats)
+    cmp = interleaved({k: edits.engine_ab_side(engines[k], k, 64, args, pictures, outputs) for k in ("kernel", "aten")},
+                      args.repeats)
     diff = max((a - b).abs().max().item() for r in outputs.values() for a, b in zip(r["kernel"], r["aten"]))
     result = {"gelu_modules_on_kernel": swapped, "sides": {k: cmp.stats(k) for k in ("kernel", "aten")},
               "round_orders": cmp.order, "kernel_over_aten_speed": cmp.ratio("aten", "kernel"),
@@ -113,14 +100,7 @@ def engine_ab(model, args) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 rounds, 4 requests, 4 steps")
-    ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.repeats, args.requests, args.steps = 2, 4, 4
+    args = edits.engine_ab_args(__doc__, argv)
     started = time.perf_counter()
 
     from dit_core import cpu_gelu

@@ -23,7 +23,6 @@ results/cpu_linear_kernels.json (``--quick``: cpu_linear_kernels_quick.json).
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import Counter
 
@@ -92,20 +91,8 @@ def rows_apart(shapes: Counter) -> dict[str, float]:
 def measure_size(engines: dict, size: int, args) -> dict:
     pictures = edits.inputs_for(size)
     outputs: dict[int, dict] = {}
-
-    def side(kernel: str):
-        def call(rnd: int) -> float:
-            reqs = edits.make_requests(args.requests, size, args.steps, 64, f"{size} round {rnd}", pictures)
-            t = time.perf_counter()
-            out, _ = edits.run_engine(engines[kernel], reqs)
-            wall = time.perf_counter() - t
-            if rnd >= 0:
-                outputs.setdefault(rnd, {})[kernel] = out
-            return wall
-
-        return call
-
-    cmp = interleaved({k: side(k) for k in KERNELS}, args.repeats)
+    cmp = interleaved({k: edits.engine_ab_side(engines[k], k, size, args, pictures, outputs) for k in KERNELS},
+                      args.repeats)
     diff = max((a - b).abs().max().item() for r in outputs.values() for a, b in zip(r["onednn"], r["aten"]))
     result = {"size": size, "round_orders": cmp.order, "sides": {k: cmp.stats(k) for k in KERNELS},
               "aten_over_onednn_speed": cmp.ratio("onednn", "aten", "seconds"),  # time ratio: above 1, aten faster
@@ -126,14 +113,7 @@ def alone_vs_batched(engine, args) -> float:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 rounds, 4 requests, 4 steps")
-    ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.repeats, args.requests, args.steps = 2, 4, 4
+    args = edits.engine_ab_args(__doc__, argv)
     started = time.perf_counter()
 
     from dit_core import Engine

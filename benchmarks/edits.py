@@ -132,6 +132,36 @@ def run_engine(engine, reqs) -> tuple[list[torch.Tensor], list[int]]:
     return [outputs[i] for i in range(len(reqs))], sizes
 
 
+def engine_ab_args(doc: str, argv) -> argparse.Namespace:
+    """The options of a benchmark comparing engine variants on the edit mix (``cpu_linear_kernels``,
+    ``cpu_gelu``): ``--quick`` (2 rounds, 4 requests, 4 steps), ``--repeats``, ``--requests``, ``--steps``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 rounds, 4 requests, 4 steps")
+    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.requests, args.steps = 2, 4, 4
+    return args
+
+
+def engine_ab_side(engine, name: str, size: int, args, pictures: dict, outputs: dict):
+    """An ``interleaved`` side running the ``size`` edit mix on ``engine``: seconds a round; measured rounds'
+    images go to ``outputs[round][name]``."""
+
+    def call(rnd: int) -> float:
+        reqs = make_requests(args.requests, size, args.steps, 64, f"{size} round {rnd}", pictures)
+        t = time.perf_counter()
+        out, _ = run_engine(engine, reqs)
+        wall = time.perf_counter() - t
+        if rnd >= 0:
+            outputs.setdefault(rnd, {})[name] = out
+        return wall
+
+    return call
+
+
 def measure(name: str, size: int, args, pipes: dict, engine, kinds=None) -> dict:
     pictures = inputs_for(size)
     outputs: dict[str, dict[int, list]] = {"diffusers": {}, "engine": {}}

@@ -1,6 +1,6 @@
 """Engine throughput vs the stock diffusers pipeline, one request at a time, in the same run.
 
-    python -m benchmarks.engine_throughput [--quick] [--repeats 3]
+    python -m benchmarks.engine_throughput [--quick] [--repeats 3] [--out NAME]
 
 Model: the random-weight ``small`` FLUX checkpoint (``omnidit make-random flux small``; a ~30 M
 parameter transformer). Scenarios per image size and T5 text length (64 tokens, and FLUX's
@@ -264,6 +264,9 @@ def main(argv=None):
                          "(dit_core.batch_limits); both: fixed engines plus a learning one of --max-batch-size as "
                          "one more side ('... learned'; summary learned_over_fixed); writes *_learned.json unless "
                          "fixed (default fixed)")
+    ap.add_argument("--out", default=None,
+                    help="the results file's name (results/NAME.json; default engine_throughput, with _quick / "
+                         "_learned / _speed as above), so a run on another machine need not overwrite the committed one")
     ap.add_argument("--no-bf16", action="store_true",
                     help="leave out the bf16 sides of the dtype / compile comparison (emulated bf16 is slow "
                          "on CPUs without it); the bf16 keys come out None")
@@ -279,6 +282,7 @@ def main(argv=None):
         if args.no_speed:
             ap.error("--only-speed and --no-speed leave nothing to measure")
         out_name, args.sizes = "engine_throughput_speed", ""
+    out_name = args.out or out_name
 
     from diffusers import FluxPipeline
 
