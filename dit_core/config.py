@@ -115,9 +115,9 @@ class EngineConfig:
         weight once into oneDNN's layout (no extra memory); the engine ran x1.14 faster than with
         MKL's GEMMs on an AMD EPYC (eager, 256x256), and a packed row's result is the same bits
         whatever rows share its GEMM (aten's is not; on a Zen 3 AVX2 EPYC aten's was x1.01-1.07
-        faster: ``benchmarks.cpu_linear_kernels``). Packed in float32 and not compiled, the MLP's
-        tanh-GELUs that oneDNN does not take as a post-op run omnidit's vector kernel
-        (``dit_core.cpu_gelu``, where it builds). See ``dit_core.cpu_linear``.
+        faster: ``benchmarks.cpu_linear_kernels``). See ``dit_core.cpu_linear``. (Whatever this
+        field says, a float32 CPU engine without a parallel degree runs the MLP's tanh-GELUs that
+        oneDNN does not take as a post-op through omnidit's vector kernel: ``dit_core.cpu_gelu``.)
     batch_invariant: on CUDA, the transformer's linear layers run omnidit's fixed-tiling Triton GEMM
         instead of cuBLAS, so a request's output does not depend on the rows it is batched with (cuBLAS
         picks other kernels for other row counts: bf16 outputs moved by up to 1% after 4 steps on an

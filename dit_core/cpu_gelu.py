@@ -4,17 +4,19 @@ aten's tanh-GELU calls an exact vector tanh; on a 2-core AVX2 EPYC (Zen 3) it to
 small FLUX's 800 x 1536 MLP activation (a batch of 8 requests at 64x64), about 7% of the engine's
 time on the 64x64 edit mix. The kernel computes the same function in the equal form
 ``x / (1 + exp(-2 z))`` (``0.5 (1 + tanh z)`` is the logistic function of ``2 z``) with ATen's
-vectorized exp of 20 ULP (the one inductor's CPU code uses): x5.8-6.8 faster at 96 to 2,560 rows,
-within 4.8e-7 of aten's GELU and 5.2e-7 of a float64 one (aten's own: 4.3e-7). Every element goes
+vectorized exp of 20 ULP (the one inductor's CPU code uses): x5.5-6.0 aten's speed at 96 to 2,560
+rows, within 4.8e-7 of aten's GELU and 5.1e-7 of a float64 one (aten's own: 4.3e-7), and the engine x1.06
+faster on that mix (``results/cpu_gelu.json``). Every element goes
 through the same vector instructions (the last partial vector is loaded into a full one), so an
 element's result depends on its value alone: a row's bits never depend on the rows sharing the call.
 ``python -m benchmarks.cpu_gelu`` measures it against aten's on the machine at hand.
 
-Where it runs: ``cpu_linear`` resolves to ``onednn`` (float32 or bf16 on CPU, weights resident, no
-parallel degree; also where quantization leaves no linear to pack), the engine computes in float32,
-and the library builds here (a C++ compiler, torch's headers, and a CPU with AVX2 and FMA); GELUs
-oneDNN takes as a post-op of the linear before them (``cpu_fusions``: bf16, and fp32 on AVX-512) stay
-there. Inside compiled blocks the modules call aten's GELU, which inductor rewrites itself
+Where it runs: the engine computes in float32 on CPU, no parallel degree is set (worker ranks load
+their own transformer, and every rank runs the same kernels), and the library builds here (a C++
+compiler, torch's headers, and a CPU with AVX2 and FMA); whatever the ``cpu_linear``, offload,
+quantization or ``batch_invariant`` setting, so engines that differ only in those compute the same
+GELU. GELUs oneDNN takes as a post-op of the linear before them (``cpu_fusions``: bf16, and fp32 on
+AVX-512) stay there. Inside compiled blocks the modules call aten's GELU, which inductor rewrites itself
 (``graph_rewrites``); blocks a family keeps eager under ``compile`` (Qwen-Image's) run the kernel. The library is built on first use (about 10 s; cached and verified by
 ``offload.native``). Which modules: diffusers' ``GELU`` activation (``FeedForward``'s first layer;
 FLUX, SD3, Wan, Qwen-Image) and ``nn.GELU`` modules (FLUX's single-stream ``act_mlp``), both with
@@ -143,18 +145,27 @@ def kernel_count(module: nn.Module) -> int:
 
 def why_not(config) -> str | None:
     """Why the engine under ``config`` keeps aten's GELU (None: it swaps the kernel in)."""
+    if torch.device(config.device).type != "cpu":
+        return f"device {config.device} is not the CPU"
     if config.dtype != "float32":
         return f"dtype {config.dtype} (the kernel is float32)"
+    if config.parallel.enabled:
+        return "parallel degrees > 1 (worker ranks load their own transformer; every rank runs the same kernels)"
     return available()
 
 
-def apply(denoisers, config, name: str = "") -> int:
-    """Swap the kernel into ``denoisers`` (the family's transformers, linears packed by ``cpu_linear``)
-    where :func:`why_not` allows; logs what was done in one line; how many modules."""
+def apply(family, config, name: str = "") -> int:
+    """Swap the kernel into the family's transformer (every one of its ``denoisers``) where :func:`why_not`
+    allows, after ``cpu_linear`` (GELUs oneDNN took as a post-op are no longer modules of their own); logs
+    what was done in one line; how many modules."""
+    transformer = getattr(family, "transformer", None)
+    if not isinstance(transformer, nn.Module):
+        return 0
     why = why_not(config)
     if why is not None:
         logger.info("cpu_gelu: aten's tanh-GELU for model %s (%s)", name, why)
         return 0
+    denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
     count = sum(swap(m) for m in denoisers)
     if count:
         logger.info("cpu_gelu: %d tanh-GELU modules of model %s run omnidit's float32 vector kernel", count, name)

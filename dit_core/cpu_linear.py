@@ -349,21 +349,18 @@ def release_file_pages(tensors, mapped: list[tuple[int, int]] | None = None) -> 
 
 def apply(family, config, name: str = "") -> str:
     """Pack the family's transformer's linears when ``config.cpu_linear`` resolves to ``onednn``
-    (in bf16, with the MLP's GELU fused where ``dit_core.cpu_fusions`` applies; in float32, the
-    GELUs left apart through ``dit_core.cpu_gelu``'s vector kernel where it builds, also where
-    quantization left no linear to pack); records
+    (in bf16, with the MLP's GELU fused where ``dit_core.cpu_fusions`` applies); records
     ``family.cpu_linear`` (what ran: ``aten`` where no layer was left to pack) and logs the choice in
     one line."""
-    from . import cpu_fusions, cpu_gelu
+    from . import cpu_fusions
 
     choice, reason = resolve(config)
     transformer = getattr(family, "transformer", None)
     if not isinstance(transformer, nn.Module):
         choice, reason = "aten", "no transformer module"
-    # a family's ``denoisers`` when it has several (two-stage Wan 2.2: both transformers)
-    denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
-    kernels = choice == "onednn"  # omnidit's CPU kernels apply (quantized linears may leave nothing to pack)
     if choice == "onednn":
+        # a family's ``denoisers`` when it has several (two-stage Wan 2.2: both transformers)
+        denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
         count = sum(pack(m) for m in denoisers)
         if not count:  # every linear already another kind (quantized, or batch_invariant's)
             choice, reason = "aten", "no plain nn.Linear layer left in the transformer to pack"
@@ -376,7 +373,5 @@ def apply(family, config, name: str = "") -> str:
     else:
         choice = "aten"
         logger.info("cpu_linear=%s -> aten for model %s: %s", config.cpu_linear, name, reason)
-    if kernels:  # the tanh-GELUs left apart, through omnidit's float32 vector kernel (``cpu_gelu``)
-        cpu_gelu.apply(denoisers, config, name)
     family.cpu_linear = choice
     return choice

@@ -20,7 +20,7 @@ from attention import resolve as resolve_attention
 
 from .adapters.model_stores import adapter_store, attach_adapters, check_loras, pin_loras
 from .cache import make_step_cache
-from . import cpu_linear, invariant_linear
+from . import cpu_gelu, cpu_linear, invariant_linear
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, failed_error
 from .families import Family, load_family
@@ -443,6 +443,7 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
             apply_quant(models[name], cfg.quant)  # EngineConfig.quant: swap Linear layers (quant/)
             invariant_linear.apply(models[name], cfg, name)  # EngineConfig.batch_invariant: CUDA GEMMs
             cpu_linear.apply(models[name], cfg, name)  # EngineConfig.cpu_linear: oneDNN-packed linears
+            cpu_gelu.apply(models[name], cfg, name)  # float32 on CPU: the tanh-GELUs left apart on omnidit's kernel
             apply_offload(models[name], cfg)  # after loading, before the engine sees the family
             after_loading()  # the reuse allocator forgets what loading freed
         engine = Engine(models, cfg, defer_warmup)

@@ -82,9 +82,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "aten"],
                    help="the transformer's linear layers on CPU: onednn packs each weight once into oneDNN's "
                         "layout (no extra memory; x1.14 faster than aten's MKL GEMMs on an AMD EPYC); auto "
-                        "uses it in float32 on CPU with the weights resident and no parallel degree, and then (float32, "
-                        "not compiled) runs the MLP's tanh-GELU through omnidit's vector kernel where it builds; aten "
-                        "leaves nn.Linear and aten's GELU (default auto)")
+                        "uses it in float32 on CPU with the weights resident and no parallel degree; aten leaves "
+                        "nn.Linear (default auto)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CUDA: the transformer's linear layers through omnidit's fixed-tiling Triton GEMM, so a "
                         "request's output does not depend on what it is batched with (cuBLAS rounds differently "

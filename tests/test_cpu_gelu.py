@@ -14,6 +14,7 @@ from diffusers import FluxPipeline
 from diffusers.models.activations import GELU
 
 from dit_core import Engine, cpu_gelu
+from dit_core.config import EngineConfig
 from helpers import params
 from offload import native
 
@@ -95,10 +96,12 @@ def test_engine_runs_the_kernel_in_float32_eager_and_matches_diffusers(kernel, t
     assert 0 < (again - mine[0]).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("options", [{"cpu_linear": "aten"}, {"dtype": "bfloat16"}])
-def test_engine_keeps_atens_gelu_where_the_kernel_does_not_apply(kernel, tiny_models, options):
-    engine = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2, **options)
+def test_engine_keeps_atens_gelu_where_the_kernel_does_not_apply(kernel, tiny_models):
+    engine = Engine.from_pretrained(tiny_models["flux"], max_batch_size=2, dtype="bfloat16")
     assert cpu_gelu.kernel_count(engine.family.transformer) == 0
+    assert cpu_gelu.why_not(EngineConfig(ulysses=2)).startswith("parallel")  # worker ranks keep aten's too
+    for options in ({"cpu_linear": "aten"}, {"offload": "blocks:1"}, {"quant": "int8-weight"}):
+        assert cpu_gelu.why_not(EngineConfig(**options)) is None, options  # these do not change the GELU
 
 
 def test_a_machine_where_it_cannot_build_keeps_atens_gelu(tiny_models, tmp_path):

@@ -229,16 +229,18 @@ def test_reuse_allocator_matches_system_outputs_and_falls_back(small_flux, tmp_p
     does, and so does an engine without offload, which "auto" also gives the allocator (the allocator
     is process-wide: the two "auto" engines share one process, the system one has its own); without a
     compiler "auto" falls back and says why, and an explicit "reuse" fails the engine's start naming
-    ``cpu_allocator``. All three run aten linears (``cpu_linear`` packs resident weights only), so
-    the images must agree bit for bit."""
+    ``cpu_allocator``. All three run aten linears (``cpu_linear`` packs resident weights only) and
+    aten's GELU (the process without a compiler cannot build ``dit_core.cpu_gelu``'s kernel, so the
+    others put aten's back), so the images must agree bit for bit."""
     script = ("import json, sys, torch\n"
-              "from dit_core import Engine, InvalidParamError, SamplingParams\n"
+              "from dit_core import Engine, InvalidParamError, SamplingParams, cpu_gelu\n"
               "from offload import reuse\n"
               "p = SamplingParams(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16,"
               " output_type='pt')\n"
               "for offload in sys.argv[4].split(','):\n"
               "    e = Engine.from_pretrained(sys.argv[1], offload=offload, cpu_allocator=sys.argv[3],"
               " cpu_linear='aten')\n"
+              "    cpu_gelu.restore(e.family.transformer)\n"
               "    torch.save(torch.stack(e.generate(['a cat', 'a dog'], p)), f'{sys.argv[2]}-{offload}.pt')\n"
               "    assert (reuse.installed() or {}).get('hits', 0) > 0 if sys.argv[3] == 'auto' else "
               "reuse.installed() is None\n"

@@ -2,10 +2,11 @@
 //
 // gelu(x) = 0.5 x (1 + tanh(z)), z = sqrt(2 / pi) (x + 0.044715 x^3), computed in the equal form
 // x / (1 + exp(-2 z)) (0.5 (1 + tanh z) is the logistic function of 2 z) with ATen's vectorized
-// exp of 20 ULP, the one inductor's CPU code uses; aten's own GELU calls an exact vector tanh,
-// about 2.6 times slower on an AVX2 EPYC. Every element, the last partial vector's included, goes
-// through the same vector instructions (a partial vector is loaded into a full one), so an
-// element's result depends on its value only: a row's bits do not depend on which rows share the call.
+// exp of 20 ULP, the one inductor's CPU code uses; aten's own GELU calls an exact vector tanh, about
+// 6 times slower than this on an AVX2 EPYC (benchmarks/cpu_gelu.py). Every element, the last partial
+// vector's included, goes through the same vector instructions (a partial vector is loaded into a
+// full one), so an element's result depends on its value only: a row's bits do not depend on which
+// rows share the call.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
