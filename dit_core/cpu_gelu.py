@@ -17,8 +17,8 @@ compiler, torch's headers, and a CPU with AVX2 and FMA); whatever the ``cpu_line
 quantization or ``batch_invariant`` setting, so engines that differ only in those compute the same
 GELU. GELUs oneDNN takes as a post-op of the linear before them (``cpu_fusions``: bf16, and fp32 on
 AVX-512) stay there. Inside compiled blocks the modules call aten's GELU, which inductor rewrites itself
-(``graph_rewrites``); blocks a family keeps eager under ``compile`` (Qwen-Image's) run the kernel. The library is built on first use (about 10 s; cached and verified by
-``offload.native``). Which modules: diffusers' ``GELU`` activation (``FeedForward``'s first layer;
+(``graph_rewrites``); blocks a family keeps eager under ``compile`` (Qwen-Image's) run the kernel. The
+library is built on first use (about 10 s; cached and verified by ``offload.native``). Which modules: diffusers' ``GELU`` activation (``FeedForward``'s first layer;
 FLUX, SD3, Wan, Qwen-Image) and ``nn.GELU`` modules (FLUX's single-stream ``act_mlp``), both with
 ``approximate="tanh"``, of exact type. Each becomes a subclass (:class:`KernelGELU`,
 :class:`KernelGELUActivation`) whose GELU calls the kernel on float32 CPU tensors outside autograd and
@@ -44,14 +44,10 @@ _state: dict = {}  # "op" (the loaded op) or "error" (why it is unavailable), on
 
 
 def cpu_supports() -> str | None:
-    """Why this CPU cannot run the kernel (None: it can): AVX2 and FMA are needed."""
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        return "no /proc/cpuinfo to read the CPU's vector extensions from"
-    missing = [f for f in ("avx2", "fma") if f not in flags]
-    return f"the CPU lacks {' and '.join(missing)}" if missing else None
+    """Why this CPU cannot run the kernel (None: it can): torch's own ISA detection (AVX2 with FMA, the
+    ``CPU_CAPABILITY`` ATen's AVX2 vector code needs; AVX-512 CPUs have both) is what the kernel is built for."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return None if capability in ("AVX2", "AVX512") else f"torch's CPU capability here is {capability}, not AVX2"
 
 
 def load():
