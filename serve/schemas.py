@@ -84,9 +84,9 @@ class ImageRequestFields(BaseModel):
     max_sequence_length: int | None = None
     use_cache: bool = True
     lora: LoraList = None
-    strength: float | None = Field(None, gt=0, le=1, description="with an input image: the fraction of the "
-                                                                 "schedule to run (diffusers' img2img strength; "
-                                                                 "default 0.6)")
+    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
+                                   description="with an input image: the fraction of the schedule to run "
+                                               "(diffusers' img2img strength; default 0.6)")
 
     def size_pixels(self) -> tuple[int | None, int | None]:
         if self.size in (None, "auto"):

@@ -201,6 +201,7 @@ BAD = [  # (files, extra form fields, status, field, code)
     ("strength-0", {"image": ("a.png", encoded(picture()))}, {"strength": "0"}, 400, "strength", None),
     ("strength-1.5", {"image": ("a.png", encoded(picture()))}, {"strength": "1.5"}, 400, "strength", None),
     ("strength-text", {"image": ("a.png", encoded(picture()))}, {"strength": "strong"}, 400, "strength", None),
+    ("strength-nan", {"image": ("a.png", encoded(picture()))}, {"strength": "nan"}, 400, "strength", "finite_number"),
     ("no-image", {"mask": ("m.png", encoded(openai_mask()))}, {}, 400, "image", "missing_field"),
     ("image-as-text", {"mask": ("m.png", encoded(openai_mask()))}, {"image": "file-abc"}, 400, "image",
      "invalid_value"),
