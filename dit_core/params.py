@@ -64,10 +64,12 @@ class SamplingParams:
     # LoRA adapters (``dit_core.adapters``): ((name, scale), ...) of adapters loaded in the engine; several
     # compose as diffusers' ``set_adapters`` composes them (the sum of their scaled deltas); scale 0: none
     loras: tuple = ()
-    # Image inputs (image-to-image, inpainting). ``image``: a PIL image or an HxWx3 array (uint8, or float
-    # in [0, 1]); a list of up to MAX_IMAGES of them for models that take several. ``mask`` (inpainting,
-    # with ``image``): a PIL image or an HxW array, white / 1 = repaint, black / 0 = keep (diffusers'
-    # convention; binarized at 0.5). ``strength`` (with ``image``): the fraction of the schedule to run,
+    # Image inputs (image-to-image, inpainting). ``image``: a PIL image, an HxWx3 array (uint8, or float
+    # in [0, 1]) or a 3xHxW tensor (float in [0, 1]: an ``output_type="pt"`` output fed back; 1x3xHxW
+    # too); a list of up to MAX_IMAGES of them for models that take several. ``mask`` (inpainting,
+    # with ``image``): a PIL image, an HxW array (uint8, float in [0, 1], or bool) or an HxW / 1xHxW
+    # tensor, white / 1 / True = repaint, black / 0 / False = keep (diffusers' convention; binarized at
+    # 0.5). A tensor becomes the equal float32 array, a bool array a 0 / 1 float32 one. ``strength`` (with ``image``): the fraction of the schedule to run,
     # in (0, 1], as diffusers' img2img pipelines define it; None: 0.6, their default. Not compared:
     # two params differing only in their images are equal (arrays have no single truth value).
     image: Any = field(default=None, compare=False)
@@ -105,6 +107,11 @@ class SamplingParams:
         self._check_image_inputs()
 
     def _check_image_inputs(self):
+        if isinstance(self.image, (list, tuple)):
+            object.__setattr__(self, "image", type(self.image)(as_array(img, mask=False) for img in self.image))
+        else:
+            object.__setattr__(self, "image", as_array(self.image, mask=False))
+        object.__setattr__(self, "mask", as_array(self.mask, mask=True))
         if self.image is not None:
             images = self.image if isinstance(self.image, (list, tuple)) else [self.image]
             if not 1 <= len(images) <= MAX_IMAGES:
@@ -132,19 +139,42 @@ class SamplingParams:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def as_array(value, mask: bool):
+    """A tensor image (``[3, H, W]`` or ``[1, 3, H, W]``; a mask ``[H, W]`` or ``[1, H, W]``) as the HxWx3
+    (HxW) float32 array of the same values, and a bool array mask as 0 / 1 float32; anything else as
+    given (``check_image`` judges it)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.dim() == (3 if mask else 4) and t.shape[0] == 1:
+            t = t[0]
+        if not mask and t.dim() == 3 and t.shape[0] == 3:
+            t = t.permute(1, 2, 0)
+        if t.is_floating_point():
+            return t.to("cpu", torch.float32).contiguous().numpy()
+        return value  # refused by check_image, described as a tensor
+    if mask and isinstance(value, np.ndarray) and value.dtype == np.bool_:
+        return value.astype(np.float32)
+    return value
+
+
 def describe_image(value) -> str:
     """A short description of an image input for error messages (never its pixels)."""
     if isinstance(value, np.ndarray):
         return f"array of shape {tuple(value.shape)} and dtype {value.dtype}"
     if isinstance(value, PIL.Image.Image):
         return f"{value.width}x{value.height} {value.mode} image"
+    if type(value).__name__ == "Tensor" and hasattr(value, "shape"):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     return type(value).__name__
 
 
 def check_image(name: str, value, mask: bool) -> None:
     """Raise InvalidParamError naming ``name`` unless ``value`` is an image (``mask``: a one-channel one)."""
-    kind = "an HxW array" if mask else "an HxWx3 array"
-    allowed = f"a PIL image or {kind} (uint8, or float in [0, 1]) of sides 1 to {MAX_SIDE}"
+    kind = "an HxW array (uint8, float in [0, 1] or bool) or HxW tensor (float in [0, 1])" if mask else \
+        "an HxWx3 array (uint8, or float in [0, 1]) or 3xHxW tensor (float in [0, 1])"
+    allowed = f"a PIL image, {kind}, of sides 1 to {MAX_SIDE}"
     if isinstance(value, PIL.Image.Image):
         if value.mode in HIGH_BIT_MODES:
             raise InvalidParamError(name, describe_image(value), "an image of 8 bits per channel (convert it first)")

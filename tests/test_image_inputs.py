@@ -200,6 +200,10 @@ BAD = [
     ("image", dict(image=[source_image()] * 5)),
     ("image", dict(image=PIL.Image.new("I;16", (8, 8)))),
     ("mask", dict(image=source_image(), mask=np.zeros((8, 8, 3), np.uint8))),
+    ("image", dict(image=torch.zeros(3, 8, 8, dtype=torch.uint8))),  # a tensor image is float in [0, 1]
+    ("image", dict(image=torch.full((3, 8, 8), 1.5))),
+    ("image", dict(image=torch.zeros(4, 8, 8))),  # neither 3xHxW nor 1x3xHxW
+    ("mask", dict(image=source_image(), mask=torch.zeros(2, 8, 8))),
 ]
 
 
@@ -356,3 +360,24 @@ def test_uint8_arrays_read_as_the_same_pictures(engines):
     as_pil = engine_images(engine, kw, image, mask)
     as_arrays = engine_images(engine, kw, np.asarray(image), np.asarray(mask))
     assert torch.equal(as_pil, as_arrays)
+
+
+def test_tensors_and_bool_masks_read_as_the_same_pictures(engines):
+    """An output of ``output_type="pt"`` ([3, H, W] floats in [0, 1]) goes back in as an image, and is the
+    float array of the same values, and a transposed view of them (``permute(1, 2, 0).numpy()``, strides of
+    CHW memory) gives the same bits as the contiguous array (the VAE's convolutions round differently
+    by memory format: 5e-7 before inputs were made C-ordered); a [1, 3, H, W] batch of one too; a mask as
+    an [H, W] tensor or a bool array is the 0 / 1 float mask."""
+    engine = engines("flux")
+    kw = dict(num_inference_steps=4, seed=8, guidance_scale=3.5, strength=0.7)
+    out = engine.generate(PROMPT, SamplingParams(height=32, width=32, num_inference_steps=2, seed=3,
+                                                 output_type="pt"))[0]
+    assert out.dtype == torch.float32 and out.shape == (3, 32, 32)
+    mask = np.zeros((32, 32), np.float32)
+    mask[:, 16:] = 1
+    as_array = engine_images(engine, kw, out.permute(1, 2, 0).numpy(), mask)
+    assert torch.equal(as_array, engine_images(engine, kw, out, torch.from_numpy(mask)))
+    assert torch.equal(as_array, engine_images(engine, kw, out[None], mask > 0.5))
+    params = SamplingParams(image=[out, out], mask=torch.from_numpy(mask)[None])
+    assert all(isinstance(i, np.ndarray) and i.shape == (32, 32, 3) for i in params.image)
+    assert params.mask.shape == (32, 32)

@@ -107,12 +107,15 @@ def check_strength(params: SamplingParams) -> None:
 def _processor_input(value, mask: bool):
     """What the diffusers processor takes: PIL as is (an image in another mode than RGB converted to
     RGB, as the pipelines need three channels), uint8 arrays as PIL images (so they get the PIL path:
-    diffusers reads arrays as floats in [0, 1]), float arrays as float32."""
+    diffusers reads arrays as floats in [0, 1]), float arrays as C-ordered float32: the layout a PIL image's
+    array has, whatever the strides of the array given (a transposed view, e.g. an ``output_type="pt"``
+    tensor's ``permute(1, 2, 0)``, would otherwise reach the VAE's convolutions in another memory format,
+    which rounds differently)."""
     if isinstance(value, PIL.Image.Image):
         return value if mask or value.mode == "RGB" else value.convert("RGB")
     if value.dtype == np.uint8:
         return PIL.Image.fromarray(value.squeeze(-1) if value.ndim == 3 and value.shape[2] == 1 else value)
-    value = value.astype(np.float32)
+    value = np.ascontiguousarray(value, dtype=np.float32)
     return value[..., None] if mask and value.ndim == 2 else value
 
 
