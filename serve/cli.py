@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_engine_args import add_engine_args, engine_kwargs, parse_size, resolve_model
+from .cli_engine_args import add_engine_args, engine_kwargs, names_a_model, parse_size, resolve_model
 from .cli_help import DOCS, group_flags
 from .cli_lora import add_generate_lora_args, add_serve_lora_args, load_generate_loras, serve_lora_settings
 from .cli_tools import add_model_tools
@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "progress bar")
     gen.add_argument("prompt", nargs="+",
                      help="one or more prompts (one image each, or --num-outputs); a first argument that is a "
-                          "model folder is taken as --model")
+                          "model folder or the name of an embedded model is taken as --model")
     gen.add_argument("-m", "--model", default=None,
-                     help="a diffusers-format model folder (default: the embedded digits model)")
+                     help="a diffusers-format model folder, or the name of an embedded model (digits, "
+                          "digits_video, digits_edit, tts, reach; default: digits)")
     gen.add_argument("-o", "--output", default=None,
                      help="output file; with several outputs, _0, _1, ... are added before the suffix (default "
                           "out.png; out.mp4 for a video model; out.wav for an audio model, whose suffix picks the "
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args) -> int:
     from dit_core import Engine
 
-    if args.model is None and len(args.prompt) > 1 and (Path(args.prompt[0]) / "model_index.json").is_file():
+    if args.model is None and len(args.prompt) > 1 and names_a_model(args.prompt[0]):
         args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
     args.image_inputs = read_image_inputs(args)  # (--image, --mask: a bad file fails before the model loads)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from offload.reuse import IDLE_S
 
@@ -191,8 +192,20 @@ def parse_size(text: str | None) -> tuple[int | None, int | None]:
 
 
 def resolve_model(model: str | None) -> str:
-    if model is not None:
-        return model
-    from dit_core.zoo import default_model
+    """The folder ``model`` names: a path as given, the name of an embedded model (``digits``, ``tts``, ...:
+    ``dit_core.zoo.EMBEDDED``) when no such path exists, the embedded digits model for None."""
+    from dit_core.zoo import EMBEDDED, default_model, embedded_model
 
-    return str(default_model())
+    if model is None:
+        return str(default_model())
+    if model in EMBEDDED and not Path(model).exists():
+        return str(embedded_model(model))
+    return model
+
+
+def names_a_model(text: str) -> bool:
+    """Whether a first positional argument of ``generate`` is a model rather than a prompt: a diffusers
+    model folder, or the name of an embedded model (``dit_core.zoo.EMBEDDED``)."""
+    from dit_core.zoo import EMBEDDED
+
+    return (Path(text) / "model_index.json").is_file() or text in EMBEDDED

@@ -60,6 +60,9 @@ def cli(tmp_path_factory, tiny_models):
         "junk image": ("generate", flux, "a cat", "--image", d / "junk.png"),
         "strength alone": ("generate", flux, "a cat", "--strength", "0.5", "--steps", "2", "-o", d / "no.png"),
         "no model": ("generate", "a handwritten 3", "-o", d / "three.png", "--seed", "0"),
+        # an embedded model by name: as -m, and as a first positional (not a prompt "digits")
+        "-m digits": ("generate", "-m", "digits", "a handwritten 3", "-o", d / "m.png", "--seed", "0"),
+        "digits first": ("generate", "digits", "a handwritten 3", "-o", d / "named.png", "--seed", "0"),
     }
     return dict(zip(calls, omnidit_calls(*calls.values()))), d
 
@@ -116,3 +119,7 @@ def test_generate_without_a_model_writes_the_requested_digit(cli):
     image = np.asarray(Image.open(d / "three.png").convert("RGB"))
     assert image.shape == (digits_data.IMAGE_SIZE, digits_data.IMAGE_SIZE, 3)
     assert train_classifier().predict(torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255)[0] == 3
+    for call, name in (("-m digits", "m.png"), ("digits first", "named.png")):  # one image, the same one
+        assert runs[call][0] == 0, runs[call][1]
+        assert np.array_equal(np.asarray(Image.open(d / name).convert("RGB")), image)
+    assert not list(d.glob("named_*.png"))
