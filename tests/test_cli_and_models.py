@@ -1,8 +1,5 @@
 """The command line and the random checkpoint builder."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,32 +8,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from cli_calls import omnidit_calls
 from dit_core.random_models import build
-
-
-CALLS = """
-import contextlib, io, json, sys
-from serve.cli import main
-results = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    results.append([code, err.getvalue()])
-print(json.dumps(results))
-"""
-
-
-def omnidit_calls(*calls):
-    """Several ``omnidit`` command lines through ``serve.cli.main`` in ONE fresh process (each start of a
-    process pays the torch / diffusers imports): per call, (exit code, stderr)."""
-    r = subprocess.run([sys.executable, "-c", CALLS, json.dumps([list(map(str, c)) for c in calls])],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return [tuple(x) for x in json.loads(r.stdout.strip().splitlines()[-1])]
 
 
 @pytest.fixture(scope="module")

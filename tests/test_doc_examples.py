@@ -1,18 +1,23 @@
 """Every example the docs include runs: the files under examples/ that docs pages pull in with
 ``--8<-- "examples/NAME"`` are executed here, the in-process ones as they are and the HTTP ones against
-one live server holding the four embedded models. A renamed argument breaks this test, not a reader."""
+one live server holding the four embedded models; and every ``omnidit generate`` line of a page's bash
+blocks that needs no checkpoint of the reader's own. A renamed argument breaks this test, not a reader."""
 
 from __future__ import annotations
 
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
+from cli_calls import omnidit_calls
 from dit_core.zoo import default_model, default_policy, default_video_model, tts_model
 from serve.app import ServeSettings
 from serve_helpers import live_server
@@ -93,3 +98,38 @@ def test_http_example_runs(name, server, tmp_path, monkeypatch, capsys):
         assert capsys.readouterr().out.strip()
     for out in OVER_HTTP[name]:
         assert (tmp_path / out).stat().st_size > 0, out
+
+
+def cli_examples() -> list[tuple[str, list[str]]]:
+    """(page, arguments after ``omnidit``) of every ``omnidit generate`` line in the docs' bash blocks (and
+    the README's) that names no placeholder (an upper-case word like ``MODEL_DIR``) and is not a synopsis
+    (``[...]``)."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+            for line in block.splitlines():
+                m = re.match(r"\s*(?:\.venv/bin/)?omnidit (generate .*)", line)
+                if not m or "[" in line:
+                    continue
+                argv = shlex.split(m.group(1), comments=True)
+                if not any(re.fullmatch(r"[A-Z][A-Z0-9_]*", a) for a in argv):
+                    found.append((str(page.relative_to(ROOT)), argv))
+    return found
+
+
+def test_cli_examples_run(tmp_path):
+    """Each such line runs as written (in a folder holding the pictures the lines name; a path into the
+    repository as from its root), exits 0 and writes the one file its ``-o`` names."""
+    examples = cli_examples()
+    pages = {page for page, _ in examples}
+    assert {"README.md", "docs/guide/images.md", "docs/guide/lora.md"} <= pages, pages
+    y, x = np.mgrid[0:32, 0:32]
+    Image.fromarray(np.stack([x * 8, y * 8, (x * y) % 256], axis=-1).astype(np.uint8)).save(tmp_path / "seven.png")
+    Image.fromarray(((x >= 16) * 255).astype(np.uint8)).save(tmp_path / "right_half.png")
+    calls = [[a if not a.split("=", 1)[-1].startswith("dit_core/") else a.replace("dit_core/", f"{ROOT}/dit_core/")
+              for a in argv] for _, argv in examples]
+    for (page, argv), (code, err) in zip(examples, omnidit_calls(*calls, cwd=tmp_path, timeout=600)):
+        assert code == 0, f"{page}: omnidit {shlex.join(argv)}: {err[-1000:]}"
+        out = Path(argv[argv.index("-o") + 1])
+        assert (tmp_path / out).stat().st_size > 0, (page, argv)
+        assert not list(tmp_path.glob(f"{out.stem}_*{out.suffix}")), (page, argv)  # one prompt: one file
