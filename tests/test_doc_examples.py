@@ -133,3 +133,25 @@ def test_cli_examples_run(tmp_path):
         out = Path(argv[argv.index("-o") + 1])
         assert (tmp_path / out).stat().st_size > 0, (page, argv)
         assert not list(tmp_path.glob(f"{out.stem}_*{out.suffix}")), (page, argv)  # one prompt: one file
+
+
+def test_every_omnidit_line_of_the_docs_parses():
+    """Every ``omnidit`` line of a bash block in the docs (not a ``[...]`` synopsis; continuation lines
+    joined) parses with the CLI's own parser, a placeholder (``MODEL_DIR``) standing for a value: a flag
+    renamed or dropped fails here, not for a reader."""
+    from serve.cli import build_parser
+
+    lines = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                m = re.match(r"\s*(?:\.venv/bin/)?omnidit (.*?)\s*&?\s*$", line.split(" #")[0])
+                if m and "[" not in line:
+                    lines.append((str(page.relative_to(ROOT)), shlex.split(m.group(1))))
+    assert len(lines) >= 10, lines
+    parser = build_parser()
+    for page, argv in lines:
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{page}: omnidit {shlex.join(argv)} does not parse")
