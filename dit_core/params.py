@@ -69,8 +69,9 @@ class SamplingParams:
     # too); a list of up to MAX_IMAGES of them for models that take several. ``mask`` (inpainting,
     # with ``image``): a PIL image, an HxW array (uint8, float in [0, 1], or bool) or an HxW / 1xHxW
     # tensor, white / 1 / True = repaint, black / 0 / False = keep (diffusers' convention; binarized at
-    # 0.5). A tensor becomes the equal float32 array, a bool array a 0 / 1 float32 one. ``strength`` (with ``image``): the fraction of the schedule to run,
-    # in (0, 1], as diffusers' img2img pipelines define it; None: 0.6, their default. Not compared:
+    # 0.5). A tensor becomes the equal float32 array, a bool array a 0 / 1 float32 one. ``strength``
+    # (with ``image``): the fraction of the schedule to run, in (0, 1], as diffusers' img2img pipelines
+    # define it; None: 0.6, their default. Not compared:
     # two params differing only in their images are equal (arrays have no single truth value).
     image: Any = field(default=None, compare=False)
     mask: Any = field(default=None, compare=False)
@@ -165,8 +166,8 @@ def describe_image(value) -> str:
         return f"array of shape {tuple(value.shape)} and dtype {value.dtype}"
     if isinstance(value, PIL.Image.Image):
         return f"{value.width}x{value.height} {value.mode} image"
-    if type(value).__name__ == "Tensor" and hasattr(value, "shape"):
-        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor
+        return f"{type(value).__name__.lower()} of shape {tuple(value.shape)} and dtype {value.dtype}"
     return type(value).__name__
 
 
