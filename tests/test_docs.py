@@ -38,6 +38,16 @@ def test_every_engine_config_field_and_cli_flag_has_a_description():
     assert gen_reference.missing_descriptions() == []
 
 
+def test_the_python_guide_lists_every_sampling_param():
+    """Every ``SamplingParams`` field has a row (its name in backticks in the first column) in the Python
+    API guide's table."""
+    from dit_core import SamplingParams
+
+    rows = re.findall(r"^\| ([^|]+) \|", (ROOT / "docs" / "guide" / "python-api.md").read_text(), re.M)
+    listed = {name for row in rows for name in re.findall(r"`(\w+)`", row)}
+    assert [f.name for f in dataclasses.fields(SamplingParams) if f.name not in listed] == []
+
+
 def test_a_field_without_a_description_is_reported():
     @dataclasses.dataclass
     class Config:
