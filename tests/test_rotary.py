@@ -107,15 +107,15 @@ def test_wan_rotation_equals_its_real_form(dtype):
     assert torch.equal(rotate(x, cos, sin), real_rotate(x, cos, sin))
 
 
-def test_benchmark_quick_writes_every_key():
+def test_benchmark_quick_writes_every_key(tmp_path, monkeypatch):
     import json
-    from pathlib import Path
 
-    from benchmarks import rotary
+    from benchmarks import common, rotary
 
+    # into a temporary folder: the committed results/rotary_quick.json stays the run that was committed
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
     rotary.main(["--quick"])
-    path = Path(rotary.__file__).parent / "results" / "rotary_quick.json"
-    summary = json.loads(path.read_text())["summary"]
+    summary = json.loads((tmp_path / "rotary_quick.json").read_text())["summary"]
     for dtype in ("float32", "bfloat16"):
         for length in (80, 768):
             assert summary[f"complex_over_real_speed_{dtype}_{length}"] > 0
