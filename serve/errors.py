@@ -52,8 +52,14 @@ def error_response(status: int, message: str, type: str, param=None, code=None, 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# the parts pydantic adds to an error's location for a union's member (``constrained-str``, ``list[...]``,
+# ``function-after[...]``, ``str``): not names the client sent
+_UNION_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "none"}
+
+
 def _validation_param(err: dict) -> str | None:
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    loc = loc[:1] + [p for p in loc[1:] if not ("[" in p or "-" in p or p in _UNION_TAGS)]  # the field as sent
     return ".".join(loc) or None
 
 

@@ -22,7 +22,10 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
+import re
 import struct
 
 import numpy as np
@@ -120,13 +123,26 @@ def _too_large(field: str, size, max_pixels: int) -> APIError:
                          "(--max-image-pixels)", "invalid_request_error", field, "image_too_large")
 
 
+DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,", re.I)
+
+
 def stored_image(files, owner: str | None, ref: str, max_pixels: int, field: str = "image") -> Image.Image:
-    """An earlier output named by its file id (or the url that ``response_format=url`` answered with),
-    as the engine's ``image``: 404 naming ``field`` when ``owner`` has no such file (missing, expired, or
-    another key's)."""
+    """An earlier output named by its file id (or the url that ``response_format=url`` answered with), or a
+    picture sent inline as a base64 data URL (``data:image/png;base64,...``), as the engine's ``image``:
+    404 naming ``field`` when ``owner`` has no such file (missing, expired, or another key's); a data URL
+    whose payload is not base64 is a 400, and its picture is checked as an upload's."""
+    head = DATA_URL.match(ref)
+    if head:
+        try:
+            data = base64.b64decode(ref[head.end():], validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad(field, "is a data URL whose payload is not base64", "invalid_image") from None
+        return decode_image(field, data, max_pixels)
     file_id = ref.rstrip("/").rsplit("/v1/files/", 1)[-1]
     item = files.get(file_id, owner)
     if item is None:
-        raise APIError(404, f"{field}: file {file_id!r} does not exist or has expired (give the id, or url, that "
-                            "response_format=url answered with)", "invalid_request_error", field, "file_not_found")
+        shown = file_id if len(file_id) <= 80 else f"{file_id[:60]}... ({len(file_id)} characters)"
+        raise APIError(404, f"{field}: file {shown!r} does not exist or has expired (give the id, or url, that "
+                            "response_format=url answered with, or the picture as a data:image/...;base64, URL)",
+                       "invalid_request_error", field, "file_not_found")
     return decode_image(field, item[0], max_pixels)

@@ -115,9 +115,11 @@ class ImageGenerationRequest(ImageRequestFields):
 
     image: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(
         min_length=1, max_length=MAX_IMAGES)] | None = Field(
-        None, description="earlier outputs of this server to start from (image-to-image) or to edit: the file id, "
-                          "or the url, that response_format=url answered with; a list of up to "
-                          f"{MAX_IMAGES} for models that take several pictures (reference-image editing)")
+        None, description="pictures to start from (image-to-image) or to edit: an earlier output of this server (the "
+                          "file id, or the url, that response_format=url answered with) or a picture inline as a "
+                          "base64 data URL (data:image/png;base64,...; the body is bounded by --max-body-bytes); a "
+                          f"list of up to {MAX_IMAGES} for models that take several pictures (reference-image "
+                          "editing)")
 
 
 class ImageEditRequest(ImageRequestFields):

@@ -4,6 +4,7 @@ transparent-means-edit mask turned into the engine's white-means-repaint one), `
 starts from an earlier output by its file id, ``GET /v1/models/{id}`` states the input kinds, and every kind
 of bad upload is a 400 (or 413) naming the field that never reaches the engine."""
 
+import base64
 import concurrent.futures
 import io
 import struct
@@ -133,6 +134,33 @@ def test_generations_start_from_an_earlier_output_by_file_id(live, engines):
             "prompt": "a dog, smiling", "model": "qwen", "image": ref, "strength": 0.6, **STEPS}, timeout=120)
         assert again.status_code == 200, again.text
         assert np.array_equal(pixels(png(again.json()["data"][0]["b64_json"])), pixels(want))
+
+
+def test_generations_take_a_picture_inline_as_a_data_url(live, engines):
+    """``image`` as ``data:image/png;base64,...`` is the picture those bytes are, as an upload of them is."""
+    source = picture()
+    data_url = "data:image/png;base64," + base64.b64encode(encoded(source)).decode()
+    (want,) = engines("qwenimage").generate("a dog, smiling", SamplingParams(image=source, strength=0.6, **STEPS))
+    r = httpx.post(f"{live.url}/v1/images/generations", json={
+        "prompt": "a dog, smiling", "model": "qwen", "image": data_url, "strength": 0.6, **STEPS}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert np.array_equal(pixels(png(r.json()["data"][0]["b64_json"])), pixels(want))
+
+
+@pytest.mark.parametrize("case,image,status,code", [
+    ("not-base64", "data:image/png;base64,@@not base64@@", 400, "invalid_image"),
+    ("not-a-picture", "data:image/png;base64," + base64.b64encode(b"hello").decode(), 400, "invalid_image"),
+    ("too-many-pixels", "data:image/png;base64," + base64.b64encode(encoded(Image.new("RGB", (65, 64)))).decode(),
+     400, "image_too_large"),
+    ("not-a-string", 5, 400, None),
+    ("a-long-unknown-reference", "x" * 4000, 404, "file_not_found"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "")
+def test_a_bad_inline_picture_or_reference_names_image(live, submits, case, image, status, code):
+    r = httpx.post(f"{live.url}/v1/images/generations", json={"prompt": "x", "model": "qwen", "image": image},
+                   timeout=30)
+    err = assert_error(r, status, "image", code)
+    assert len(err["message"]) < 400  # a long value is not echoed whole
+    assert not submits
 
 
 def test_a_file_id_that_is_not_the_callers_is_404_naming_image(live, submits):
