@@ -16,7 +16,18 @@ class InvalidParamError(OmniditError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{field}={value!r} is invalid: expected {allowed}")
+        super().__init__(f"{field}={shown(value)} is invalid: expected {allowed}")
+
+
+def shown(value, limit: int = 200) -> str:
+    """``value`` in an error message: an image or array by its size, shape and dtype (never its pixels, nor
+    an object's address), anything else by its repr, cut past ``limit`` characters."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # an array or a tensor
+        return f"<{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}>"
+    if hasattr(value, "size") and hasattr(value, "mode") and hasattr(value, "getpixel"):  # a PIL image
+        return f"<{value.size[0]}x{value.size[1]} {value.mode} image>"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 40]}... ({len(text)} characters)"
 
 
 class UnknownModelError(OmniditError, ValueError):

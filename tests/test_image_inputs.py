@@ -214,6 +214,17 @@ def test_bad_image_inputs_name_the_field(field, kw):
     assert err.value.field == field
 
 
+def test_an_image_in_an_error_is_shown_by_size_not_by_pixels_or_address():
+    from dit_core.errors import shown
+
+    err = InvalidParamError("image", source_image(), "unset")
+    assert "image=<48x40 RGB image> is invalid" in str(err) and "0x" not in str(err)
+    assert shown(np.zeros((512, 512, 3), np.float32)) == "<ndarray of shape (512, 512, 3) and dtype float32>"
+    assert shown(torch.zeros(3, 8, 8)) == "<Tensor of shape (3, 8, 8) and dtype torch.float32>"
+    long = shown("x" * 5000)
+    assert len(long) < 200 and long.endswith("(5002 characters)")
+
+
 def test_bad_image_inputs_for_the_model(engines):
     engine = engines("flux")
     # a strength so small that no step would run (10 - 10 * 1e-17 rounds to 10: diffusers raises too);
