@@ -270,13 +270,13 @@ class Engine:
         thread while the engine steps (the adapter store changes its set under a lock; the file is read
         outside it): a server loads adapters in a worker thread while an ``AsyncEngine`` serves."""
         model = self.model_name(model)
-        store = adapter_store(self.models[model], model)
+        store = adapter_store(self.models[model], model, name)
         adapter = store.load(name, path, transformers)
         return next(d for d in store.describe() if d["name"] == adapter.name)
 
     def unload_lora(self, name: str, model: str | None = None) -> None:
         model = self.model_name(model)
-        adapter_store(self.models[model], model).unload(name)
+        adapter_store(self.models[model], model, name).unload(name)
 
     def loras(self, model: str | None = None) -> list[dict]:
         """The resident adapters of ``model``: name, path, rank, layers, bytes, in_use (live requests)."""

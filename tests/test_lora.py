@@ -185,8 +185,12 @@ def test_requests_name_loaded_adapters(engine):
 
 
 def test_models_without_adapters_refuse_loras(engines, tiny_models):
-    with pytest.raises(InvalidParamError, match="max_loras=0"):  # an engine without adapters
+    with pytest.raises(InvalidParamError, match="max_loras=0") as err:  # an engine without adapters
         engines("sd3").make_request(PROMPT, params(loras=[("a", 1.0)]))
+    # the error names what was asked (not the model's name as if it were an adapter) and the setting to change
+    assert err.value.field == "loras" and err.value.value == ["a"] and "--max-loras N" in str(err.value)
+    with pytest.raises(InvalidParamError, match="loras='bold' is invalid") as err:
+        engines("sd3").load_lora("bold", "unused.safetensors")
 
 
 def write(path, tensors, metadata=None):

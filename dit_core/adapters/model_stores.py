@@ -19,14 +19,19 @@ def attach_adapters(models: dict[str, Family], config: EngineConfig) -> None:
             family.adapters = AdapterStore(family, config.max_loras, config.max_lora_rank)
 
 
-def adapter_store(family: Family, name: str):
+def adapter_store(family: Family, name: str, asked=None):
+    """Model ``name``'s adapter store; where it has none, ``InvalidParamError`` naming ``loras`` with
+    ``asked`` (the adapter, or adapters, the caller wanted) and why: the engine's ``max_loras`` is 0 (the
+    default), or the family takes no adapters."""
     store = getattr(family, "adapters", None)
     if store is None:
         from . import LOADERS
 
-        why = ("max_loras=0 in this engine" if family.name in LOADERS
+        why = ("max_loras=0 in this engine, the default: set max_loras=N (Engine.from_pretrained, EngineConfig; "
+               "omnidit serve --max-loras N) to load adapters" if family.name in LOADERS
                else f"LoRA adapters are supported for {sorted(LOADERS)} models so far")
-        raise InvalidParamError("loras", name, f"a model that takes LoRA adapters (model {name!r}: {why})")
+        raise InvalidParamError("loras", name if asked is None else asked,
+                                f"a model that takes LoRA adapters (model {name!r}: {why})")
     return store
 
 
@@ -35,7 +40,7 @@ def pin_loras(family: Family, name: str, loras) -> None:
     request was checked (``make_request``, in another thread) is the request's ``InvalidParamError``."""
     from . import AdapterNotLoadedError
 
-    store = adapter_store(family, name)
+    store = adapter_store(family, name, [adapter for adapter, _ in loras])
     try:
         store.pin(loras)
     except AdapterNotLoadedError as e:
@@ -47,7 +52,7 @@ def pin_loras(family: Family, name: str, loras) -> None:
 
 def check_loras(family: Family, name: str, loras) -> None:
     """Every adapter a request names is resident for its model."""
-    store = adapter_store(family, name)
+    store = adapter_store(family, name, [adapter for adapter, _ in loras])
     for adapter, _ in loras:
         if adapter not in store.adapters:
             raise InvalidParamError("loras", adapter, f"an adapter loaded for model {name!r}: "
