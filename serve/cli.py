@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
     gen.add_argument("--seconds", type=float, default=None,
                      help="audio models: clip length in seconds (default: the model's maximum)")
+    gen.add_argument("--voice", default=None,
+                     help="text-to-speech models (the embedded tts): the voice, e.g. adam or eve (default: the "
+                          "model's first; GET /v1/audio/voices lists them)")
+    gen.add_argument("--speed", type=float, default=1.0,
+                     help="text-to-speech models: the speaking speed (the embedded tts: 0.8 to 1.25, rounded to "
+                          "the nearest it was trained on)")
     gen.add_argument("--image", action="append", default=None, metavar="PATH",
                      help="an input picture (PNG, JPEG, WebP, GIF or BMP); repeatable, order kept: --image A "
                           "--image B is the request's image=[A, B]. Alone: an edit on editing models (FLUX Kontext, "
@@ -245,6 +251,8 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
         from dit_core.errors import InvalidParamError
 
         raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
+    if getattr(engine.family, "talker", None) is not None:  # text-to-speech: the talker, then the audio DiT
+        return _speak(engine, args, out)
     image, mask = args.image_inputs
     ids = []
     for i, prompt in enumerate(args.prompt):
@@ -281,6 +289,25 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
             img.save(path)
         print(path)
     print(f"seeds: {[outputs[rid].seed for rid in ids]}", file=sys.stderr)
+    return 0
+
+
+def _speak(engine, args, out: Path) -> int:
+    """``generate`` on a text-to-speech model: each prompt is an utterance, spoken whole
+    (``dit_core.audio.service.synthesize``: the same samples ``POST /v1/audio/speech`` gives for the same
+    voice, speed, seed and steps) and written to ``out`` (``_0``, ``_1``, ... with several)."""
+    from dit_core.audio.service import make_speech_request, synthesize
+    from dit_core.audio.waveform import Waveform
+
+    text = engine.family.text
+    voice = args.voice or next(iter(text.voices))
+    requests = [make_speech_request(text, prompt, voice, args.speed, None if args.seed is None else args.seed + i,
+                                    steps=args.steps) for i, prompt in enumerate(args.prompt)]
+    for i, samples in enumerate(synthesize(engine, requests)):
+        path = out if len(requests) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+        Waveform(samples, text.sample_rate).save(path)
+        print(path)
+    print(f"seeds: {[r.seed for r in requests]}", file=sys.stderr)
     return 0
 
 

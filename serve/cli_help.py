@@ -30,7 +30,7 @@ GROUPS = {
     "generate": {
         "what to generate": ["model", "output", "steps", "size", "seed", "guidance", "guidance_2", "true_cfg",
                              "negative_prompt", "num_outputs"],
-        "video and audio": ["frames", "fps", "seconds"],
+        "video and audio": ["frames", "fps", "seconds", "voice", "speed"],
         "image inputs": ["image", "mask", "strength"],
         **ENGINE_GROUPS,
     },

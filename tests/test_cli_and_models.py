@@ -36,6 +36,9 @@ def cli(tmp_path_factory, tiny_models):
         # an embedded model by name: as -m, and as a first positional (not a prompt "digits")
         "-m digits": ("generate", "-m", "digits", "a handwritten 3", "-o", d / "m.png", "--seed", "0"),
         "digits first": ("generate", "digits", "a handwritten 3", "-o", d / "named.png", "--seed", "0"),
+        # text-to-speech: the talker, then the audio DiT (the speech route's samples)
+        "tts": ("generate", "tts", "3 1 4", "--voice", "eve", "--seed", "4", "--steps", "4", "-o", d / "pi.wav"),
+        "tts bad voice": ("generate", "tts", "3", "--voice", "bob", "-o", d / "bob.wav"),
     }
     return dict(zip(calls, omnidit_calls(*calls.values()))), d
 
@@ -96,3 +99,22 @@ def test_generate_without_a_model_writes_the_requested_digit(cli):
         assert runs[call][0] == 0, runs[call][1]
         assert np.array_equal(np.asarray(Image.open(d / name).convert("RGB")), image)
     assert not list(d.glob("named_*.png"))
+
+
+def test_generate_speaks_on_a_text_to_speech_model(cli):
+    import soundfile
+
+    from dit_core import Engine
+    from dit_core.audio.service import make_speech_request, synthesize
+    from dit_core.zoo import tts_model
+
+    runs, d = cli
+    assert runs["tts"][0] == 0, runs["tts"][1]
+    got, rate = soundfile.read(d / "pi.wav", dtype="int16", always_2d=True)
+    engine = Engine.from_pretrained(tts_model())
+    (want,) = synthesize(engine, [make_speech_request(engine.family.text, "3 1 4", "eve", 1.0, 4, steps=4)])
+    assert rate == engine.family.text.sample_rate and got.shape[::-1] == want.shape
+    # the same samples, as the WAV writer stores them (16-bit PCM: clipped, x 32767, rounded)
+    assert np.array_equal(got.T, (np.clip(want, -1, 1) * 32767.0).round().astype(np.int16))
+    code, err = runs["tts bad voice"]
+    assert code == 2 and "voice='bob' is invalid" in err and not (d / "bob.wav").exists()
