@@ -243,6 +243,13 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
     from dit_core import EventKind, SamplingParams
 
     kind = engine.family.output_kind
+    if kind == "actions":
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("model", args.model or engine.model_name(None),
+                                "an image, video or audio model: an action policy acts on observations, not on a "
+                                "prompt (omnidit run-episode runs it in its simulated task; omnidit serve serves "
+                                "it over the OpenPI socket)")
     audio = kind == "audio"
     out = Path(args.output or {"audio": "out.wav", "video": "out.mp4"}.get(kind, "out.png"))
     if kind == "video" and out.suffix.lower() != ".mp4":

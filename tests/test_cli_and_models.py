@@ -39,6 +39,7 @@ def cli(tmp_path_factory, tiny_models):
         # text-to-speech: the talker, then the audio DiT (the speech route's samples)
         "tts": ("generate", "tts", "3 1 4", "--voice", "eve", "--seed", "4", "--steps", "4", "-o", d / "pi.wav"),
         "tts bad voice": ("generate", "tts", "3", "--voice", "bob", "-o", d / "bob.wav"),
+        "policy": ("generate", "reach", "pick it up", "-o", d / "reach.png"),
     }
     return dict(zip(calls, omnidit_calls(*calls.values()))), d
 
@@ -118,3 +119,10 @@ def test_generate_speaks_on_a_text_to_speech_model(cli):
     assert np.array_equal(got.T, (np.clip(want, -1, 1) * 32767.0).round().astype(np.int16))
     code, err = runs["tts bad voice"]
     assert code == 2 and "voice='bob' is invalid" in err and not (d / "bob.wav").exists()
+
+
+def test_generate_on_an_action_policy_says_what_runs_it(cli):
+    runs, d = cli
+    code, err = runs["policy"]
+    assert code == 2 and "model='reach' is invalid" in err and "omnidit run-episode" in err
+    assert not (d / "reach.png").exists()
