@@ -258,7 +258,9 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
         from dit_core.errors import InvalidParamError
 
         raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
-    if getattr(engine.family, "talker", None) is not None:  # text-to-speech: the talker, then the audio DiT
+    speech = getattr(engine.family, "talker", None) is not None  # text-to-speech: the talker, then the audio DiT
+    _check_flags_apply(args, speech)
+    if speech:
         return _speak(engine, args, out)
     image, mask = args.image_inputs
     ids = []
@@ -297,6 +299,23 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
         print(path)
     print(f"seeds: {[outputs[rid].seed for rid in ids]}", file=sys.stderr)
     return 0
+
+
+def _check_flags_apply(args, speech: bool) -> None:
+    """A flag the model would ignore is an error naming it (``--voice`` / ``--speed`` are text-to-speech's;
+    a text-to-speech model takes the text, ``--voice``, ``--speed``, ``--seed`` and ``--steps`` only)."""
+    from dit_core.errors import InvalidParamError
+
+    unset = {"--voice": None, "--speed": 1.0, "--size": None, "--image": None, "--mask": None, "--strength": None,
+             "--num-outputs": 1, "--frames": None, "--seconds": None, "--guidance": None, "--true-cfg": None,
+             "--negative-prompt": None, "--lora": None}
+    checked = list(unset)[2:] if speech else ["--voice", "--speed"]
+    for flag in checked:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value != unset[flag]:
+            raise InvalidParamError(flag, value, "unset: this model does not use it" + (
+                " (a text-to-speech model takes the text, --voice, --speed, --seed and --steps)" if speech
+                else " (--voice and --speed are for text-to-speech models)"))
 
 
 def _speak(engine, args, out: Path) -> int:

@@ -40,6 +40,9 @@ def cli(tmp_path_factory, tiny_models):
         "tts": ("generate", "tts", "3 1 4", "--voice", "eve", "--seed", "4", "--steps", "4", "-o", d / "pi.wav"),
         "tts bad voice": ("generate", "tts", "3", "--voice", "bob", "-o", d / "bob.wav"),
         "policy": ("generate", "reach", "pick it up", "-o", d / "reach.png"),
+        # a flag the model would ignore is refused, naming it
+        "tts with an image": ("generate", "tts", "3", "--image", d / "in.png", "-o", d / "tts_img.wav"),
+        "voice on digits": ("generate", "a handwritten 3", "--voice", "eve", "-o", d / "voice.png"),
     }
     return dict(zip(calls, omnidit_calls(*calls.values()))), d
 
@@ -119,6 +122,9 @@ def test_generate_speaks_on_a_text_to_speech_model(cli):
     assert np.array_equal(got.T, (np.clip(want, -1, 1) * 32767.0).round().astype(np.int16))
     code, err = runs["tts bad voice"]
     assert code == 2 and "voice='bob' is invalid" in err and not (d / "bob.wav").exists()
+    for call, flag, out in (("tts with an image", "--image", "tts_img.wav"), ("voice on digits", "--voice", "voice.png")):
+        code, err = runs[call]
+        assert code == 2 and f"{flag}=" in err and "does not use it" in err and not (d / out).exists(), err
 
 
 def test_generate_on_an_action_policy_says_what_runs_it(cli):
