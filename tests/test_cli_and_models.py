@@ -122,7 +122,8 @@ def test_generate_speaks_on_a_text_to_speech_model(cli):
     assert np.array_equal(got.T, (np.clip(want, -1, 1) * 32767.0).round().astype(np.int16))
     code, err = runs["tts bad voice"]
     assert code == 2 and "voice='bob' is invalid" in err and not (d / "bob.wav").exists()
-    for call, flag, out in (("tts with an image", "--image", "tts_img.wav"), ("voice on digits", "--voice", "voice.png")):
+    for call, flag, out in (("tts with an image", "--image", "tts_img.wav"),
+                            ("voice on digits", "--voice", "voice.png")):
         code, err = runs[call]
         assert code == 2 and f"{flag}=" in err and "does not use it" in err and not (d / out).exists(), err
 
