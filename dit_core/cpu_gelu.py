@@ -154,15 +154,15 @@ def apply(family, config, name: str = "") -> int:
     """Swap the kernel into the family's transformer (every one of its ``denoisers``) where :func:`why_not`
     allows, after ``cpu_linear`` (GELUs oneDNN took as a post-op are no longer modules of their own); logs
     what was done in one line; how many modules."""
-    transformer = getattr(family, "transformer", None)
-    if not isinstance(transformer, nn.Module):
+    from .families.base import denoisers
+
+    if not isinstance(getattr(family, "transformer", None), nn.Module):
         return 0
     why = why_not(config)
     if why is not None:
         logger.info("cpu_gelu: aten's tanh-GELU for model %s (%s)", name, why)
         return 0
-    denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
-    count = sum(swap(m) for m in denoisers)
+    count = sum(swap(m) for m in denoisers(family).values())
     if count:
         logger.info("cpu_gelu: %d tanh-GELU modules of model %s run omnidit's float32 vector kernel", count, name)
     return count

@@ -353,21 +353,21 @@ def apply(family, config, name: str = "") -> str:
     ``family.cpu_linear`` (what ran: ``aten`` where no layer was left to pack) and logs the choice in
     one line."""
     from . import cpu_fusions
+    from .families.base import denoisers
 
     choice, reason = resolve(config)
     transformer = getattr(family, "transformer", None)
     if not isinstance(transformer, nn.Module):
         choice, reason = "aten", "no transformer module"
     if choice == "onednn":
-        # a family's ``denoisers`` when it has several (two-stage Wan 2.2: both transformers)
-        denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
-        count = sum(pack(m) for m in denoisers)
+        models = list(denoisers(family).values())  # two-stage Wan 2.2: both transformers
+        count = sum(pack(m) for m in models)
         if not count:  # every linear already another kind (quantized, or batch_invariant's)
             choice, reason = "aten", "no plain nn.Linear layer left in the transformer to pack"
     if choice == "onednn":
         # tanh-GELU as a post-op of the packed linear before it (bf16; fp32 on AVX-512), unless LoRA hooks add to that
         # linear's output (``cpu_fusions``; layers left unpacked are not touched)
-        fused = 0 if getattr(config, "max_loras", 0) else sum(cpu_fusions.fuse(m) for m in denoisers)
+        fused = 0 if getattr(config, "max_loras", 0) else sum(cpu_fusions.fuse(m) for m in models)
         logger.info("cpu_linear=%s -> onednn for model %s: %d linear layers of the transformer packed%s (%s)",
                     config.cpu_linear, name, count, f", {fused} with GELU fused" if fused else "", reason)
     else:

@@ -228,8 +228,9 @@ def apply(family, config, name: str = "") -> str:
         logger.info("batch_invariant for model %s: on CPU the linears stay (the CPU kernels' results are "
                     "checked batched == alone); the VAE encodes and decodes one request per call", name)
     elif isinstance(transformer, nn.Module):
-        denoisers = (getattr(family, "denoisers", None) or {"transformer": transformer}).values()
-        count = sum(swap(m) for m in denoisers)
+        from .families.base import denoisers
+
+        count = sum(swap(m) for m in denoisers(family).values())
         choice = "triton" if torch.device(config.device).type == "cuda" else "triton interpreter"
         logger.info("batch_invariant for model %s: %d linear layers of the transformer through the fixed-tiling "
                     "Triton GEMM%s", name, count, "" if choice == "triton" else " (in Triton's interpreter)")

@@ -57,7 +57,9 @@ def reserve_bytes(layers: dict, max_loras: int, max_rank: int, dtype: torch.dtyp
 def denoiser_layers(family) -> dict:
     """The linear layers the store hooks: every transformer the steps run (``family.denoisers`` where a
     family has several), the first's under their module names, another's prefixed with its component name."""
-    models = getattr(family, "denoisers", None) or {"transformer": family.transformer}
+    from ..families.base import denoisers
+
+    models = denoisers(family)
     out = {}
     for i, (component, model) in enumerate(models.items()):
         out.update({(f"{component}." if i else "") + k: m for k, m in apply.linear_layers(model).items()})

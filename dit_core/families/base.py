@@ -267,6 +267,12 @@ class Family(abc.ABC):
         raise NotImplementedError(f"{self.name} models do not expose a block loop")
 
 
+def denoisers(family) -> dict[str, torch.nn.Module]:
+    """The transformers the family's steps run, by component name (``family.denoisers`` where it has several:
+    two-stage Wan 2.2; else its ``transformer``)."""
+    return getattr(family, "denoisers", None) or {"transformer": family.transformer}
+
+
 def gather_rows(requests: list[Request]):
     """Stack the forward rows of ``requests``: per request its ``num_outputs`` cond rows, then
     as many uncond rows when it uses CFG. Returns (latents, timestep per row, cond per row,

@@ -13,7 +13,7 @@ import torch
 
 from attention import Backend
 
-from ..families.base import BlockInputs, Family
+from ..families.base import BlockInputs, Family, denoisers
 from .comm import Comm
 from .config import ParallelConfig
 from .mesh import Mesh
@@ -66,11 +66,6 @@ class RankRuntime:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-def denoisers(family: Family) -> dict[str, torch.nn.Module]:
-    """The transformers the family's steps run, by component name (``family.denoisers`` where it has several)."""
-    return getattr(family, "denoisers", None) or {"transformer": family.transformer}
 
 
 def denoiser_of(family: Family) -> str:
