@@ -19,13 +19,22 @@ class InvalidParamError(OmniditError, ValueError):
         super().__init__(f"{field}={shown(value)} is invalid: expected {allowed}")
 
 
-def shown(value, limit: int = 200) -> str:
-    """``value`` in an error message: an image or array by its size, shape and dtype (never its pixels, nor
-    an object's address), anything else by its repr, cut past ``limit`` characters."""
+def describe(value) -> str | None:
+    """An image, array or tensor in words, by its size or shape and dtype (never its pixels, nor an object's
+    address); None for anything else."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):  # an array or a tensor
-        return f"<{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}>"
+        return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
     if hasattr(value, "size") and hasattr(value, "mode") and hasattr(value, "getpixel"):  # a PIL image
-        return f"<{value.size[0]}x{value.size[1]} {value.mode} image>"
+        return f"{value.size[0]}x{value.size[1]} {value.mode} image"
+    return None
+
+
+def shown(value, limit: int = 200) -> str:
+    """``value`` in an error message: an image, array or tensor as ``describe`` puts it, anything else by
+    its repr, cut past ``limit`` characters."""
+    words = describe(value)
+    if words is not None:
+        return f"<{words}>"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 40]}... ({len(text)} characters)"
 

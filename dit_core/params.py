@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import PIL.Image
 
-from .errors import InvalidParamError
+from .errors import InvalidParamError, describe
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 MAX_STEPS = 1000
@@ -161,14 +161,9 @@ def as_array(value, mask: bool):
 
 
 def describe_image(value) -> str:
-    """A short description of an image input for error messages (never its pixels)."""
-    if isinstance(value, np.ndarray):
-        return f"array of shape {tuple(value.shape)} and dtype {value.dtype}"
-    if isinstance(value, PIL.Image.Image):
-        return f"{value.width}x{value.height} {value.mode} image"
-    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor
-        return f"{type(value).__name__.lower()} of shape {tuple(value.shape)} and dtype {value.dtype}"
-    return type(value).__name__
+    """A short description of an image input for error messages (never its pixels): ``errors.describe``'s
+    words for an image, array or tensor, else the value's type."""
+    return describe(value) or type(value).__name__
 
 
 def check_image(name: str, value, mask: bool) -> None:
