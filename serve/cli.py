@@ -306,13 +306,13 @@ def _check_flags_apply(args, speech: bool) -> None:
     a text-to-speech model takes the text, ``--voice``, ``--speed``, ``--seed`` and ``--steps`` only)."""
     from dit_core.errors import InvalidParamError
 
-    unset = {"--voice": None, "--speed": 1.0, "--size": None, "--image": None, "--mask": None, "--strength": None,
-             "--num-outputs": 1, "--frames": None, "--seconds": None, "--guidance": None, "--true-cfg": None,
-             "--negative-prompt": None, "--lora": None}
-    checked = list(unset)[2:] if speech else ["--voice", "--speed"]
-    for flag in checked:
+    speech_only = {"--voice": None, "--speed": 1.0}  # flag -> its value when not given
+    not_for_speech = {"--size": None, "--image": None, "--mask": None, "--strength": None, "--num-outputs": 1,
+                      "--frames": None, "--seconds": None, "--guidance": None, "--true-cfg": None,
+                      "--negative-prompt": None, "--lora": None}
+    for flag, default in (not_for_speech if speech else speech_only).items():
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value != unset[flag]:
+        if value != default:
             raise InvalidParamError(flag, value, "unset: this model does not use it" + (
                 " (a text-to-speech model takes the text, --voice, --speed, --seed and --steps)" if speech
                 else " (--voice and --speed are for text-to-speech models)"))
