@@ -40,6 +40,14 @@ def http_invalid(e: InvalidParamError) -> InvalidParamError:
     return InvalidParamError(HTTP_FIELDS[e.field], e.value, e.allowed) if e.field in HTTP_FIELDS else e
 
 
+def size_named(e: InvalidParamError, size: str | None) -> InvalidParamError:
+    """An engine error about ``height`` or ``width`` named by the ``size`` the body sent ("WIDTHxHEIGHT"),
+    the part at fault in its message; any other error as it is."""
+    if e.field in ("height", "width") and size not in (None, "", "auto"):
+        return InvalidParamError("size", size, f"a {e.field} that is {e.allowed}")
+    return e
+
+
 def scrub(message: str) -> str:
     """A message fit for a client: no stack trace, no local file path (both stay in the server log)."""
     message = _TRACE.sub("(details in the server log)", str(message))
@@ -61,6 +69,42 @@ def _validation_param(err: dict) -> str | None:
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
     loc = loc[:1] + [p for p in loc[1:] if not ("[" in p or "-" in p or p in _UNION_TAGS)]  # the field as sent
     return ".".join(loc) or None
+
+
+# fields of OpenAI's bodies that omnidit does not take, and what to do instead (an extra field's error says it)
+OPENAI_ONLY = {
+    "quality": "no quality presets here: num_inference_steps sets the effort",
+    "style": "no style presets here: say the style in the prompt",
+    "background": "images are opaque RGB",
+    "output_format": "images are PNG",
+    "output_compression": "images are PNG",
+    "moderation": "this server does no moderation",
+    "partial_images": "stream=true sends progress events, then the image",
+    "input_fidelity": "strength sets how closely an image-to-image result follows the input",
+}
+
+
+def validation_error(errors: list[dict], model=None, also: tuple[str, ...] = ()) -> APIError:
+    """A 400 for pydantic's first error, named by the field as sent. An unknown field's message lists the
+    fields the body takes (``model``'s, plus ``also``: e.g. a form's files), and for a field of OpenAI's
+    that omnidit does not take, what to use instead."""
+    err = errors[0]
+    param = _validation_param(err)
+    message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+    if err.get("type") == "extra_forbidden" and param:
+        hint = OPENAI_ONLY.get(param)
+        message = f"{param}: not a field of this request" + (f" (OpenAI's; {hint})" if hint else "")
+        fields = [f.alias or name for name, f in getattr(model, "model_fields", {}).items()] + list(also)
+        if fields:
+            message += f"; the fields it takes: {', '.join(fields)}"
+    return APIError(400, message, "invalid_request_error", param, err.get("type"))
+
+
+def body_model(request: Request):
+    """The pydantic model of the body the request's route takes, or None (FastAPI keeps the matched route
+    in the scope)."""
+    field = getattr(request.scope.get("route"), "body_field", None)
+    return getattr(getattr(field, "field_info", None), "annotation", None)
 
 
 def count_error(app, code: str) -> None:
@@ -90,10 +134,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        param = _validation_param(first)
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return respond(request, 400, message, "invalid_request_error", param, first.get("type"))
+        err = validation_error(list(e.errors()), body_model(request))
+        return respond(request, err.status, err.message, err.type, err.param, err.code)
 
     @app.exception_handler(InvalidParamError)
     async def _invalid(request: Request, e: InvalidParamError):

@@ -235,7 +235,8 @@ BAD = [  # (files, extra form fields, status, field, code)
      "invalid_value"),
     ("text-field-as-file", {"image": ("a.png", encoded(picture())), "negative_prompt": ("p.txt", b"x")}, {}, 400,
      "negative_prompt", "invalid_value"),
-    ("unknown-field", {"image": ("a.png", encoded(picture()))}, {"quality": "high"}, 400, "quality", None),
+    ("unknown-field", {"image": ("a.png", encoded(picture()))}, {"quality": "high"}, 400, "quality",
+     "extra_forbidden"),
     ("two-images-for-flux", [("image[]", ("a.png", encoded(picture()))), ("image[]", ("b.png", encoded(picture())))],
      {}, 400, "image", "invalid_value"),
     ("too-many-images", [("image[]", ("a.png", encoded(picture())))] * (MAX_IMAGES + 1), {}, 400, "image",
@@ -256,6 +257,16 @@ def test_bad_input_is_refused_naming_the_field(live, submits, case, files, data,
     err = assert_error(r, status, field, code)
     if field:
         assert field in err["message"]
+    assert not submits
+
+
+def test_an_openai_field_omnidit_does_not_take_lists_the_form_fields(live, submits):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.images.edit(image=("a.png", encoded(picture())), prompt="a cat", quality="high")
+    err = caught.value.body
+    assert err["param"] == "quality" and "OpenAI's" in err["message"], err
+    assert {"image", "image[]", "mask", "strength"} <= set(err["message"].split(": ")[-1].split(", ")), err
     assert not submits
 
 

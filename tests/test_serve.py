@@ -125,7 +125,7 @@ def test_models_health_and_metrics(live):
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "size": "big"}, "size"),
-    ({"prompt": "x", "size": "30x32"}, "width"),
+    ({"prompt": "x", "size": "30x32"}, "size"),  # the width the model refuses: the body's field
     ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
     ({"prompt": "x", "guidance_scale": -1}, "guidance_scale"),
     ({"prompt": "x", "response_format": "gif"}, "response_format"),
@@ -135,6 +135,25 @@ def test_models_health_and_metrics(live):
 ])
 def test_validation_errors_are_400_naming_the_field(live, body, param):
     assert_error(post(live, body), 400, param)
+
+
+def test_a_size_the_model_refuses_is_named_size_with_the_side_at_fault(live):
+    err = assert_error(post(live, {"prompt": "x", "size": "30x32"}), 400, "size", "invalid_value")
+    assert "'30x32'" in err["message"] and "a width that is a multiple of" in err["message"], err
+
+
+def test_an_openai_field_omnidit_does_not_take_says_what_to_use_instead(live):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.images.generate(prompt="a cat", size="32x32", quality="hd")
+    err = caught.value.body
+    assert err["param"] == "quality" and err["code"] == "extra_forbidden", err
+    assert "num_inference_steps sets the effort" in err["message"], err
+    # the fields the route takes, so a typo can be fixed from the message alone
+    taken = err["message"].split("the fields it takes: ")[1].split(", ")
+    assert {"prompt", "size", "num_inference_steps", "seed", "image", "strength"} <= set(taken), err
+    err = assert_error(post(live, {"prompt": "x", "sed": 1}), 400, "sed", "extra_forbidden")
+    assert "not a field of this request" in err["message"] and "seed" in err["message"], err
 
 
 def test_unknown_model_and_route_are_404(live):

@@ -129,6 +129,13 @@ def test_bad_input_is_400_naming_the_field(live, body, param):
     assert_error(r, 404 if param == "model" else 400, param)
 
 
+def test_an_unknown_field_lists_the_fields_a_video_takes(live):
+    r = httpx.post(live.url + "/v1/videos", json={"prompt": "a cat", "steps": 3})
+    err = assert_error(r, 400, "steps", "extra_forbidden")
+    assert "not a field of this request" in err["message"], err
+    assert {"num_inference_steps", "input_reference", "seconds"} <= set(err["message"].split(": ")[-1].split(", "))
+
+
 def test_unknown_video_is_404_and_a_file_part_is_refused(client, live):
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve("video_nope")

@@ -16,7 +16,7 @@ from starlette.datastructures import UploadFile
 
 from dit_core.params import MAX_IMAGES
 
-from ..errors import APIError
+from ..errors import APIError, validation_error
 from ..guards import check_prompts
 from ..image_uploads import decode_image, decode_mask
 from ..models import check_inputs, resolve_model
@@ -91,9 +91,7 @@ def parse_fields(fields: dict[str, str]) -> ImageEditRequest:
     try:
         return ImageEditRequest.model_validate(fields)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise APIError(400, f"{param}: {err.get('msg')}", "invalid_request_error", param, err.get("type")) from None
+        raise validation_error(e.errors(), ImageEditRequest, also=("image", "image[]", "mask")) from None
 
 
 def decode_uploads(uploads: dict[str, list[bytes]], max_pixels: int):

@@ -13,13 +13,13 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from dit_core import EngineDeadError, RequestAbortedError
+from dit_core import EngineDeadError, InvalidParamError, RequestAbortedError
 from dit_core.errors import failed_error
 from dit_core.faults import NO_FAULTS
 from dit_core.request import EventKind, RequestOutput
 
 from ..auth import owner_of
-from ..errors import STAGE_UNAVAILABLE, APIError, scrub
+from ..errors import STAGE_UNAVAILABLE, APIError, scrub, size_named
 from ..image_uploads import stored_image
 from ..models import check_inputs, resolve_model
 from ..files import png_bound
@@ -53,12 +53,15 @@ async def generate(request: Request, body: ImageRequestFields, model: str, param
     Events with ``stream``; url images go to the file store as the caller's."""
     state = request.app.state
     settings, client = state.settings, state.client
-    check_model_work(state, model, params)
-    if body.response_format == "url":
-        _check_file_store_fits(client, model, params, settings)
-    check_queue(state)
-    # validation tokenizes the prompt for some families: off the event loop (or in a remote replica)
-    rid, events = await client.submit(body.prompt, params, model=model, progress=body.stream)
+    try:  # a height or width the model refuses is the body's size
+        check_model_work(state, model, params)
+        if body.response_format == "url":
+            _check_file_store_fits(client, model, params, settings)
+        check_queue(state)
+        # validation tokenizes the prompt for some families: off the event loop (or in a remote replica)
+        rid, events = await client.submit(body.prompt, params, model=model, progress=body.stream)
+    except InvalidParamError as e:
+        raise size_named(e, body.size) from None
     base_url = str(request.base_url)
     deadline = Deadline.of(settings)
     if body.stream:

@@ -34,7 +34,7 @@ from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
 
 from ..auth import owner_of
-from ..errors import APIError
+from ..errors import APIError, size_named, validation_error
 from ..models import public_id, resolve_model
 from ..file_stream import FileStreamResponse, RangeNotSatisfiable, open_stored
 from ..guards import Deadline, check_prompts, check_queue, check_work, faults_of
@@ -167,9 +167,7 @@ async def read_body(request: Request) -> tuple[VideoCreateRequest, Reference | N
     try:  # a JSON body is strict (0 is not false); a form's values are all strings, so it is not
         return VideoCreateRequest.model_validate(data, strict=not is_form), reference
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise APIError(400, f"{param}: {err.get('msg')}", "invalid_request_error", param, err.get("type")) from None
+        raise validation_error(e.errors(), VideoCreateRequest) from None
 
 
 def reference_object(value) -> Reference:
@@ -248,8 +246,8 @@ async def resolve(request: Request, body: VideoCreateRequest, name: str, params:
     try:
         resolved = await state.client.resolve(body.prompt, params, model=name)
     except InvalidParamError as e:
-        if e.field in ("height", "width") and body.size is not None:
-            raise InvalidParamError("size", body.size, f"{e.field} {e.allowed}") from None
+        if e.field in ("height", "width"):
+            raise size_named(e, body.size) from None
         if e.field == "image":  # the engine's name for it
             raise InvalidParamError(REFERENCE, "none" if e.value is None else e.value, e.allowed) from None
         raise
