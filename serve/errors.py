@@ -66,7 +66,8 @@ _UNION_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", 
 
 
 def _validation_param(err: dict) -> str | None:
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    loc = [str(p) for p in err.get("loc", ())]
+    loc = loc[1:] if loc[:1] and loc[0] in ("body", "query", "path", "header", "cookie") else loc  # where it was
     loc = loc[:1] + [p for p in loc[1:] if not ("[" in p or "-" in p or p in _UNION_TAGS)]  # the field as sent
     return ".".join(loc) or None
 

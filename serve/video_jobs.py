@@ -133,8 +133,9 @@ class VideoJobStore:
                           reverse=order == "desc")
         if after is not None:
             ids = [j.id for j in jobs]
-            if after not in ids:
-                return [], False
+            if after not in ids:  # not silently an empty page: the client would take it for the end
+                raise InvalidParamError("after", after, "the id of a video of yours that has not expired or been "
+                                                        "deleted (list again without after to start over)")
             jobs = jobs[ids.index(after) + 1:]
         return jobs[:limit], len(jobs) > limit
 

@@ -74,6 +74,12 @@ def test_content_is_404_until_completed_and_list_paginates(client, live):
     for vid in made:
         assert client.videos.delete(vid).deleted
     assert client.videos.list().data == []
+    # a cursor that is gone is an error, not an empty page a client would take for the end
+    with pytest.raises(openai.BadRequestError, match="after") as caught:
+        client.videos.list(after=made[0])
+    assert caught.value.body["param"] == "after"
+    err = assert_error(httpx.get(live.url + "/v1/videos", params={"limit": "many"}), 400, "limit")  # as sent
+    assert err["message"].startswith("limit: "), err
     wait_idle(live)
 
 
