@@ -26,7 +26,7 @@ from .errors import InvalidParamError, RequestAbortedError, failed_error
 from .families import Family, load_family
 from .loading import component_loader
 from .offloading import after_loading, apply_offload, offload_loader, release_offload
-from .params import SamplingParams
+from .params import SamplingParams, check_params
 from .quantize import apply_quant
 from .request import EventKind, Request, RequestEvent, RequestOutput, RequestStatus
 from .faults import Faults
@@ -205,11 +205,7 @@ class Engine:
         (an observation dict for a robot policy)."""
         name = self.model_name(model)
         family = self.models[name]
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise InvalidParamError("params", params, "a SamplingParams")
-        params = family.resolve(params)
+        params = family.resolve(SamplingParams() if params is None else check_params(params))
         if params.loras:
             check_loras(family, name, params.loras)
         text, inputs = family.validate_input(prompt, params)
@@ -362,7 +358,7 @@ class Engine:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParamError("prompts", prompts, "a prompt string or a non-empty list of strings")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else check_params(params)
         requests = [self.make_request(p, _seeded(params, i), model=model) for i, p in enumerate(prompts)]
         return self.run_to_completion(requests)
 

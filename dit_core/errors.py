@@ -22,7 +22,7 @@ class InvalidParamError(OmniditError, ValueError):
 def describe(value) -> str | None:
     """An image, array or tensor in words, by its size or shape and dtype (never its pixels, nor an object's
     address); None for anything else."""
-    if hasattr(value, "shape") and hasattr(value, "dtype"):  # an array or a tensor
+    if hasattr(value, "shape") and hasattr(value, "dtype") and tuple(value.shape) != ():  # an array or a tensor
         return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
     if hasattr(value, "size") and hasattr(value, "mode") and hasattr(value, "getpixel"):  # a PIL image
         return f"{value.size[0]}x{value.size[1]} {value.mode} image"

@@ -78,6 +78,10 @@ class SamplingParams:
     strength: float | None = None
 
     def __post_init__(self):
+        for f in fields(self):  # a numpy number (a seed drawn with numpy) is the Python number it holds
+            value = getattr(self, f.name)
+            if isinstance(value, np.generic) and isinstance(value, (np.number, np.bool_)):
+                object.__setattr__(self, f.name, value.item())
         for name in ("height", "width"):
             _check_int(name, getattr(self, name), 1, MAX_SIDE, optional=True)
         _check_int("num_frames", self.num_frames, 1, 1024, optional=True)
@@ -185,8 +189,9 @@ def check_image(name: str, value, mask: bool) -> None:
                     value.min() < 0 or value.max() > 1:
                 raise InvalidParamError(name, describe_image(value), allowed)
         sides = value.shape[:2]
-    else:
-        raise InvalidParamError(name, describe_image(value), allowed)
+    else:  # shown as it is (a repr cut short): a path, a list, a number
+        hint = " (a file: PIL.Image.open(path))" if isinstance(value, str) else ""
+        raise InvalidParamError(name, value, allowed + hint)
     if not all(1 <= side <= MAX_SIDE for side in sides):
         raise InvalidParamError(name, describe_image(value), allowed)
 
@@ -212,6 +217,14 @@ def _check_loras(value) -> tuple:
     if len({n for n, _ in pairs}) != len(pairs):
         raise InvalidParamError("loras", value, allowed)
     return tuple(pairs)
+
+
+def check_params(params) -> "SamplingParams":
+    """``params`` when it is a ``SamplingParams``, else an error saying how to make one."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidParamError("params", params, "a SamplingParams" + (
+            " (from a dict d: SamplingParams(**d))" if isinstance(params, dict) else ""))
+    return params
 
 
 def _check_int(name, value, lo, hi, optional=False):

@@ -225,6 +225,27 @@ def test_an_image_in_an_error_is_shown_by_size_not_by_pixels_or_address():
     assert len(long) < 200 and long.endswith("(5002 characters)")
 
 
+def test_a_path_is_shown_with_how_to_open_it():
+    with pytest.raises(InvalidParamError) as err:
+        SamplingParams(image="cat.png")
+    assert "image='cat.png' is invalid" in str(err.value) and "PIL.Image.open(path)" in str(err.value)
+
+
+def test_numpy_numbers_are_the_numbers_they_hold_and_a_dict_is_not_params(engines):
+    engine = engines("flux")
+    p = SamplingParams(seed=np.int64(3), num_inference_steps=np.int32(2), guidance_scale=np.float32(2.5),
+                       height=np.int64(32), width=32, use_cache=np.bool_(True))
+    assert (p.seed, p.num_inference_steps, p.guidance_scale, p.height) == (3, 2, 2.5, 32)
+    assert all(type(v) in (int, float, bool) for v in (p.seed, p.num_inference_steps, p.guidance_scale, p.use_cache))
+    same = SamplingParams(seed=3, num_inference_steps=2, guidance_scale=2.5, height=32, width=32, output_type="pt")
+    a = engine.generate("a cat", replace(p, output_type="pt"))[0]
+    assert torch.equal(a, engine.generate("a cat", same)[0])
+    for call in (lambda: engine.generate("a cat", {"seed": 3}), lambda: engine.add_request("a cat", {"seed": 3})):
+        with pytest.raises(InvalidParamError, match=r"SamplingParams\(\*\*d\)") as err:
+            call()
+        assert err.value.field == "params"
+
+
 def test_bad_image_inputs_for_the_model(engines):
     engine = engines("flux")
     # a strength so small that no step would run (10 - 10 * 1e-17 rounds to 10: diffusers raises too);
