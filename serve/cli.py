@@ -66,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a diffusers-format model folder, or the name of an embedded model (digits, "
                           "digits_video, digits_edit, tts, reach; default: digits)")
     gen.add_argument("-o", "--output", default=None,
-                     help="output file; with several outputs, _0, _1, ... are added before the suffix (default "
-                          "out.png; out.mp4 for a video model; out.wav for an audio model, whose suffix picks the "
-                          "format: .wav, .flac, .mp3, .opus, .pcm)")
+                     help="output file, in a folder that exists (checked before any work); with several outputs, "
+                          "_0, _1, ... are added before the suffix (default out.png; for an image model the suffix "
+                          "picks the format: .png, .jpg, .webp, ...; out.mp4 for a video model; out.wav for an "
+                          "audio model, whose suffix picks the format: .wav, .flac, .mp3, .opus, .pcm)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
     gen.add_argument("--seed", type=int, default=None,
@@ -224,17 +225,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args) -> int:
     from dit_core import Engine
+    from dit_core.errors import InvalidParamError
 
     if args.model is None and len(args.prompt) > 1 and names_a_model(args.prompt[0]):
         args.model, args.prompt = args.prompt[0], args.prompt[1:]
     width, height = parse_size(args.size)
+    if args.output is not None and not Path(args.output).parent.is_dir():  # before any work, not after it
+        raise InvalidParamError("--output", args.output, "a file in a folder that exists")
     args.image_inputs = read_image_inputs(args)  # (--image, --mask: a bad file fails before the model loads)
     engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
     try:
         args.loras = load_generate_loras(engine, args)  # (--lora: the requests' SamplingParams.loras)
         return _generate(engine, args, height, width)
+    except InvalidParamError as e:
+        raise as_flag(e, args) from None
     finally:
         engine.close()  # parallel workers, a vLLM thinker
+
+
+# SamplingParams fields -> the generate flags that set them (an error names what the user typed)
+FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "guidance_scale_2": "--guidance-2",
+         "true_cfg_scale": "--true-cfg", "negative_prompt": "--negative-prompt", "num_frames": "--frames",
+         "num_outputs": "--num-outputs", "seed": "--seed", "strength": "--strength", "image": "--image",
+         "mask": "--mask", "loras": "--lora", "audio_end_in_s": "--seconds", "voice": "--voice", "speed": "--speed"}
+
+
+def as_flag(e, args):
+    """An engine error about a request field, named by the ``generate`` flag that set it (height and width:
+    ``--size``, the side at fault in the message)."""
+    from dit_core.errors import InvalidParamError
+
+    if e.field in ("height", "width") and args.size is not None:
+        return InvalidParamError("--size", args.size, f"a {e.field} that is {e.allowed}")
+    return InvalidParamError(FLAGS[e.field], e.value, e.allowed) if e.field in FLAGS else e
 
 
 def _generate(engine, args, height: int | None, width: int | None) -> int:
@@ -258,6 +281,11 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
         from dit_core.errors import InvalidParamError
 
         raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
+    if kind == "image" and out.suffix.lower() not in _image_suffixes():
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("--output", str(out), "a file ending in an image format's suffix, e.g. .png, .jpg, "
+                                                      ".webp")
     speech = getattr(engine.family, "talker", None) is not None  # text-to-speech: the talker, then the audio DiT
     _check_flags_apply(args, speech)
     if speech:
@@ -299,6 +327,14 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
         print(path)
     print(f"seeds: {[outputs[rid].seed for rid in ids]}", file=sys.stderr)
     return 0
+
+
+def _image_suffixes() -> set[str]:
+    """The file suffixes PIL can write an image to."""
+    import PIL.Image
+
+    PIL.Image.init()
+    return {ext for ext, fmt in PIL.Image.registered_extensions().items() if fmt in PIL.Image.SAVE}
 
 
 def _check_flags_apply(args, speech: bool) -> None:

@@ -200,6 +200,11 @@ def resolve_model(model: str | None) -> str:
         return str(default_model())
     if model in EMBEDDED and not Path(model).exists():
         return str(embedded_model(model))
+    if not Path(model).is_dir():
+        from dit_core.errors import UnknownModelError
+
+        raise UnknownModelError(f"model {model!r} is neither a model folder nor an embedded model "
+                                f"({', '.join(EMBEDDED)})")
     return model
 
 

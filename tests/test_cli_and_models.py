@@ -43,6 +43,11 @@ def cli(tmp_path_factory, tiny_models):
         # a flag the model would ignore is refused, naming it
         "tts with an image": ("generate", "tts", "3", "--image", d / "in.png", "-o", d / "tts_img.wav"),
         "voice on digits": ("generate", "a handwritten 3", "--voice", "eve", "-o", d / "voice.png"),
+        # errors name the flag typed, not the engine's field, and come before any work
+        "size refused": ("generate", flux, "a cat", "--size", "30x32", "-o", d / "size.png"),
+        "steps 0": ("generate", flux, "a cat", "--steps", "0", "-o", d / "steps.png"),
+        "no such folder": ("generate", flux, "a cat", "-o", d / "nowhere" / "x.png"),
+        "not an image suffix": ("generate", flux, "a cat", "--steps", "2", "-o", d / "cat.txt"),
     }
     return dict(zip(calls, omnidit_calls(*calls.values()))), d
 
@@ -59,7 +64,7 @@ def test_make_random_then_generate_with_progress_bar(cli):
 def test_cli_errors_are_clear(cli):
     runs, _ = cli
     missing, size, family = runs["missing model"], runs["bad size"], runs["bad family"]
-    assert missing[0] == 2 and "does not exist" in missing[1]
+    assert missing[0] == 2 and "neither a model folder nor an embedded model (digits," in missing[1]
     assert size[0] == 2 and "size" in size[1]
     assert family[0] == 2 and "flux" in family[1]
 
@@ -103,6 +108,17 @@ def test_generate_without_a_model_writes_the_requested_digit(cli):
         assert runs[call][0] == 0, runs[call][1]
         assert np.array_equal(np.asarray(Image.open(d / name).convert("RGB")), image)
     assert not list(d.glob("named_*.png"))
+
+
+def test_generate_errors_name_the_flag_and_come_before_the_work(cli):
+    runs, d = cli
+    for call, text in (("size refused", "--size='30x32' is invalid: expected a width that is a multiple of"),
+                       ("steps 0", "--steps=0 is invalid"),
+                       ("no such folder", "expected a file in a folder that exists"),
+                       ("not an image suffix", "--output=")):
+        code, err = runs[call]
+        assert code == 2 and text in err and "Traceback" not in err and "denoising" not in err, (call, err)
+    assert not (d / "cat.txt").exists()
 
 
 def test_generate_speaks_on_a_text_to_speech_model(cli):
