@@ -66,10 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a diffusers-format model folder, or the name of an embedded model (digits, "
                           "digits_video, digits_edit, tts, reach; default: digits)")
     gen.add_argument("-o", "--output", default=None,
-                     help="output file, in a folder that exists (checked before any work); with several outputs, "
-                          "_0, _1, ... are added before the suffix (default out.png; for an image model the suffix "
-                          "picks the format: .png, .jpg, .webp, ...; out.mp4 for a video model; out.wav for an "
-                          "audio model, whose suffix picks the format: .wav, .flac, .mp3, .opus, .pcm)")
+                     help="output file in a folder that exists; its suffix picks the format (images: .png, .jpg, "
+                          ".webp, ...; audio: .wav, .flac, .mp3, .opus, .pcm; video: .mp4); several outputs get _0, "
+                          "_1, ... before it (default out.png, out.mp4 or out.wav by the model's kind)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
     gen.add_argument("--seed", type=int, default=None,
