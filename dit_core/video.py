@@ -55,6 +55,27 @@ def write_mp4(path: str | Path, video, fps: int = DEFAULT_FPS) -> Path:
     return path
 
 
+VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")  # what ``write_video`` writes
+
+
+def write_video(path: str | Path, video, fps: int = DEFAULT_FPS) -> Path:
+    """One video to ``path`` in the format its suffix names: H.264 MP4 (``encode_mp4``), or an animated GIF
+    or WebP of the same frames (lossless WebP; GIF's 256-colour palette per frame), looping, ``1000 / fps`` ms
+    a frame (rounded to whole ms, GIF's to 10 ms)."""
+    import PIL.Image
+
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in VIDEO_SUFFIXES:
+        raise ValueError(f"{path}: a video file ends in one of {', '.join(VIDEO_SUFFIXES)}")
+    if suffix == ".mp4":
+        return write_mp4(path, video, fps)
+    frames = [PIL.Image.fromarray(f) for f in as_uint8(video)]
+    extra = {"lossless": True} if suffix == ".webp" else {}
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0, **extra)
+    return path
+
+
 def decode_mp4(data: bytes) -> np.ndarray:
     """Every frame of an MP4 as uint8 [F, H, W, 3]."""
     import av

@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "digits_video, digits_edit, tts, reach; default: digits)")
     gen.add_argument("-o", "--output", default=None,
                      help="output file in a folder that exists; its suffix picks the format (images: .png, .jpg, "
-                          ".webp, ...; audio: .wav, .flac, .mp3, .opus, .pcm; video: .mp4); several outputs get _0, "
-                          "_1, ... before it (default out.png, out.mp4 or out.wav by the model's kind)")
+                          ".webp, ...; audio: .wav, .flac, .mp3, .opus, .pcm; video: .mp4, .gif, .webp); several "
+                          "outputs get _0, _1, ... before it (default out.png, out.mp4 or out.wav by the model's kind)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
     gen.add_argument("--size", default=None, help="WIDTHxHEIGHT, e.g. 512x512 (default: the family's)")
     gen.add_argument("--seed", type=int, default=None,
@@ -263,6 +263,7 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
     from tqdm import tqdm
 
     from dit_core import EventKind, SamplingParams
+    from dit_core.video import VIDEO_SUFFIXES, write_video
 
     kind = engine.family.output_kind
     if kind == "actions":
@@ -274,8 +275,10 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
                                 "it over the OpenPI socket)")
     audio = kind == "audio"
     out = Path(args.output or {"audio": "out.wav", "video": "out.mp4"}.get(kind, "out.png"))
-    if kind == "video" and out.suffix.lower() != ".mp4":
-        out = out.with_suffix(".mp4")
+    if kind == "video" and out.suffix.lower() not in VIDEO_SUFFIXES:
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("--output", str(out), f"a file ending in {', '.join(VIDEO_SUFFIXES)} for video")
     if audio and out.suffix.lower().lstrip(".") not in ("wav", "flac", "mp3", "opus", "ogg", "pcm"):
         from dit_core.errors import InvalidParamError
 
@@ -318,9 +321,7 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
     for i, img in enumerate(images):
         path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
         if kind == "video":
-            from dit_core.video import write_mp4
-
-            write_mp4(path, img, fps=args.fps)
+            write_video(path, img, fps=args.fps)
         else:
             img.save(path)
         print(path)

@@ -3,6 +3,7 @@ per-row step caching, bounded batched decode, MP4 output and the CLI."""
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
@@ -10,6 +11,7 @@ from diffusers import DiffusionPipeline
 from dit_core import Engine, InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, decode_mp4, encode_mp4
 from helpers import assert_finished, run_staggered
+from PIL import Image
 
 PROMPT = "a cat walking on a beach at sunset"
 
@@ -152,3 +154,25 @@ def test_generate_cli_writes_an_mp4(wan_tiny, tmp_path, capsys):
                  "--frames", "5", "--fps", "8", "--seed", "1", "--guidance", "1"]) == 0
     assert decode_mp4(out.read_bytes()).shape == (5, 32, 32, 3)
     assert "denoising" in capsys.readouterr().err  # the progress bar
+    # the suffix picks the format: the same frames as a looping animation; a suffix with no video format is
+    # refused before any step (it was silently turned into .mp4)
+    args = ["generate", "a cat", "-m", str(wan_tiny), "--steps", "2", "--size", "32x32", "--frames", "5",
+            "--fps", "8", "--seed", "1", "--guidance", "1"]
+    for name in ("clip.gif", "clip.webp"):
+        assert main(args + ["-o", str(tmp_path / name)]) == 0
+    engine = Engine.from_pretrained(str(wan_tiny))
+    want = as_uint8(engine.generate("a cat", SamplingParams(num_inference_steps=2, height=32, width=32, num_frames=5,
+                                                            seed=1, guidance_scale=1.0, output_type="np"))[0])
+    for name in ("clip.gif", "clip.webp"):
+        with Image.open(tmp_path / name) as anim:
+            anim.load()  # (WebP states a frame's duration once it is read)
+            # 1000 / 8 fps = 125 ms a frame (GIF stores hundredths of a second)
+            assert anim.n_frames == 5 and anim.info["loop"] == 0 and abs(anim.info["duration"] - 125) < 10, name
+            got = np.stack([np.asarray(anim.seek(i) or anim.convert("RGB")) for i in range(5)])
+        if name.endswith(".webp"):  # lossless: the frames themselves
+            assert np.array_equal(got, want)
+        else:  # a 256-colour palette per frame
+            assert np.abs(got.astype(int) - want.astype(int)).mean() < 8
+    capsys.readouterr()
+    assert main(args + ["-o", str(tmp_path / "clip.avi")]) == 2
+    assert "--output=" in capsys.readouterr().err and not (tmp_path / "clip.avi").exists()
