@@ -59,7 +59,7 @@ class EngineConfig:
         all was measured quicker than steps of that limit (``dit_core.batch_limits``); None (default):
         ``learn`` when ``max_step_ms`` is set, else ``fixed``.
     batch_gain_threshold: with ``batch_limits="learn"``, the least gain one more row must bring: the share
-        of a row's own throughput it adds (1: a free row, 0: rows per second unchanged); default 0.05.
+        of a row's own throughput it adds (1: a free row, 0: rows per second unchanged); default 0.02.
     max_step_ms: with ``batch_limits="learn"``, rows are not added past a step of this many milliseconds
         (measured; a step always holds one request); None (default): no bound.
     attention: attention backend for every role (``auto``, ``sdpa``, ``gemm``, ``math``, ``flex``,
@@ -171,7 +171,7 @@ class EngineConfig:
     edf_defer_decode: bool = True
     edf_forecast: bool = True
     batch_limits: str | None = None
-    batch_gain_threshold: float = 0.05
+    batch_gain_threshold: float = 0.02
     max_step_ms: float | None = None
     attention: str | dict | AttentionConfig | None = None
     attention_per_role: str | dict | None = None

@@ -243,19 +243,21 @@ def cmd_generate(args) -> int:
 
 
 # SamplingParams fields -> the generate flags that set them (an error names what the user typed)
-FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "guidance_scale_2": "--guidance-2",
-         "true_cfg_scale": "--true-cfg", "negative_prompt": "--negative-prompt", "num_frames": "--frames",
-         "num_outputs": "--num-outputs", "seed": "--seed", "strength": "--strength", "image": "--image",
-         "mask": "--mask", "loras": "--lora", "audio_end_in_s": "--seconds", "voice": "--voice", "speed": "--speed"}
+FLAGS = {"size": "--size", "num_inference_steps": "--steps", "guidance_scale": "--guidance",
+         "guidance_scale_2": "--guidance-2", "true_cfg_scale": "--true-cfg", "negative_prompt": "--negative-prompt",
+         "num_frames": "--frames", "num_outputs": "--num-outputs", "seed": "--seed", "strength": "--strength",
+         "image": "--image", "mask": "--mask", "loras": "--lora", "audio_end_in_s": "--seconds", "voice": "--voice",
+         "speed": "--speed"}
 
 
 def as_flag(e, args):
     """An engine error about a request field, named by the ``generate`` flag that set it (height and width:
-    ``--size``, the side at fault in the message)."""
+    ``--size``, the side at fault in the message, as the HTTP routes name ``size``)."""
     from dit_core.errors import InvalidParamError
 
-    if e.field in ("height", "width") and args.size is not None:
-        return InvalidParamError("--size", args.size, f"a {e.field} that is {e.allowed}")
+    from .errors import size_named
+
+    e = size_named(e, args.size)
     return InvalidParamError(FLAGS[e.field], e.value, e.allowed) if e.field in FLAGS else e
 
 

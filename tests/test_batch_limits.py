@@ -10,7 +10,7 @@ import math
 import pytest
 
 from dit_core import EngineConfig, InvalidParamError, SamplingParams
-from dit_core.batch_limits import BatchLimits, Limit, bucket_of
+from dit_core.batch_limits import DEFAULT_THRESHOLD, BatchLimits, Limit, bucket_of
 from dit_core.request import Request
 from dit_core.scheduler import RunnerOutput, StepScheduler
 
@@ -71,6 +71,27 @@ def test_the_threshold_sets_where_one_more_row_stops_paying(threshold, knee):
     # t = 10 + r: going from a to b rows gains 10 / (10 + b) of a row's throughput per added row
     limits, _ = simulate(lambda b, r: 10.0 + r, steps=300, cap=64, rows=1, threshold=threshold)
     assert limits.snapshot()[0]["limit_rows"] == knee
+
+
+def limit_from(step_ms: dict[int, float], threshold: float = DEFAULT_THRESHOLD) -> int:
+    """The limit a learner settles on from these trusted step times."""
+    limits, b = BatchLimits(threshold), ("m", 512)
+    for rows, ms in step_ms.items():
+        for _ in range(2):
+            limits.observe(b, rows, ms)
+    return limits.snapshot()[0]["limit_rows"]
+
+
+def test_the_default_threshold_takes_compute_bound_rows_that_raise_rows_per_second():
+    # measured: the 256x256 small FLUX on a 2-core Zen 3 (benchmarks.mixed_traffic's 256 part, 2026-12-05).
+    # 8 rows give 9.8% more rows per second than 2, 3.3% of a row for each row added: 0.05 stopped at 2
+    flux_256 = {1: 123.2, 2: 193.7, 3: 290.5, 4: 406.4, 5: 478.3, 6: 559.4, 8: 705.5}
+    assert limit_from(flux_256) == 8 and limit_from(flux_256, threshold=0.05) == 2
+    # the same model on the same kind of CPU another day: 4 rows were quicker a row than 8, and stay the limit
+    assert limit_from({1: 130, 2: 196, 3: 286, 4: 368, 5: 589, 6: 574, 8: 819}) == 4
+    # the audio DiT (benchmarks.audio part a with learned limits, same CPU): rows per second barely move
+    # (16 rows: 1.9% of a row each over 2): it stays at one request with CFG
+    assert limit_from({2: 200.7, 4: 406.0, 8: 796.0, 16: 1420.0}) == 2
 
 
 def test_a_loss_from_the_second_request_keeps_one_request_per_step():
@@ -185,7 +206,7 @@ def test_a_learning_engine_shows_its_limits_in_stats_and_metrics_and_changes_no_
         stats = httpx.get(f"{srv.url}/v1/engine/stats", timeout=30).json()
         metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
     limits = stats["batch_limits"]
-    assert limits["mode"] == "learn" and limits["gain_threshold"] == 0.05 and limits["max_step_ms"] is None
+    assert limits["mode"] == "learn" and limits["gain_threshold"] == DEFAULT_THRESHOLD and limits["max_step_ms"] is None
     assert limits["buckets"] == engine.batch_limits.snapshot()
     for bucket in limits["buckets"]:
         assert bucket["model"] == "d"
