@@ -126,14 +126,19 @@ def transformer_flops_per_row(engine, size: int, text_tokens: int) -> float:
 class Scenario:
     """One scenario's sides for ``interleaved``; keeps every round's outputs to compare the sides."""
 
-    def __init__(self, name, size, text, args, arrivals, flops_per_row, mm):
+    def __init__(self, name, size, text, args, arrivals, flops_per_row, mm, full_warmup: bool = False):
         self.name, self.size, self.text, self.args = name, size, text, args
         self.arrivals, self.flops, self.mm = arrivals, flops_per_row, mm
         self.outputs: dict[str, dict[int, list]] = {}
+        # the warm-up round: 2 requests of 2 steps, or (full_warmup) a round of the measured size, so an engine
+        # that learns from its steps (batch_limits="learn") has learned before the measured rounds; every side
+        # gets the same, and each side's warm-up figures are kept in ``warmups``
+        self.full_warmup = full_warmup
+        self.warmups: dict[str, dict] = {}
 
     def reqs(self, round_: int):
-        n = self.args.requests if round_ >= 0 else 2
-        return requests(n, self.size, self.args.steps if round_ >= 0 else 2, self.text,
+        full = round_ >= 0 or self.full_warmup
+        return requests(self.args.requests if full else 2, self.size, self.args.steps if full else 2, self.text,
                         f"{self.name} round {round_}", seed=1000 * (round_ + 10))
 
     def side(self, name: str, run, target):
@@ -146,11 +151,14 @@ class Scenario:
             latency = [d - a for d, a in zip(done, arrivals)]
             gflops = self.flops * info["rows"] / timer.seconds / 1e9
             lat = percentiles(latency)
-            return {"throughput_img_s": len(reqs) / max(done), "wall_s": max(done),
-                    "seconds_per_image": max(done) / len(reqs), "p50_s": lat["p50"], "p95_s": lat["p95"],
-                    "p99_s": lat["p99"], "transformer_s": timer.seconds, "transformer_gflops": gflops,
-                    "transformer_gflops_over_mm": gflops / self.mm,
-                    **{k: v for k, v in info.items() if k != "rows"}}
+            metrics = {"throughput_img_s": len(reqs) / max(done), "wall_s": max(done),
+                       "seconds_per_image": max(done) / len(reqs), "p50_s": lat["p50"], "p95_s": lat["p95"],
+                       "p99_s": lat["p99"], "transformer_s": timer.seconds, "transformer_gflops": gflops,
+                       "transformer_gflops_over_mm": gflops / self.mm,
+                       **{k: v for k, v in info.items() if k != "rows"}}
+            if round_ < 0:
+                self.warmups[name] = metrics
+            return metrics
 
         return call
 

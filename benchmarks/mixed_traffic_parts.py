@@ -42,7 +42,9 @@ def audio_part(quick: bool) -> dict:
 
 def ratio_256(quick: bool) -> dict:
     """engine_throughput's together scenario at 256x256, 64 text tokens, on the small FLUX: the engine as
-    configured by default ("engine b=8") and, where present, with learned batch limits ("... learned")."""
+    configured by default ("engine b=8") and, where present, with learned batch limits ("... learned"). Every
+    side warms up on one round of the measured size (the learned engine learns its limits there: the steady
+    state a server reaches; ``learning_round_over_default`` is that round's learned / default throughput)."""
     from diffusers import FluxPipeline
 
     from benchmarks import engine_throughput as et
@@ -58,9 +60,12 @@ def ratio_256(quick: bool) -> dict:
         engines["engine b=8 learned"] = Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0,
                                                                batch_limits="learn")
     flops = et.transformer_flops_per_row(engines["engine b=8"], 256, 64)
+    # every side's warm-up is one round of the measured size: the learned engine learns there, as a server
+    # started with --warmup does before it reports ready (its learning round's figure is kept apart below)
     scenario = et.Scenario("256x256 64 tokens together", 256, 64, args, [0.0] * args.requests, flops,
-                           mm_gflops(seconds=0.3))
-    result = {**et.measure(scenario, pipe, engines, 1 if quick else 3), "steps": args.steps}
+                           mm_gflops(seconds=0.3), full_warmup=True)
+    result = {**et.measure(scenario, pipe, engines, 1 if quick else 3), "steps": args.steps,
+              "warmup": "one round of the measured size per side, before the measured rounds"}
     result["default_engine_ratio"] = result["throughput_ratio"]
     if "engine b=8 learned" in engines:  # per round, learned engine over diffusers (they ran back to back)
         tput = lambda side: result["sides"][side]["throughput_img_s"]["samples"]  # noqa: E731
@@ -69,6 +74,11 @@ def ratio_256(quick: bool) -> dict:
         result["learned_engine_ratio_spread"] = spread(ratios)
         result["learned_over_default"] = statistics.median(
             a / b for a, b in zip(tput("engine b=8 learned"), tput("engine b=8")))
+        result["learned_over_default_samples"] = [a / b for a, b in zip(tput("engine b=8 learned"), tput("engine b=8"))]
+        # the learning itself: the warm-up round, learned engine from nothing over the default engine (one sample)
+        warm = scenario.warmups
+        result["learning_round_over_default"] = (warm["engine b=8 learned"]["throughput_img_s"]
+                                                 / warm["engine b=8"]["throughput_img_s"])
         result["batch_limits"] = engines["engine b=8 learned"].batch_limits.snapshot()
         print(f"256x256: learned limits x{result['learned_engine_ratio']:.2f} over diffusers "
               f"(default engine x{result['default_engine_ratio']:.2f})", flush=True)
