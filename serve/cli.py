@@ -265,7 +265,7 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
     from tqdm import tqdm
 
     from dit_core import EventKind, SamplingParams
-    from dit_core.video import VIDEO_SUFFIXES, write_video
+    from dit_core.video import write_video
 
     kind = engine.family.output_kind
     if kind == "actions":
@@ -275,21 +275,7 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
                                 "an image, video or audio model: an action policy acts on observations, not on a "
                                 "prompt (omnidit run-episode runs it in its simulated task; omnidit serve serves "
                                 "it over the OpenPI socket)")
-    audio = kind == "audio"
-    out = Path(args.output or {"audio": "out.wav", "video": "out.mp4"}.get(kind, "out.png"))
-    if kind == "video" and out.suffix.lower() not in VIDEO_SUFFIXES:
-        from dit_core.errors import InvalidParamError
-
-        raise InvalidParamError("--output", str(out), f"a file ending in {', '.join(VIDEO_SUFFIXES)} for video")
-    if audio and out.suffix.lower().lstrip(".") not in ("wav", "flac", "mp3", "opus", "ogg", "pcm"):
-        from dit_core.errors import InvalidParamError
-
-        raise InvalidParamError("output", str(out), "a file ending in .wav, .flac, .mp3, .opus or .pcm for audio")
-    if kind == "image" and out.suffix.lower() not in _image_suffixes():
-        from dit_core.errors import InvalidParamError
-
-        raise InvalidParamError("--output", str(out), "a file ending in an image format's suffix, e.g. .png, .jpg, "
-                                                      ".webp")
+    out = output_path(kind, args.output)
     speech = getattr(engine.family, "talker", None) is not None  # text-to-speech: the talker, then the audio DiT
     _check_flags_apply(args, speech)
     if speech:
@@ -337,6 +323,31 @@ def _image_suffixes() -> set[str]:
 
     PIL.Image.init()
     return {ext for ext, fmt in PIL.Image.registered_extensions().items() if fmt in PIL.Image.SAVE}
+
+
+def _video_suffixes() -> set[str]:
+    from dit_core.video import VIDEO_SUFFIXES
+
+    return set(VIDEO_SUFFIXES)
+
+
+# per kind of output: the default file, the suffixes it may be written to, and how the error says them
+OUTPUTS = {"image": ("out.png", _image_suffixes, "an image format's suffix, e.g. .png, .jpg, .webp"),
+           "video": ("out.mp4", _video_suffixes, ".mp4, .gif or .webp"),
+           "audio": ("out.wav", lambda: {".wav", ".flac", ".mp3", ".opus", ".ogg", ".pcm"},
+                     ".wav, .flac, .mp3, .opus or .pcm")}
+
+
+def output_path(kind: str, output: str | None) -> Path:
+    """``-o`` (or the kind's default), refused before any step unless its suffix names a format ``kind``
+    is written in."""
+    from dit_core.errors import InvalidParamError
+
+    default, suffixes, said = OUTPUTS[kind]
+    out = Path(output or default)
+    if out.suffix.lower() not in suffixes():
+        raise InvalidParamError("--output", str(out), f"a file ending in {said} for {kind}")
+    return out
 
 
 def _check_flags_apply(args, speech: bool) -> None:
