@@ -194,7 +194,9 @@ def test_engine_stats_endpoint_and_panel(visit, server):
 
 BAD_IMAGE_INPUT = {  # case: (fill kwargs, body, field, error line, the sentence shown)
     "size": ({"width": 36}, {"size": "36x32"}, "#image-width", "#image-size-error",
-             "The width can't be 36: use a multiple of 8 for this qwenimage model."),
+             "The size can't be “36x32”: use a width that is a multiple of 8 for this qwenimage model."),
+    "height": ({"height": 36}, {"size": "32x36"}, "#image-height", "#image-size-error",
+               "The size can't be “32x36”: use a height that is a multiple of 8 for this qwenimage model."),
     "prompt": ({"prompt": ""}, {"prompt": ""}, "#image-prompt", "#image-prompt-error", "Please fill in the prompt."),
     "steps": ({"steps": 1001}, {"num_inference_steps": 1001}, "#image-steps", "#image-steps-error",
               "The number of steps can't be 1001: use a whole number from 1 to 1000."),
@@ -217,7 +219,7 @@ def test_bad_input_shows_the_servers_error_in_words_next_to_the_field(visit, ser
     expect(page.locator(field)).to_be_focused()
     assert page.locator(".job").count() == 0
     # fixing the field clears the message on the next submit
-    fill(page, "the digit 4", width=32, steps=2)
+    fill(page, "the digit 4", width=32, height=32, steps=2)
     page.click("button:has-text('Generate')")
     expect(page.locator(error)).to_be_empty()
     expect(page.locator(".job").first).to_have_attribute("data-state", "done")

@@ -102,7 +102,7 @@ def test_streaming_errors_models_and_api_key(scaled):
     assert [(e["step"], e["total"]) for e in events if e["type"] == "progress"][0] == (1, 4)
     assert [e["type"] for e in events].count("image") == 1
     # validated in a replica, answered like the single-process server
-    assert_error(post(url, {"prompt": "x", "size": "30x32"}), 400, "width", "invalid_value")
+    assert_error(post(url, {"prompt": "x", "size": "30x32"}), 400, "size", "invalid_value")  # the field sent
     assert_error(post(url, {"prompt": "x", "colour": "red"}), 400, "colour")
     assert_error(post(url, {"prompt": "x", "model": "sdxl"}), 404, "model", "model_not_found")
     assert_error(httpx.post(f"{url}/v1/images/generations", json={"prompt": "x"}), 401, code="invalid_api_key")

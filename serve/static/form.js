@@ -40,8 +40,11 @@ export class FormErrors {
     line.textContent = explain(err);
     line.dataset.detail = err.message;
     if (!target) return line;
-    // a field of several inputs (size: width and height) marks the one the server named
-    const input = (target.inputs && target.inputs[err.param]) || target.input;
+    // a field of several inputs (size: width and height) marks the one the server named: as the param, or
+    // in the message ("size='36x32' is invalid: expected a width that is ...")
+    const said = (k) => String(err.message).includes(`a ${k} that is`);
+    const side = target.inputs && Object.keys(target.inputs).find(said);
+    const input = (target.inputs && (target.inputs[err.param] || target.inputs[side])) || target.input;
     if (input) {
       input.setAttribute("aria-invalid", "true");
       input.focus();
