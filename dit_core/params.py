@@ -80,7 +80,7 @@ class SamplingParams:
     def __post_init__(self):
         for f in fields(self):  # a numpy number (a seed drawn with numpy) is the Python number it holds
             value = getattr(self, f.name)
-            if isinstance(value, np.generic) and isinstance(value, (np.number, np.bool_)):
+            if isinstance(value, (np.number, np.bool_)):
                 object.__setattr__(self, f.name, value.item())
         for name in ("height", "width"):
             _check_int(name, getattr(self, name), 1, MAX_SIDE, optional=True)
