@@ -87,7 +87,7 @@ def test_the_default_threshold_takes_compute_bound_rows_that_raise_rows_per_seco
     # 8 rows give 9.8% more rows per second than 2, 3.3% of a row for each row added: 0.05 stopped at 2
     flux_256 = {1: 123.2, 2: 193.7, 3: 290.5, 4: 406.4, 5: 478.3, 6: 559.4, 8: 705.5}
     assert limit_from(flux_256) == 8 and limit_from(flux_256, threshold=0.05) == 2
-    # the same model on the same kind of CPU another day: 4 rows were quicker a row than 8, and stay the limit
+    # the same model and CPU in another run (one-off, learned engine alone): 4 rows were quicker a row than 8
     assert limit_from({1: 130, 2: 196, 3: 286, 4: 368, 5: 589, 6: 574, 8: 819}) == 4
     # the audio DiT (benchmarks.audio part a with learned limits, same CPU): rows per second barely move
     # (16 rows: 1.9% of a row each over 2): it stays at one request with CFG
