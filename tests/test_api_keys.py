@@ -77,7 +77,13 @@ def test_a_key_s_video_jobs_and_files_are_its_own(keyed):
         with pytest.raises(openai.NotFoundError):
             other.videos.delete(video.id)
         assert video.id not in [v.id for v in other.videos.list(limit=100).data]
-        assert other.videos.list(after=video.id).data == []
+        # A's job as a cursor: the same 400 as an id that never existed (nothing says it exists)
+        with pytest.raises(openai.BadRequestError) as theirs_after:
+            other.videos.list(after=video.id)
+        with pytest.raises(openai.BadRequestError) as no_after:
+            other.videos.list(after="video_" + "0" * 32)
+        assert theirs_after.value.body["message"].replace(video.id, "ID") == \
+            no_after.value.body["message"].replace("video_" + "0" * 32, "ID")
         key = BOB if other is b else CAROL
         theirs = httpx.get(file_url, headers={"Authorization": f"Bearer {key}"})
         missing = httpx.get(file_url[:-4] + "zzzz", headers={"Authorization": f"Bearer {key}"})
