@@ -187,6 +187,9 @@ def test_paths_outside_the_lora_dir_and_names_already_loaded(server, lora_dir, t
         r = httpx.post(f"{url}/v1/loras", json={"name": "x", "path": "a/pytorch_lora_weights.safetensors",
                                                 "model": "flux"})
         assert_error(r, 400, "path", "lora_dir_not_set")
+        # ... and holds none: a DELETE is a 404 naming the adapter, not a request for a model
+        err = assert_error(httpx.delete(f"{url}/v1/loras/x"), 404, "name", "lora_not_found")
+        assert "holds no LoRA adapters" in err["message"] and "--lora-dir" in err["message"]
 
 
 def test_video_requests_take_the_lora_field(server):

@@ -117,6 +117,9 @@ async def unload_lora(name: str, request: Request, model: str | None = None):
     replica keeps the adapter, and the message names the replica that refused."""
     state = request.app.state
     check_admin(request)
+    if not state.settings.lora_dir and not state.settings.loras:  # no adapter can have been loaded here
+        raise APIError(404, f"no adapter {name!r} is loaded: this server holds no LoRA adapters (it was started "
+                            "without --lora-dir and --lora)", "not_found_error", "name", "lora_not_found")
     engine_model = lora_model(state, model)
     unloaded, outcomes = await unload_all_or_none(state.client, name, engine_model)
     if not outcomes:
