@@ -117,6 +117,12 @@ def test_api_key_is_checked_at_the_handshake(server):
     import httpx
 
     assert httpx.get(f"http://127.0.0.1:{server.port}/healthz").status_code == 200  # open, like /health
+    # the socket's path over plain HTTP (curl, a browser): 426 with the ws:// URL to use, not a bare 404
+    r = httpx.get(f"http://127.0.0.1:{server.port}/v1/realtime/robot/openpi?model=pol",
+                  headers={"Authorization": f"Bearer {KEY}"})
+    err = r.json()["error"]
+    assert r.status_code == 426 and r.headers["upgrade"] == "websocket" and err["code"] == "websocket_required"
+    assert f"ws://127.0.0.1:{server.port}/v1/realtime/robot/openpi" in err["message"], err
 
 
 def expect_error(policy, send, *needles):

@@ -86,6 +86,16 @@ async def healthz(request: Request):
     return error_response(503, "the engine loop is not running", "server_error", None, "engine_unavailable")
 
 
+@router.get(PATH, include_in_schema=False)
+async def plain_http(request: Request):
+    """The robot socket asked for over plain HTTP (curl, a browser's address bar): 426 saying how to connect,
+    rather than a bare 404 that reads as if the route were not served."""
+    url = str(request.url.replace(scheme="wss" if request.url.scheme == "https" else "ws", query=""))
+    raise APIError(426, f"{PATH} is a WebSocket (OpenPI's protocol): connect to {url}, e.g. with openpi-client's "
+                        f"WebsocketClientPolicy; GET /healthz answers over HTTP", "invalid_request_error", None,
+                   "websocket_required", headers={"Upgrade": "websocket", "Connection": "Upgrade"})
+
+
 def check_settings(settings) -> None:
     """The robot socket's server settings, checked at startup (named by their ``omnidit serve`` flags)."""
     d = settings.robot_deadline_ms
