@@ -14,6 +14,11 @@ def served_models(engine, settings) -> dict[str, str]:
     return {name: name for name in names}
 
 
+# where a model goes, by its family's name, else by what it makes (a wrong_model_kind error says it)
+ROUTE_OF = {"speech": "POST /v1/audio/speech", "image": "POST /v1/images/generations", "video": "POST /v1/videos",
+            "audio": "POST /v1/audio/generate", "actions": "the OpenPI WebSocket /v1/realtime/robot/openpi"}
+
+
 def model_kind(engine, name: str) -> str:
     return engine.models[name].output_kind
 
@@ -45,9 +50,11 @@ def resolve_model(state, requested: str | None, kind: str, check=None, accepts: 
         raise APIError(404, f"model {requested!r} is not served here; this server serves {_listing(engine, ids)}",
                        "invalid_request_error", "model", "model_not_found")
     if not fits(ids[requested]):
-        actual = model_kind(engine, ids[requested])
-        raise APIError(400, f"model {requested!r} makes {actual} ({engine.models[ids[requested]].name}); this route "
-                            f"takes {accepts}: {fitting}", "invalid_request_error", "model", "wrong_model_kind")
+        actual, family = model_kind(engine, ids[requested]), engine.models[ids[requested]].name
+        takes = f"this route takes {accepts}: {fitting}" if fitting else f"this server has no {accepts}"
+        where = ROUTE_OF.get(family) or ROUTE_OF.get(actual)
+        raise APIError(400, f"model {requested!r} makes {actual} ({family})" + (f": {where} takes it" if where else "")
+                       + f"; {takes}", "invalid_request_error", "model", "wrong_model_kind")
     return ids[requested]
 
 
