@@ -72,9 +72,8 @@ def ratio_256(quick: bool) -> dict:
         ratios = [a / b for a, b in zip(tput("engine b=8 learned"), tput("diffusers"))]
         result["learned_engine_ratio"] = statistics.median(ratios)
         result["learned_engine_ratio_spread"] = spread(ratios)
-        result["learned_over_default"] = statistics.median(
-            a / b for a, b in zip(tput("engine b=8 learned"), tput("engine b=8")))
-        result["learned_over_default_samples"] = [a / b for a, b in zip(tput("engine b=8 learned"), tput("engine b=8"))]
+        over = [a / b for a, b in zip(tput("engine b=8 learned"), tput("engine b=8"))]
+        result["learned_over_default"], result["learned_over_default_samples"] = statistics.median(over), over
         # the learning itself: the warm-up round, learned engine from nothing over the default engine (one sample)
         warm = scenario.warmups
         result["learning_round_over_default"] = (warm["engine b=8 learned"]["throughput_img_s"]

@@ -307,7 +307,7 @@ def _generate(engine, args, height: int | None, width: int | None) -> int:
                     return 1
     images = [img for rid in ids for img in outputs[rid].outputs]
     for i, img in enumerate(images):
-        path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+        path = numbered(out, i, len(images))
         if kind == "video":
             write_video(path, img, fps=args.fps)
         else:
@@ -331,11 +331,22 @@ def _video_suffixes() -> set[str]:
     return set(VIDEO_SUFFIXES)
 
 
+def _audio_suffixes() -> set[str]:
+    """The formats ``Waveform.save`` writes (and .ogg, which it writes as Opus)."""
+    from dit_core.audio.waveform import FORMATS
+
+    return {f".{fmt}" for fmt in FORMATS} | {".ogg"}
+
+
 # per kind of output: the default file, the suffixes it may be written to, and how the error says them
 OUTPUTS = {"image": ("out.png", _image_suffixes, "an image format's suffix, e.g. .png, .jpg, .webp"),
            "video": ("out.mp4", _video_suffixes, ".mp4, .gif or .webp"),
-           "audio": ("out.wav", lambda: {".wav", ".flac", ".mp3", ".opus", ".ogg", ".pcm"},
-                     ".wav, .flac, .mp3, .opus or .pcm")}
+           "audio": ("out.wav", _audio_suffixes, ".wav, .flac, .mp3, .opus or .pcm")}
+
+
+def numbered(out: Path, i: int, count: int) -> Path:
+    """Output ``i`` of ``count``: ``out`` itself when there is one, else ``out`` with ``_i`` before its suffix."""
+    return out if count == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
 
 
 def output_path(kind: str, output: str | None) -> Path:
@@ -379,7 +390,7 @@ def _speak(engine, args, out: Path) -> int:
     requests = [make_speech_request(text, prompt, voice, args.speed, None if args.seed is None else args.seed + i,
                                     steps=args.steps) for i, prompt in enumerate(args.prompt)]
     for i, samples in enumerate(synthesize(engine, requests)):
-        path = out if len(requests) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+        path = numbered(out, i, len(requests))
         Waveform(samples, text.sample_rate).save(path)
         print(path)
     print(f"seeds: {[r.seed for r in requests]}", file=sys.stderr)

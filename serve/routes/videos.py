@@ -246,11 +246,9 @@ async def resolve(request: Request, body: VideoCreateRequest, name: str, params:
     try:
         resolved = await state.client.resolve(body.prompt, params, model=name)
     except InvalidParamError as e:
-        if e.field in ("height", "width"):
-            raise size_named(e, body.size) from None
         if e.field == "image":  # the engine's name for it
             raise InvalidParamError(REFERENCE, "none" if e.value is None else e.value, e.allowed) from None
-        raise
+        raise size_named(e, body.size) from None
     check_work(state.settings, resolved)
     return resolved
 
