@@ -39,6 +39,9 @@ class AttentionConfig:
         for role in self.per_role:
             if role not in ROLES:
                 raise UnknownBackendError(f"unknown attention role {role!r}; roles are {list(ROLES)}")
+        for name in (self.default, *self.per_role.values()):  # a typo fails here, not at engine start
+            if name != "auto":
+                get_backend(name)
 
     @classmethod
     def parse(cls, spec=None, per_role=None) -> "AttentionConfig":

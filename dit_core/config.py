@@ -224,10 +224,13 @@ class EngineConfig:
         from .cpu_linear import check_choice
 
         check_choice(self.cpu_linear)
-        try:
-            self.attention = AttentionConfig.parse(self.attention, self.attention_per_role)
-        except UnknownBackendError as e:
-            raise InvalidParamError("attention_per_role", self.attention_per_role, str(e)) from None
+        for field, per_role in (("attention", {}), ("attention_per_role", self.attention_per_role)):
+            try:  # (the spec alone first: an error names the field that holds the bad name)
+                parsed = AttentionConfig.parse(self.attention, per_role)
+            except UnknownBackendError as e:
+                raise InvalidParamError(field, getattr(self, field), f"auto or a registered backend, per role "
+                                                                     f"as ROLE=NAME ({e})") from None
+        self.attention = parsed
         if isinstance(self.dtype, torch.dtype):
             self.dtype = next((k for k, v in DTYPES.items() if v == self.dtype), str(self.dtype))
         if self.dtype not in DTYPES and self.dtype != "auto":

@@ -92,8 +92,11 @@ def export_gguf(model_dir: str | Path, spec: str, out_dir: str | Path, component
     (other components are hard-linked where possible, else copied). Returns a summary."""
     from .loading import read_model_index
 
-    parsed = quant.parse_spec(spec)
-    if parsed.method != "gguf":
+    try:
+        parsed = quant.parse_spec(spec)
+    except quant.QuantSpecError:
+        parsed = None
+    if parsed is None or parsed.method != "gguf":
         raise InvalidParamError("to", spec, f"gguf:TYPE, TYPE one of {list(quant.gguf.FORMATS)}")
     src, out = Path(model_dir), Path(out_dir)
     index = read_model_index(src)

@@ -63,8 +63,23 @@ def targets(engine) -> dict[str, list | None]:
         info = engine.compile_info.get(name)
         if family.output_kind != "image" or (compiled_only and not (info and info.compiled)):
             continue
+        check_sizes(family, name, shapes, config.warmup if config.warmup is not None else config.compile_warmup)
         chosen[name] = shapes
     return chosen
+
+
+def check_sizes(family, name: str, shapes, value) -> None:
+    """Each size one that ``family`` takes, or an error naming ``warmup`` (at start-up, not a server that
+    never turns ready)."""
+    from .errors import InvalidParamError
+    from .params import SamplingParams
+
+    for h, w in shapes or []:
+        try:
+            family.resolve(SamplingParams(height=h, width=w, num_inference_steps=2))
+        except InvalidParamError as e:
+            raise InvalidParamError("warmup", value, f"sizes every warmed image model takes; model {name!r} "
+                                                     f"refuses {h}x{w}: {e.field} {e.allowed}") from None
 
 
 def jobs(family, shapes):

@@ -45,7 +45,8 @@ def parse_spec(text: "str | QuantSpec") -> QuantSpec:
     method = METHODS[name]
     qtype = qtype.upper() or None
     if method.qtypes and qtype not in method.qtypes:
-        raise QuantSpecError(text, f"{name} needs a type: one of {[f'{name}:{t}' for t in method.qtypes]}")
+        said = f"has no type {qtype!r}" if qtype else "needs a type"
+        raise QuantSpecError(text, f"{name} {said}: one of {[f'{name}:{t}' for t in method.qtypes]}")
     if not method.qtypes and qtype:
         raise QuantSpecError(text, f"{name} takes no ':TYPE' (got {qtype!r})")
     fields = {"components": DEFAULT_COMPONENTS, "kernel": None}

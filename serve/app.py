@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from dit_core import AsyncEngine
 
-from . import image_uploads, openapi, playground
+from . import openapi, playground
 from .auth import ApiKeyMiddleware, KeyRing
 from .client import EngineClient, LocalEngineClient
 from .errors import count_error, error_response, install_handlers
@@ -25,6 +25,7 @@ from .robot_limits import SessionSlots, default_max_sessions
 from .image_uploads import DEFAULT_MAX_PIXELS
 from .routes import audio, edits, images, robot, speech, stats, system, videos
 from .routes import loras
+from .settings_check import check_settings
 from .traffic import CountMiddleware
 from .video_jobs import VideoJobStore
 
@@ -86,8 +87,7 @@ def create_app(engine: AsyncEngine | EngineClient, settings: ServeSettings | Non
     """Build the app over an in-process ``AsyncEngine`` or an ``EngineClient`` (e.g. Ray Serve replicas,
     see ``serve.ray_app``). With ``owns_engine`` the app shuts the engine down when it stops."""
     settings = settings or ServeSettings()
-    robot.check_settings(settings)
-    image_uploads.check_settings(settings)
+    check_settings(settings)  # (omnidit serve checked them before loading anything; Python callers here)
     keys = KeyRing.from_settings(settings)  # before the engine work below: a bad key file fails at once
     client = engine if isinstance(engine, EngineClient) else LocalEngineClient(engine)
     if isinstance(client, LocalEngineClient):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .cli_engine_args import add_engine_args, engine_kwargs, names_a_model, parse_size, resolve_model
+from .cli_errors import as_flag, name_flags
 from .cli_help import DOCS, group_flags
 from .cli_lora import add_generate_lora_args, add_serve_lora_args, load_generate_loras, serve_lora_settings
 from .cli_tools import add_model_tools
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # omnidit never downloads
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "verbose", True):
+    if not getattr(args, "verbose", False):  # (commands without --verbose: always quiet)
         quiet_third_party()  # before torch / transformers / diffusers / vLLM are imported
     for name in ("dit_core.dtype_auto", "dit_core.compile"):  # the start-up choices, one line each
         logger = logging.getLogger(name)
@@ -31,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
             logger.addHandler(_CurrentStderr())
             logger.setLevel(logging.INFO)
             logger.propagate = False
-    from dit_core.errors import OmniditError
+    from dit_core.errors import BackendUnavailableError, OmniditError
 
     try:
         return args.func(args)
-    except OmniditError as e:
-        print(f"omnidit: error: {e}", file=sys.stderr)
+    except (OmniditError, BackendUnavailableError) as e:  # (the latter: --attention names one that cannot run)
+        print(f"omnidit: error: {as_flag(e, args)}", file=sys.stderr)  # named by the flag typed
         return 2
 
 
@@ -218,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_tools(sub)
     for name, command in sub.choices.items():  # --help: argument groups, a brief line per flag, the docs' page
         group_flags(command, name)
+        name_flags(command, name)
     parser.epilog = f"Every command and flag in full: {DOCS}."
     return parser
 
@@ -236,29 +238,8 @@ def cmd_generate(args) -> int:
     try:
         args.loras = load_generate_loras(engine, args)  # (--lora: the requests' SamplingParams.loras)
         return _generate(engine, args, height, width)
-    except InvalidParamError as e:
-        raise as_flag(e, args) from None
     finally:
         engine.close()  # parallel workers, a vLLM thinker
-
-
-# SamplingParams fields -> the generate flags that set them (an error names what the user typed)
-FLAGS = {"size": "--size", "num_inference_steps": "--steps", "guidance_scale": "--guidance",
-         "guidance_scale_2": "--guidance-2", "true_cfg_scale": "--true-cfg", "negative_prompt": "--negative-prompt",
-         "num_frames": "--frames", "num_outputs": "--num-outputs", "seed": "--seed", "strength": "--strength",
-         "image": "--image", "mask": "--mask", "loras": "--lora", "audio_end_in_s": "--seconds", "voice": "--voice",
-         "speed": "--speed"}
-
-
-def as_flag(e, args):
-    """An engine error about a request field, named by the ``generate`` flag that set it (height and width:
-    ``--size``, the side at fault in the message, as the HTTP routes name ``size``)."""
-    from dit_core.errors import InvalidParamError
-
-    from .errors import size_named
-
-    e = size_named(e, args.size)
-    return InvalidParamError(FLAGS[e.field], e.value, e.allowed) if e.field in FLAGS else e
 
 
 def _generate(engine, args, height: int | None, width: int | None) -> int:
@@ -444,7 +425,14 @@ def cmd_serve(args) -> int:
                              gc_freeze=args.gc_freeze, malloc_trim_s=args.malloc_trim_interval,
                              **serve_lora_settings(args))
     from .auth import KeyRing
+    from .settings_check import check_port, check_settings
 
+    check_settings(settings)  # every limit, named by its flag, before the models load
+    check_port(args.port)
+    if not args.shutdown_timeout >= 0:
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("--shutdown-timeout", args.shutdown_timeout, "a number of seconds >= 0")
     KeyRing.from_settings(settings)  # a bad key or key file fails now, not after the models have loaded
     options = engine_kwargs(args)
     if "policy" not in options:

@@ -21,7 +21,7 @@ def add_model_tools(sub) -> None:
     fit.set_defaults(func=cmd_fit_teacache)
 
     qnt = sub.add_parser("quantize", help="write a copy of a model folder with its transformer as a GGUF file")
-    qnt.add_argument("model", help="a diffusers-format model folder (float weights)")
+    qnt.add_argument("model", help="a diffusers-format model folder (float weights) or an embedded model's name")
     qnt.add_argument("--to", required=True, metavar="gguf:TYPE",
                      help="GGUF block type: gguf:Q8_0, gguf:Q4_0, gguf:Q4_1, gguf:Q5_0, gguf:Q5_1, gguf:Q4_K, "
                           "gguf:Q5_K or gguf:Q6_K")
@@ -53,6 +53,10 @@ def cmd_fit_teacache(args) -> int:
     from dit_core import Engine, SamplingParams
     from dit_core.cache import fit
 
+    if args.seeds < 1:  # (before the model loads)
+        from dit_core.errors import InvalidParamError
+
+        raise InvalidParamError("--seeds", args.seeds, "an integer >= 1")
     model = resolve_model(args.model)
     engine = Engine.from_pretrained(model, max_batch_size=16)
     width, height = parse_size(args.size)
@@ -69,7 +73,7 @@ def cmd_fit_teacache(args) -> int:
 def cmd_quantize(args) -> int:
     from dit_core.quantize import export_gguf
 
-    summary = export_gguf(args.model, args.to, args.output, args.component)
+    summary = export_gguf(resolve_model(args.model), args.to, args.output, args.component)
     print(json.dumps(summary, indent=2))
     print(args.output)
     return 0

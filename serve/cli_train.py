@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from .cli_engine_args import resolve_model
+
 
 def add_training_commands(sub) -> None:
     """The training commands and run-episode, on the ``omnidit`` sub-command parser."""
@@ -75,7 +79,8 @@ def add_training_commands(sub) -> None:
     ep = sub.add_parser("run-episode", help="run the policy on one episode of the reaching task and save a GIF")
     ep.add_argument("model", nargs="?", default=None, help="a policy folder (default: the embedded reaching policy)")
     ep.add_argument("--seed", type=int, default=0, help="episode seed: target layout and instruction (default 0)")
-    ep.add_argument("--gif", default="episode.gif", help="output GIF (default episode.gif)")
+    ep.add_argument("--gif", default="episode.gif", help="output .gif file, in a folder that exists (default "
+                                                         "episode.gif)")
     ep.add_argument("--steps", type=int, default=None, help="denoising steps per chunk (default: the policy's, 10)")
     ep.add_argument("--exec-horizon", type=int, default=8, help="actions executed per chunk before re-planning "
                                                                 "(default 8)")
@@ -128,11 +133,15 @@ def cmd_train_policy(args) -> int:
 
 def cmd_run_episode(args) -> int:
     from dit_core import Engine
+    from dit_core.errors import InvalidParamError
     from dit_core.eval.gif import save_gif
     from dit_core.eval.policy import run_policy
     from dit_core.zoo import default_policy
 
-    engine = Engine.from_pretrained(args.model or default_policy())
+    gif = Path(args.gif)
+    if gif.suffix.lower() != ".gif" or not gif.parent.is_dir():  # before any work, not after it
+        raise InvalidParamError("--gif", args.gif, "a .gif file in a folder that exists")
+    engine = Engine.from_pretrained(resolve_model(args.model) if args.model else default_policy())
     (episode,) = run_policy(engine, [args.seed], delay=args.delay, rtc=args.rtc, exec_horizon=args.exec_horizon,
                             num_inference_steps=args.steps, record=True)
     outcome = f"success in {episode.steps} steps" if episode.success else f"failed after {episode.steps} steps"

@@ -127,6 +127,18 @@ def test_explicit_unavailable_backend_fails_at_engine_start(tiny_models):
         Engine.from_pretrained(tiny_models["flux"], attention="sdpa", attention_per_role="joint=xformers")
 
 
+def test_an_unknown_backend_or_role_is_refused_by_the_config_naming_its_field():
+    from dit_core import EngineConfig
+    from dit_core.errors import InvalidParamError
+
+    for kwargs, field, text in ((dict(attention="sdpa,joint=fash"), "attention", "unknown attention backend 'fash'"),
+                                (dict(attention_per_role="joint=fash"), "attention_per_role", "'fash'; registered"),
+                                (dict(attention_per_role="cros=sdpa"), "attention_per_role", "roles are \\['self'")):
+        with pytest.raises(InvalidParamError, match=text) as e:
+            EngineConfig(**kwargs)  # (before: an unknown name passed the config and failed at engine start)
+        assert e.value.field == field
+
+
 def test_auto_env_and_per_role_selection(tiny_models, monkeypatch):
     assert {b.name for b in Engine.from_pretrained(tiny_models["sd3"]).attention.values()} == {"sdpa"}
     monkeypatch.setenv("OMNIDIT_ATTENTION", "math")

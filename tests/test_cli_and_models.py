@@ -48,6 +48,22 @@ def cli(tmp_path_factory, tiny_models):
         "steps 0": ("generate", flux, "a cat", "--steps", "0", "-o", d / "steps.png"),
         "no such folder": ("generate", flux, "a cat", "-o", d / "nowhere" / "x.png"),
         "not an image suffix": ("generate", flux, "a cat", "--steps", "2", "-o", d / "cat.txt"),
+        # engine flags too: named as typed, and no traceback for an attention backend that cannot run here
+        "batch size 0": ("generate", flux, "a cat", "--max-batch-size", "0", "-o", d / "mb.png"),
+        "unknown attention": ("generate", flux, "a cat", "--attention", "foo", "-o", d / "att.png"),
+        "attention that cannot run": ("generate", flux, "a cat", "--attention", "flash", "-o", d / "flash.png"),
+        # the tools: quantize takes an embedded model's name; run-episode and fit-teacache check their flags first
+        "quantize digits": ("quantize", "digits", "--to", "gguf:Q8_0", "-o", d / "q8"),
+        "quantize bad type": ("quantize", "digits", "--to", "gguf:Q9", "-o", d / "q9"),
+        "episode horizon 0": ("run-episode", "--exec-horizon", "0", "--gif", d / "ep.gif"),
+        "episode past the chunk": ("run-episode", "--delay", "4", "--exec-horizon", "13", "--gif", d / "ep.gif"),
+        "episode seed": ("run-episode", "--seed", "-1", "--gif", d / "ep.gif"),
+        "episode not a gif": ("run-episode", "--gif", d / "ep.png"),
+        "teacache no runs": ("fit-teacache", "--seeds", "0"),
+        # serve: limits and the port before the models load; a warm-up size a model refuses before it listens
+        "serve queue 0": ("serve", "--max-queue", "0"),
+        "serve port": ("serve", "--port", "70000"),
+        "serve warm-up size": ("serve", "digits", "--warmup", "7x7"),
     }
     return dict(zip(calls, omnidit_calls(*calls.values()))), d
 
@@ -63,6 +79,8 @@ def test_make_random_then_generate_with_progress_bar(cli):
 
 def test_cli_errors_are_clear(cli):
     runs, _ = cli
+    # every command is quiet about third-party import chatter (transformers' image-processor fallbacks)
+    assert "requires torchvision" not in runs["make-random"][1], runs["make-random"][1]
     missing, size, family = runs["missing model"], runs["bad size"], runs["bad family"]
     assert missing[0] == 2 and "neither a model folder nor an embedded model (digits," in missing[1]
     assert size[0] == 2 and "size" in size[1]
@@ -119,6 +137,51 @@ def test_generate_errors_name_the_flag_and_come_before_the_work(cli):
         code, err = runs[call]
         assert code == 2 and text in err and "Traceback" not in err and "denoising" not in err, (call, err)
     assert not (d / "cat.txt").exists()
+
+
+def test_engine_flag_errors_name_the_flag(cli):
+    runs, d = cli
+    for call, text in (("batch size 0", "--max-batch-size=0 is invalid: expected an integer >= 1"),
+                       ("unknown attention", "--attention='foo' is invalid"),
+                       ("attention that cannot run", "attention backend 'flash' (role 'self') cannot run on cpu")):
+        code, err = runs[call]
+        assert code == 2 and text in err and "Traceback" not in err and "denoising" not in err, (call, err)
+    assert "registered: ['flash'" in runs["unknown attention"][1]
+    assert "Available here:" in runs["attention that cannot run"][1]
+
+
+def test_tools_check_their_flags_before_the_work(cli):
+    from dit_core import Engine
+    from dit_core.zoo import default_model
+
+    runs, d = cli
+    assert runs["quantize digits"][0] == 0, runs["quantize digits"][1]
+    assert list((d / "q8" / "transformer").glob("*Q8_0.gguf"))
+    from quant.gguf import GGUFLinear
+
+    engine = Engine.from_pretrained(d / "q8")  # it loads, its transformer's linear layers in GGUF blocks
+    assert any(isinstance(m, GGUFLinear) for m in engine.family.transformer.modules())
+    assert not list(Path(default_model()).rglob("*.gguf"))  # (the embedded model itself is untouched)
+    for call, text in (("quantize bad type", "--to='gguf:Q9' is invalid: expected gguf:TYPE, TYPE one of ['Q8_0'"),
+                       ("episode horizon 0", "--exec-horizon=0 is invalid: expected an integer in [1, 16]"),
+                       ("episode past the chunk", "--exec-horizon=13 is invalid: expected an integer in [1, 12]"),
+                       ("episode seed", "--seed=-1 is invalid: expected an integer >= 0"),
+                       ("episode not a gif", "--gif="),
+                       ("teacache no runs", "--seeds=0 is invalid: expected an integer >= 1")):
+        code, err = runs[call]
+        assert code == 2 and text in err and "Traceback" not in err, (call, err)
+    assert not (d / "q9").exists() and not (d / "ep.gif").exists() and not (d / "ep.png").exists()
+
+
+def test_serve_refuses_bad_settings_before_it_listens(cli):
+    runs, _ = cli
+    for call, text in (("serve queue 0", "--max-queue=0 is invalid: expected an integer >= 1"),
+                       ("serve port", "--port=70000 is invalid: expected a TCP port in [0, 65535]"),
+                       ("serve warm-up size", "--warmup='7x7' is invalid: expected sizes every warmed image model "
+                                              "takes; model 'digits' refuses 7x7: height a multiple of 8")):
+        code, err = runs[call]
+        assert code == 2 and text in err and "Traceback" not in err, (call, err)
+    assert "dtype auto" not in runs["serve queue 0"][1]  # (refused before any model loaded)
 
 
 def test_generate_speaks_on_a_text_to_speech_model(cli):

@@ -349,7 +349,7 @@ def test_corrupt_truncated_and_foreign_gguf_files_fail_at_load_naming_file_tenso
 @pytest.mark.parametrize("value,match", [
     ("int9", r"quant='int9' is invalid: expected none or one of \['int8-weight', 'int8-dynamic', 'fp8', 'gguf:Q8_0'"),
     ("gguf", r"gguf needs a type"),
-    ("gguf:Q3_K", r"gguf needs a type: one of \['gguf:Q8_0'"),
+    ("gguf:Q3_K", r"gguf has no type 'Q3_K': one of \['gguf:Q8_0'"),
     ("int8-weight,kernel=magic", r"no kernel 'magic'; kernels: \['int8pack', 'upcast'\]"),
 ])
 def test_bad_quant_settings_name_the_field_and_the_allowed_values(value, match):

@@ -37,6 +37,28 @@ def test_png_bound_holds_for_incompressible_images():
         assert len(buf.getvalue()) <= png_bound(w, h)
 
 
+@pytest.mark.parametrize("field", ["max_queue", "max_body_bytes", "max_upload_bytes", "max_prompt_chars",
+                                   "max_inflight_per_client", "max_pixel_steps", "max_steps", "file_ttl_s",
+                                   "max_files", "max_file_bytes", "request_timeout_s", "max_videos",
+                                   "max_video_bytes", "video_ttl_s", "malloc_trim_s"])
+def test_every_limit_is_checked_before_anything_loads_by_its_flag(field):
+    """Before: --max-queue 0 served a server that refused every request as "queue full", and a negative
+    TTL or body limit started too."""
+    from dit_core import InvalidParamError
+    from serve.settings_check import LIMITS, check_settings
+
+    flag, integer, least, zero = LIMITS[field]
+    bad = [-1, float("nan"), "64", True] + ([] if zero is not None else [0]) + ([2.5] if integer else [])
+    for value in bad:
+        with pytest.raises(InvalidParamError) as e:
+            check_settings(ServeSettings(**{field: value}))
+        assert e.value.field == flag, value
+    check_settings(ServeSettings(**{field: least + 1}))
+    if zero is not None:  # 0 means something: "no limit", "never"
+        check_settings(ServeSettings(**{field: 0}))
+        assert f"(0: {zero})" in e.value.allowed
+
+
 @pytest.fixture(scope="module")
 def small_store(tiny_models):
     # room for one 32x32 PNG at its worst case, not two

@@ -43,6 +43,13 @@ def test_warmup_option_is_validated():
             EngineConfig(warmup=bad)
 
 
+def test_a_warm_up_size_the_model_refuses_fails_the_start(tiny_models):
+    """Before: the server started and /health/ready answered 503 warmup_failed until a restart."""
+    with pytest.raises(InvalidParamError, match=r"model 'm' refuses 34x34: height a multiple of 4") as e:
+        LiveServer(tiny_models["flux"], warmup="32x32,34x34", dtype="float32")
+    assert e.value.field == "warmup"
+
+
 def test_bundle_key_follows_model_dtype_and_sizes(engines, tiny_models, tmp_path):
     engine = engines("flux")
     name = engine.default_model

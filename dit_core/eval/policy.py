@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ..engine import Engine
+from ..errors import InvalidParamError
 from ..params import SamplingParams
 from ..policy import PREV_ACTIONS_KEY
 from ..zoo.reach_env import ReachEnv
@@ -85,7 +86,10 @@ class _Run:
 
 def run_policy(engine: Engine, seeds: list[int], delay: int = 0, rtc: bool = False, exec_horizon: int = 8,
                num_inference_steps: int | None = None, model: str | None = None, record: bool = False) -> list[Episode]:
-    """Closed-loop episodes of the engine's policy, one per seed (see the module docstring)."""
+    """Closed-loop episodes of the engine's policy, one per seed (see the module docstring). Raises
+    InvalidParamError naming ``seed``, ``delay`` or ``exec_horizon`` before any episode starts when one is out
+    of range: a chunk of ``H`` actions serves ``delay + exec_horizon <= H`` control steps."""
+    check_episode(engine, seeds, delay, exec_horizon, model)
     runs = [_Run(s, record) for s in seeds]
     cycle = 0
     while live := [r for r in runs if not r.done]:
@@ -101,6 +105,24 @@ def run_policy(engine: Engine, seeds: list[int], delay: int = 0, rtc: bool = Fal
             _switch(r, out.actions, delay, exec_horizon)
         cycle += 1
     return [r.ep for r in runs]
+
+
+def check_episode(engine: Engine, seeds: list[int], delay: int, exec_horizon: int, model: str | None = None) -> None:
+    """The checks ``run_policy`` makes first (see there)."""
+    family = engine.models[engine.model_name(model)]
+    horizon = getattr(getattr(family, "cfg", None), "action_horizon", None)
+    if horizon is None:
+        raise InvalidParamError("model", engine.model_name(model), "an action policy (its requests return actions)")
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise InvalidParamError("seed", seed, "an integer >= 0 (the episode's target layout and instruction)")
+    if isinstance(delay, bool) or not isinstance(delay, (int, np.integer)) or not 0 <= delay < horizon:
+        raise InvalidParamError("delay", delay, f"an integer in [0, {horizon - 1}] (the chunk has {horizon} actions)")
+    most = horizon - delay
+    if isinstance(exec_horizon, bool) or not isinstance(exec_horizon, (int, np.integer)) or not 1 <= exec_horizon <= most:
+        raise InvalidParamError("exec_horizon", exec_horizon,
+                                f"an integer in [1, {most}] (a chunk of {horizon} actions, {delay} of them run "
+                                f"through the delay)")
 
 
 def _switch(r: _Run, new: np.ndarray, delay: int, exec_horizon: int) -> None:
