@@ -394,6 +394,19 @@ class Engine:
         return [finals[r.id].output for r in requests]
 
 
+def check_option_names(options: dict) -> None:
+    """A misspelt engine option is a TypeError (as for any unknown keyword) that says what was meant."""
+    import dataclasses
+    import difflib
+
+    known = [f.name for f in dataclasses.fields(EngineConfig)]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "; the options are EngineConfig's fields"
+            raise TypeError(f"unknown engine option {name!r}{hint} (docs/reference/configuration.md)")
+
+
 def load_engine(paths: dict[str, str | Path], options: dict | None = None, thinkers: dict | None = None,
                 defer_warmup: bool = False) -> Engine:
     """Model folders (name -> folder) and ``EngineConfig`` fields (``options``) -> a ready engine.
@@ -408,7 +421,11 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
     start-up warm-up in ``Engine.pending_warmup`` (the HTTP server runs it while it listens)."""
     if not isinstance(paths, dict) or not paths:
         raise InvalidParamError("models", paths, "a non-empty {name: model folder} mapping")
+    from .zoo import folder_of
+
+    paths = {name: folder_of(path) for name, path in paths.items()}  # (an embedded model's name: its folder)
     options = dict(options or {})
+    check_option_names(options)
     cfg = EngineConfig(**options)
     thinkers = dict(thinkers or {})
     unknown = set(thinkers) - set(paths)

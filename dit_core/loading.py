@@ -25,7 +25,10 @@ def read_model_index(path: str | Path) -> dict:
     whose ``_class_name`` names an omnidit family (single-model folders such as robot policies)."""
     folder = Path(path)
     if not folder.is_dir():
-        raise UnknownModelError(f"model folder {str(path)!r} does not exist or is not a directory")
+        from .zoo import EMBEDDED
+
+        raise UnknownModelError(f"model folder {str(path)!r} does not exist or is not a directory (nor is it the "
+                                f"name of an embedded model: {', '.join(EMBEDDED)})")
     index = folder / "model_index.json"
     if not index.is_file():
         config = folder / "config.json"

@@ -40,6 +40,20 @@ def test_checkpoint_serving_defaults_apply_and_requests_override_them(engine):
     assert engine.family.resolve(SamplingParams(num_inference_steps=7)).num_inference_steps == 7
 
 
+def test_it_loads_by_its_name_as_on_the_command_line(engine, tmp_path, monkeypatch):
+    import numpy as np
+
+    by_name = Engine.from_pretrained("digits")  # as `omnidit serve --model digits` / `generate -m digits`
+    assert by_name.model_name(None) == "digits"
+    p = SamplingParams(num_inference_steps=4, seed=3)
+    assert np.array_equal(np.asarray(by_name.generate("the digit 5", p)[0]),
+                          np.asarray(engine.generate("the digit 5", p)[0]))
+    (tmp_path / "digits").mkdir()  # a folder of that name where it runs wins: a path is taken as given
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception, match="no model_index.json"):
+        Engine.from_pretrained("digits")
+
+
 def test_two_seeds_give_different_images(engine):
     a, b = (engine.generate("a handwritten 5", SamplingParams(height=32, width=32, num_inference_steps=12,
                                                                 seed=s, output_type="pt"))[0] for s in (1, 2))

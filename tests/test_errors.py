@@ -59,7 +59,7 @@ def test_request_too_large_for_the_step_budget(tiny_models):
 
 
 def test_unknown_model_folders(tmp_path):
-    with pytest.raises(UnknownModelError, match="does not exist"):
+    with pytest.raises(UnknownModelError, match="does not exist.*nor is it the name of an embedded model: digits"):
         Engine.from_pretrained(tmp_path / "nope")
     with pytest.raises(UnknownModelError, match="no model_index.json"):
         Engine.from_pretrained(tmp_path)
@@ -90,7 +90,7 @@ def test_bad_engine_config_names_the_field(tiny_models):
         Engine.from_pretrained(tiny_models["flux"], dtype="float16")
     with pytest.raises(InvalidParamError, match="max_batch_size"):
         Engine.from_pretrained(tiny_models["flux"], max_batch_size=0)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unknown engine option 'max_batch'; did you mean 'max_batch_size'"):
         Engine.from_pretrained(tiny_models["flux"], max_batch=3)  # unknown options are not dropped silently
 
 

@@ -21,6 +21,14 @@ EMBEDDED: dict[str, Path] = {"digits": DEFAULT_MODEL, "digits_video": DEFAULT_VI
 SERVED_BY_DEFAULT = ("digits", "digits_video", "tts", "reach")
 
 
+def folder_of(model: str | Path) -> str | Path:
+    """``model`` as given, or the folder of the embedded model it names when no such path exists (so
+    ``Engine.from_pretrained("digits")`` loads what ``omnidit serve --model digits`` serves)."""
+    if isinstance(model, str) and model in EMBEDDED and not Path(model).exists():
+        return embedded_model(model)
+    return model
+
+
 def embedded_model(name: str) -> Path:
     """The folder of the embedded model ``name``."""
     if name not in EMBEDDED:
