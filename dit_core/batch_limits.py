@@ -14,7 +14,8 @@ What is measured: the forward and the sampler steps of each step (``RunnerOutput
 prompt encoding of requests joining, nor the decode of those leaving), against its rows; steps where a
 request failed, a step cache skipped rows or only decodes ran teach nothing. A row count's time is the
 minimum of its last ``window`` samples (load from other processes only ever adds time), trusted once it
-has ``samples`` of them (the first call at a new batch size often pays one-time costs).
+has ``samples`` of them (the first call at a new batch size often pays one-time costs); counts are compared
+over as many samples each (the fewest any trusted count has), since the minimum of more samples is lower.
 
 The rule, with ``t(r)`` that time at ``r`` rows: the gain of going from ``a`` to ``b`` rows is
 
@@ -117,10 +118,13 @@ class BatchLimits:
             sizes.setdefault(rows, collections.deque(maxlen=self.window)).append(ms)
 
     def times(self, bucket: tuple) -> dict[int, float]:
-        """Trusted row counts of ``bucket`` -> their step time (ms), ascending."""
+        """Trusted row counts of ``bucket`` -> their step time (ms), ascending: each the minimum of its last
+        ``n`` samples, ``n`` the fewest any trusted count has, so counts compare like with like (the minimum of
+        more samples is lower, and the counts the traffic keeps running gather more than those explored)."""
         with self._lock:
-            sizes = self._ms.get(bucket, {})
-            return {r: min(d) for r, d in sorted(sizes.items()) if len(d) >= self.samples}
+            sizes = {r: list(d) for r, d in sorted(self._ms.get(bucket, {}).items()) if len(d) >= self.samples}
+        n = min((len(d) for d in sizes.values()), default=0)
+        return {r: min(d[-n:]) for r, d in sizes.items()}
 
     @staticmethod
     def gain(a: int, ta: float, b: int, tb: float) -> float:

@@ -257,3 +257,16 @@ def test_a_count_that_does_not_pay_does_not_hide_a_larger_one_that_does():
     snap = limits.snapshot()[0]
     assert snap["limit_rows"] == 6 and snap["converged"]  # (walking no further than the first count refused: 1)
     assert limits.limit(b, demand=8) == Limit(8)  # 146 ms against two steps of 4: 155
+
+
+def test_counts_compare_over_as_many_samples_each():
+    """The count the traffic keeps running gathers more samples than one explored, and the minimum of more
+    samples is lower: compared over all of them, a lucky early 4-row step (100 ms) hid that 8 rows pay."""
+    limits, bucket = BatchLimits(threshold=DEFAULT_THRESHOLD), ("m", 512)
+    for ms in (100, 122, 121, 123, 120, 124, 122, 121):
+        limits.observe(bucket, 4, ms)
+    for ms in (212, 205):
+        limits.observe(bucket, 8, ms)
+    assert limits.times(bucket) == {4: 121, 8: 205}  # each the minimum of its last two
+    assert BatchLimits.gain(4, 100, 8, 205) < DEFAULT_THRESHOLD <= BatchLimits.gain(4, 121, 8, 205)
+    assert limits.snapshot()[0]["limit_rows"] == 8
