@@ -84,6 +84,13 @@ OPENAI_ONLY = {
     "input_fidelity": "strength sets how closely an image-to-image result follows the input",
 }
 
+# a required field left out -> where its allowed values are listed
+WHERE_LISTED = {
+    "voice": "one of the voices GET /v1/audio/voices lists",
+    "prompt": "the text to generate from",
+    "input": "the text to speak",
+}
+
 
 def validation_error(errors: list[dict], model=None, also: tuple[str, ...] = ()) -> APIError:
     """A 400 for pydantic's first error, named by the field as sent. An unknown field's message lists the
@@ -92,6 +99,8 @@ def validation_error(errors: list[dict], model=None, also: tuple[str, ...] = ())
     err = errors[0]
     param = _validation_param(err)
     message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+    if err.get("type") == "missing" and param in WHERE_LISTED:
+        message += f" ({WHERE_LISTED[param]})"
     if err.get("type") == "extra_forbidden" and param:
         hint = OPENAI_ONLY.get(param)
         message = f"{param}: not a field of this request" + (f" (OpenAI's; {hint})" if hint else "")

@@ -111,6 +111,14 @@ def test_bad_input_is_a_400_naming_the_field(client, body, param):
     assert e.value.body["param"] == param
 
 
+def test_a_missing_voice_says_where_the_voices_are_listed(server):
+    r = httpx.post(f"{server.url}/v1/audio/speech", json={"model": "tts", "input": "12"}, timeout=10)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "voice" and err["code"] == "missing"
+    assert err["message"] == "voice: Field required (one of the voices GET /v1/audio/voices lists)"
+
+
 def test_client_disconnect_aborts_talker_and_dit(server):
     service_before = server.app.state.speech.get("tts")
     text = " ".join(["7"] * 30)  # ~20 s of speech: far more work than the first chunk
