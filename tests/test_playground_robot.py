@@ -291,8 +291,10 @@ def test_robot_tab_sends_the_key_at_the_handshake_and_reports_a_closed_socket(pl
 @pytest.fixture(scope="module")
 def full_queue_robot_server():
     """The reach policy behind a queue that takes nothing (``max_queue=0``): every observation gets a
-    ``queue_full`` text frame, after which the server keeps the session open (the robot may resend)."""
-    with live_server({"reach": default_policy()}, ServeSettings(max_queue=0), max_batch_size=8) as srv:
+    ``queue_full`` text frame, after which the server keeps the session open (the robot may resend). No server
+    starts with such a queue (the settings check refuses ``--max-queue 0``), so it is set on the running app."""
+    with live_server({"reach": default_policy()}, ServeSettings(), max_batch_size=8) as srv:
+        srv.app.state.settings.max_queue = 0
         yield srv
 
 
