@@ -77,7 +77,8 @@ def add_training_commands(sub) -> None:
     tp.set_defaults(func=cmd_train_policy)
 
     ep = sub.add_parser("run-episode", help="run the policy on one episode of the reaching task and save a GIF")
-    ep.add_argument("model", nargs="?", default=None, help="a policy folder (default: the embedded reaching policy)")
+    ep.add_argument("model", nargs="?", default=None, help="a policy folder or an embedded policy's name (default: "
+                                                          "the embedded reaching policy, reach)")
     ep.add_argument("--seed", type=int, default=0, help="episode seed: target layout and instruction (default 0)")
     ep.add_argument("--gif", default="episode.gif", help="output .gif file, in a folder that exists (default "
                                                          "episode.gif)")

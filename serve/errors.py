@@ -84,7 +84,7 @@ OPENAI_ONLY = {
     "input_fidelity": "strength sets how closely an image-to-image result follows the input",
 }
 
-# a required field left out -> where its allowed values are listed
+# a required field left out -> what it takes (or where its allowed values are listed)
 WHERE_LISTED = {
     "voice": "one of the voices GET /v1/audio/voices lists",
     "prompt": "the text to generate from",

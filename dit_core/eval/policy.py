@@ -119,7 +119,8 @@ def check_episode(engine: Engine, seeds: list[int], delay: int, exec_horizon: in
     if isinstance(delay, bool) or not isinstance(delay, (int, np.integer)) or not 0 <= delay < horizon:
         raise InvalidParamError("delay", delay, f"an integer in [0, {horizon - 1}] (the chunk has {horizon} actions)")
     most = horizon - delay
-    if isinstance(exec_horizon, bool) or not isinstance(exec_horizon, (int, np.integer)) or not 1 <= exec_horizon <= most:
+    whole = not isinstance(exec_horizon, bool) and isinstance(exec_horizon, (int, np.integer))
+    if not whole or not 1 <= exec_horizon <= most:
         raise InvalidParamError("exec_horizon", exec_horizon,
                                 f"an integer in [1, {most}] (a chunk of {horizon} actions, {delay} of them run "
                                 f"through the delay)")
