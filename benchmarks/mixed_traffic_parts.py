@@ -2,7 +2,12 @@
 ``audio_part`` (``benchmarks.audio``'s part (a) with learned batch limits), ``ratio_256``
 (``benchmarks.engine_throughput``'s together scenario at 256x256, default and learned limits) and
 ``warm_start_part`` (``benchmarks.warm_start``'s child process, a first start and a second); and what
-both modules share: ``engine_fields`` and the small FLUX folder, built once per run."""
+both modules share: ``engine_fields`` and the small FLUX folder, built once per run.
+
+``python -m benchmarks.mixed_traffic_parts [--quick]`` runs these parts alone, as ``mixed_traffic`` runs them
+(its ``--models ''``: no mixed-size traffic), and writes ``results/mixed_traffic_parts[_quick].json``: the
+summary's audio, 256x256 and warm-start keys, the traffic's keys null with the reason under ``missing``.
+"""
 
 from __future__ import annotations
 
@@ -106,3 +111,17 @@ def warm_start_part(quick: bool) -> dict:
             "ratio_spread": spread(ratios),
             "first_request_after_ready_s": statistics.median(x["warm"]["first_request_s"] for x in rounds),
             "outputs_identical": identical}
+
+
+def main(argv=None) -> dict:
+    import sys
+
+    from benchmarks import mixed_traffic
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = "mixed_traffic_parts_quick" if "--quick" in argv else "mixed_traffic_parts"
+    return mixed_traffic.main(["--models", "", "--out", out, *argv])
+
+
+if __name__ == "__main__":
+    main()
