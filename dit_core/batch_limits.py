@@ -39,7 +39,8 @@ limit stayed at 2 and learned limits ran at 0.95 of a fixed limit of 8 (``benchm
 
 One exception looks at the rows waiting (``demand``: the rows of the key's live requests). A knee where rows
 per second go flat leaves a small last step when the demand is a little above the limit, and a small step
-costs more per row. So when the demand is itself a trusted count (within ``max_step_ms``), and that count was
+costs more per row. So when the demand is under twice the limit and is itself a trusted count (within
+``max_step_ms``), and that count was
 measured faster than the quickest way to serve the same rows in steps of at most the limit, the step takes
 them all. On the 256x256 small FLUX, 8 rows at once took 532 ms, against 395 + 153 ms for 6 then 2. Where
 rows per second fall past the knee, the steps of the limit stay quicker, and nothing changes.
@@ -60,7 +61,14 @@ under the limit keep being measured by the traffic, so the limit follows a machi
 
 Admission applies the limit to the step's running requests as well (those past it pause, keeping their
 state; the highest-priority ones keep running), so a refused exploration stops costing at once; a step
-always holds at least one request, and what a request computes never depends on its batch.
+always holds at least one request, and what a request computes never depends on its batch. Two exceptions
+keep a running batch whole, because pausing costs too (the paused requests finish apart from the rest, and
+the last of them run in a small step that costs more per row). Rows a higher limit admitted (not an
+exploration) keep running while their count is trusted and its rows per second are within ``KEEP_WITHIN``
+(5%) of the limit's: on a flat curve the limit moves between counts with the samples' noise (the 256x256
+small FLUX on a 2-core Zen 3: 3 to 8 rows within about 5% a row), and pausing on every move made tails a
+fixed limit never pays. And a step explores down only to a count at or above its running rows (it admits
+fewer; it pauses none), so it waits for a step where the running requests have finished.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ import threading
 from dataclasses import dataclass
 
 DEFAULT_THRESHOLD = 0.02  # see the module: 0.05 stopped compute-bound rows at 2 of 8
+KEEP_WITHIN = 0.05  # running rows past the limit keep running unless their rows per second are this much lower
 
 
 def bucket_of(model: str, row_tokens: int) -> tuple[str, int]:
@@ -100,6 +109,7 @@ class BatchLimits:
         self._ms: dict[tuple, dict[int, collections.deque]] = {}  # bucket -> rows -> last step times (ms)
         self._chances: collections.Counter = collections.Counter()  # (bucket, target) -> chances to explore it
         self._unit: dict[tuple, int] = {}  # bucket -> the rows of its smallest request, last seen
+        self._given: dict[tuple, int] = {}  # bucket -> the rows its last step was allowed (explorations aside)
         self._lock = threading.Lock()
 
     # ---- learning ----
@@ -114,6 +124,7 @@ class BatchLimits:
                     oldest = next(iter(self._ms))
                     del self._ms[oldest]
                     self._unit.pop(oldest, None)
+                    self._given.pop(oldest, None)
                 sizes = self._ms[bucket] = {}
             sizes.setdefault(rows, collections.deque(maxlen=self.window)).append(ms)
 
@@ -178,9 +189,12 @@ class BatchLimits:
 
     # ---- admission ----
 
-    def limit(self, bucket: tuple, demand: int | float = math.inf, unit: int = 1) -> Limit:
+    def limit(self, bucket: tuple, demand: int | float = math.inf, unit: int = 1, running: int = 0) -> Limit:
         """The rows ``bucket``'s next step may hold, and where it explores. ``demand``: the rows of its live
-        requests (a step can explore only below them); ``unit``: the rows of its smallest live request."""
+        requests (a step can explore only below them); ``unit``: the rows of its smallest live request;
+        ``running``: the rows of its running requests (a step explores down only to a count at or above
+        them, and keeps those a higher limit admitted when their count runs about as fast per row as the
+        limit: see ``_keeps``)."""
         times = self.times(bucket)
         unit = max(unit, 1)
         with self._lock:
@@ -189,23 +203,46 @@ class BatchLimits:
             return Limit(1)
         rows, down, up = self._targets(times, unit)
         with self._lock:
-            for target in (down if demand > down else 0, up if demand > rows else 0):
+            for target in (down if demand > down >= running else 0, up if demand > rows else 0):
                 if not target or (target != math.inf and self._chances[bucket, target] >= self.tries):
                     continue  # nothing there, or a midpoint no request could measure: that search ends
                 chances = self._chances[bucket, target] = self._chances[bucket, target] + 1
                 if len(self._chances) > 4 * self.max_buckets:  # bounded: forget the oldest
                     del self._chances[next(iter(self._chances))]
-                if chances % self.explore_every:
-                    return Limit(rows)
-                return Limit(target) if target < rows else Limit(rows, target)
-        return Limit(max(rows, self._all_at_once(times, rows, demand)))
+                if target < rows and not chances % self.explore_every:
+                    return Limit(target)  # (a step exploring down is allowed its target, not given it)
+                self._given[bucket] = rows
+                return Limit(rows) if chances % self.explore_every else Limit(rows, target)
+        rows = max(rows, self._all_at_once(times, rows, demand))
+        with self._lock:
+            given = self._given.get(bucket, 0)
+        kept = rows < running <= given and self._keeps(times, rows, running)
+        return self._give(bucket, Limit(running if kept else rows))
+
+    def _give(self, bucket: tuple, limit: Limit) -> Limit:
+        with self._lock:
+            self._given[bucket] = limit.rows
+        return limit
+
+    @staticmethod
+    def _keeps(times: dict[int, float], rows: int, running: int) -> bool:
+        """Whether ``running`` rows past the limit ``rows``, admitted under a higher limit (not by an
+        exploration), keep running: their count is trusted and its rows per second are within ``KEEP_WITHIN``
+        of the limit's. Pausing them costs too: their requests then finish apart, and the last ones run in a
+        small step that costs more per row. On a flat curve (the 256x256 small FLUX: 3 to 8 rows within about
+        5% a row) the limit moves between counts with the samples' noise, and pausing on each move made the
+        tails the fixed limit never pays."""
+        if running not in times:
+            return False
+        return running / times[running] >= (1 - KEEP_WITHIN) * rows / times[rows]
 
     def _all_at_once(self, times: dict[int, float], rows: int, demand: int | float) -> int:
-        """``demand`` when its rows are a trusted count (within ``max_step_ms``) measured faster than the
-        quickest way to serve them in steps of at most ``rows`` trusted rows each; else 0. Past a flat knee a
-        small last step costs more per row than one step of them all (e.g. 8 rows at 256x256: one step of 8
-        against 6 then 2)."""
-        if demand <= rows or demand not in times:
+        """``demand`` when it is under two steps of ``rows`` (one step and a smaller last one), its rows are a
+        trusted count (within ``max_step_ms``) measured faster than the quickest way to serve them in steps of
+        at most ``rows`` trusted rows each; else 0. Past a flat knee a small last step costs more per row than
+        one step of them all (e.g. 8 rows at 256x256: one step of 8 against 6 then 2). Over more steps a last
+        step's cost is a smaller share, while one step of them all would hold every row for longer."""
+        if not rows < demand < 2 * rows or demand not in times:
             return 0
         if self.max_step_ms is not None and times[demand] > self.max_step_ms:
             return 0

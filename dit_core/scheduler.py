@@ -111,7 +111,7 @@ class StepScheduler:
         self.policy.stepped()
         batch = [r for r in self.running if r.key == key]
         waiting = sorted((r for r in self.waiting if r.key == key), key=self.policy.priority)
-        bucket, learned = self._learned(key, batch + waiting)
+        bucket, learned = self._learned(key, batch + waiting, sum(r.rows for r in batch))
         bound = learned.bound  # rows: the learned limit, or how far this step explores past it
         # running requests past the policy's limit or the learned rows pause this step (oldest first keep running)
         if len(batch) > limit or sum(r.rows for r in batch) > bound:
@@ -137,13 +137,14 @@ class StepScheduler:
             req.metrics.first_scheduled = now
         return StepBatch(key=key, requests=batch + new, new_requests=new, bucket=bucket), events
 
-    def _learned(self, key: tuple, requests: list[Request]) -> tuple[tuple | None, Limit]:
+    def _learned(self, key: tuple, requests: list[Request], running: int) -> tuple[tuple | None, Limit]:
         """The bucket of ``key``'s step (its model, its largest row's tokens: ``dit_core.batch_limits``)
         and the rows it learned; decode-only steps and engines without learning have no limit."""
         if self.limits is None or not requests or key[-len(DECODE):] == DECODE:
             return None, NO_LIMIT
         bucket = bucket_of(key[0], max(r.tokens // max(r.rows, 1) for r in requests))
-        return bucket, self.limits.limit(bucket, sum(r.rows for r in requests), min(r.rows for r in requests))
+        return bucket, self.limits.limit(bucket, sum(r.rows for r in requests), min(r.rows for r in requests),
+                                         running)
 
     def learn(self, batch: StepBatch, out: RunnerOutput) -> None:
         """Teach the learned limits this step's forward time (steps that failed a request, skipped rows in

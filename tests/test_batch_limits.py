@@ -270,3 +270,38 @@ def test_counts_compare_over_as_many_samples_each():
     assert limits.times(bucket) == {4: 121, 8: 205}  # each the minimum of its last two
     assert BatchLimits.gain(4, 100, 8, 205) < DEFAULT_THRESHOLD <= BatchLimits.gain(4, 121, 8, 205)
     assert limits.snapshot()[0]["limit_rows"] == 8
+
+
+# per row: 110, 100, 98, 97 and 110 ms at 2, 4, 6, 8 and 10 rows: rows per second rise up to 8 (the limit)
+FLAT = {2: 220.0, 4: 400.0, 6: 588.0, 8: 776.0, 10: 1100.0}
+
+
+def test_rows_a_higher_limit_admitted_keep_running_when_noise_moves_the_limit():
+    limits, b = learned(FLAT), ("m", 512)
+    assert limits.limit(b, demand=16, unit=2) == Limit(8)
+    for _ in range(2):  # 8 rows now measure 102 ms a row: no gain over 6, so the limit moves to 6 ...
+        limits.observe(b, 8, 816.0)
+    assert limits.snapshot()[0]["limit_rows"] == 6
+    assert limits.limit(b, demand=16, unit=2) == Limit(6)  # ... which new steps admit up to
+    limits._given[b] = 8  # (as if the step before had been allowed 8: the limit just moved)
+    # 8 running rows within 5% of 6 rows' rows per second keep running: pausing two would leave a small step
+    assert limits.limit(b, demand=16, unit=2, running=8) == Limit(8)
+    for _ in range(2):  # 110 ms a row at 8: 10% fewer rows per second than at 6: two rows pause
+        limits.observe(b, 8, 880.0)
+    limits._given[b] = 8
+    assert limits.limit(b, demand=16, unit=2, running=8) == Limit(6)
+
+
+def test_rows_an_exploration_admitted_pause_when_it_is_refused():
+    limits, b = learned({**FLAT, 8: 816.0}), ("m", 512)
+    assert limits.limit(b, demand=16, unit=2) == Limit(6)  # (no gap left to explore in steps of 2 rows)
+    # 8 rows ran only as an exploration above the limit of 6: refused, they pause even within 5%
+    assert limits.limit(b, demand=16, unit=2, running=8) == Limit(6)
+
+
+def test_a_step_explores_down_only_where_no_running_request_would_pause():
+    limits, b = learned({1: 120.0, 4: 400.0, 8: 760.0}), ("m", 512)
+    assert limits.snapshot()[0]["limit_rows"] == 8  # reached from 4: the rows between were never measured
+    # (8 rows live: nothing above the limit to explore)
+    assert limits.limit(b, demand=8, running=8) == Limit(8)  # 8 running: exploring down would pause two
+    assert limits.limit(b, demand=8, running=0) == Limit(6)  # none running: the step admits 6, measuring them
