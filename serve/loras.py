@@ -125,7 +125,9 @@ class LoraHost:
 
     def preload(self, specs) -> None:
         """Load ``ServeSettings.loras`` (``--lora [MODEL/]NAME=PATH[@TRANSFORMERS]``: (model, name, path,
-        transformers)) at start: an error stops the start."""
+        transformers)) at start: an error stops the start, named by its ``--lora``."""
+        from .cli_lora import lora_flag
+
         for model, name, path, transformers in specs:
             if model is None:
                 takers = [m for m, f in self.engine.models.items() if getattr(f, "adapters", None) is not None]
@@ -133,7 +135,8 @@ class LoraHost:
                     raise InvalidParamError("--lora", f"{name}={path}", f"MODEL/NAME=PATH naming one of the models "
                                                                         f"that take adapters: {takers}")
                 model = takers[0]
-            self.engine.load_lora(name, path, model, transformers=transformers)
+            with lora_flag(name):
+                self.engine.load_lora(name, path, model, transformers=transformers)
 
     def sync(self, entries) -> None:
         """Make this engine hold what the cluster's record holds (``serve.lora_sync.LoraRecord`` entries:

@@ -104,6 +104,11 @@ def test_load_list_use_and_unload(server, client):
     assert entry["path"] == "a/pytorch_lora_weights.safetensors" and entry["layers"] > 10
     assert entry["bytes"] == sum(4 * 4 * (n.in_features + n.out_features) for n in _targets(server, "a"))
     assert listed(server)[("flux", "a")] == entry
+    only = lambda model: httpx.get(f"{server.url}/v1/loras", params={"model": model}, timeout=30)  # noqa: E731
+    assert only("flux").json()["data"] == [a for a in listed(server).values() if a["model"] == "flux"]
+    assert only("clips").status_code == 200 and ("flux", "a") not in {(a["model"], a["name"])
+                                                                        for a in only("clips").json()["data"]}
+    assert_error(only("nope"), 404, "model", "model_not_found")
     try:
         plain = generate(client)
         adapted = generate(client, [{"name": "a", "scale": 0.7}])
@@ -372,6 +377,9 @@ def test_generate_cli_applies_lora_files(server, tiny_models, lora_dir, tmp_path
     capsys.readouterr()
     assert cli_main(argv[:-1] + ["a"]) == 2  # no =PATH
     assert "--lora" in capsys.readouterr().err
+    assert cli_main(argv[:-1] + [f"a={tmp_path / 'none.safetensors'}"]) == 2  # no such file: named by its flag
+    err = capsys.readouterr().err
+    assert "--lora a: " in err and "none.safetensors: no such file" in err, err
 
 
 def test_image_edits_take_the_lora_field(server, client):

@@ -63,18 +63,21 @@ def _merged(per_replica: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-@router.get("/v1/loras")
-async def list_loras(request: Request):
+@router.get("/v1/loras", responses=errors(400, 404))
+async def list_loras(request: Request, model: str | None = None):
     """The adapters loaded, per model: name, file (relative to --lora-dir), rank, layers, bytes and in_use
-    (live requests holding it). On Ray Serve replicas: merged (``replicas``: how many hold it) and each
-    replica's own list under ``replicas``."""
+    (live requests holding it); ``?model=`` lists one model's (404 for a model not served, 400 for one that
+    takes no adapters). On Ray Serve replicas: merged (``replicas``: how many hold it) and each replica's own
+    list under ``replicas``."""
     state = request.app.state
+    only = lora_model(state, model) if model is not None else None
+    shown = lambda a: only is None or a["model"] == only  # noqa: E731 - (engine model names, before public ids)
     found = await state.client.lora_list()
-    per = [{"replica": r["replica"], "data": [_entry(state, a) for a in r["data"]]} for r in found]
+    per = [{"replica": r["replica"], "data": [_entry(state, a) for a in r["data"] if shown(a)]} for r in found]
     if all(r["replica"] is None for r in per):  # the in-process engine
         return {"object": "list", "data": [a for r in per for a in r["data"]]}
-    for shown, r in zip(per, found):  # adapters this replica should hold (loaded before it started) but lacks
-        shown["failed"] = [_failure(state, f) for f in r.get("failed", [])]
+    for listing, r in zip(per, found):  # adapters this replica should hold (loaded before it started) but lacks
+        listing["failed"] = [_failure(state, f) for f in r.get("failed", []) if shown(f)]
     return {"object": "list", "data": _merged(per), "replicas": per}
 
 
