@@ -7,7 +7,7 @@ refused (``FileTooLarge``); the route checks a response's worst-case size before
 request whose images could not all be kept is refused up front with a 400.
 
 Each file belongs to the owner of the API key that made it (``serve.auth``; None on a server without
-keys): ``get`` with another owner finds nothing, as if the file did not exist.
+keys): ``get`` and ``delete`` with another owner find nothing, as if the file did not exist.
 """
 
 from __future__ import annotations
@@ -56,6 +56,17 @@ class FileStore:
             self._expire()
             item = self._items.get(file_id)
         return None if item is None or item[3] != owner else (item[1], item[2])
+
+    def delete(self, file_id: str, owner: str | None = None) -> bool:
+        """Drop a file ``owner`` stored; False if it is missing, expired or another's (then nothing changes)."""
+        with self._lock:
+            self._expire()
+            item = self._items.get(file_id)
+            if item is None or item[3] != owner:
+                return False
+            del self._items[file_id]
+            self.bytes -= len(item[1])
+            return True
 
     def owned_by(self, owner: str | None) -> "OwnedFiles":
         """A view whose ``put`` stores files as ``owner``'s (what a request's encoder is handed)."""

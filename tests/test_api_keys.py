@@ -89,6 +89,11 @@ def test_a_key_s_video_jobs_and_files_are_its_own(keyed):
         missing = httpx.get(file_url[:-4] + "zzzz", headers={"Authorization": f"Bearer {key}"})
         assert_error(theirs, 404, "file_id", "file_not_found")
         assert_error(missing, 404, "file_id", "file_not_found")  # the same answer as for no file at all
+        file_id = file_url.rsplit("/", 1)[1]
+        with pytest.raises(openai.NotFoundError):  # nor may another key read it at OpenAI's path, or delete it
+            other.files.content(file_id)
+        with pytest.raises(openai.NotFoundError):
+            other.files.delete(file_id)
 
     # A still has all of it (B's delete deleted nothing); alice's other key (the same NAME) too
     for mine in (a, a2):

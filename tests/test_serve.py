@@ -47,6 +47,15 @@ def test_url_response_format_serves_the_file(live):
     image = httpx.get(url)
     assert image.headers["content-type"] == "image/png" and Image.open(io.BytesIO(image.content)).size == (32, 32)
     assert_error(httpx.get(f"{live.url}/v1/files/file-nope"), 404, "file_id", "file_not_found")
+    # OpenAI's Files API paths, through the openai client: the content, then a delete, after which it is gone
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused")
+    file_id = url.rsplit("/", 1)[1]
+    assert client.files.content(file_id).content == image.content
+    deleted = client.files.delete(file_id)
+    assert deleted.id == file_id and deleted.deleted
+    assert_error(httpx.get(url), 404, "file_id", "file_not_found")
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(file_id)
 
 
 def prompt_cache_misses(live) -> float:

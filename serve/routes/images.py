@@ -77,11 +77,30 @@ async def generate(request: Request, body: ImageRequestFields, model: str, param
 
 @router.get("/v1/files/{file_id}", responses=errors(404))
 async def get_file(file_id: str, request: Request):
+    """The bytes of an image answered as ``url`` (the URL itself)."""
     item = request.app.state.files.get(file_id, owner_of(request))  # another key's file: 404
     if item is None:
-        raise APIError(404, f"file {file_id!r} does not exist or has expired", "not_found_error", "file_id",
-                       "file_not_found")
+        raise _no_file(file_id)
     return Response(content=item[0], media_type=item[1])
+
+
+@router.get("/v1/files/{file_id}/content", responses=errors(404))
+async def get_file_content(file_id: str, request: Request):
+    """The same bytes at OpenAI's Files API path (the ``openai`` client's ``files.content(file_id)``)."""
+    return await get_file(file_id, request)
+
+
+@router.delete("/v1/files/{file_id}", responses=errors(404))
+async def delete_file(file_id: str, request: Request):
+    """Drop an image answered as ``url`` before it expires (the ``openai`` client's ``files.delete``)."""
+    if not request.app.state.files.delete(file_id, owner_of(request)):  # another key's file: 404
+        raise _no_file(file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+def _no_file(file_id: str) -> APIError:
+    return APIError(404, f"file {file_id!r} does not exist or has expired", "not_found_error", "file_id",
+                    "file_not_found")
 
 
 def _check_file_store_fits(client, model: str, params, settings) -> None:
