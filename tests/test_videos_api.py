@@ -58,6 +58,9 @@ def test_json_body_num_frames_and_sync_mp4(live, client):
     job = httpx.post(live.url + "/v1/videos", json={"prompt": "waves", "size": "32x32", "num_frames": 5, **FAST})
     assert job.status_code == 200 and job.json()["status"] in ("queued", "in_progress")
     assert job.json()["seconds"] == "0.3125"  # 5 frames at the model's 16 fps
+    # OpenAI's API sends seconds as a string ("4"): in JSON too it is that number
+    job = httpx.post(live.url + "/v1/videos", json={"prompt": "waves", "size": "32x32", "seconds": "0.3125", **FAST})
+    assert job.status_code == 200 and job.json()["seconds"] == "0.3125", job.text
     wait_idle(live)
 
 
@@ -121,6 +124,9 @@ def test_a_failing_job_reports_its_error(client, live, monkeypatch):
     ({"seconds": 0}, "seconds"),
     ({"seconds": -2}, "seconds"),
     ({"seconds": 1000}, "seconds"),
+    ({"seconds": "nan"}, "seconds"),  # (once a 500: the frame count rounded a NaN)
+    ({"seconds": "inf"}, "seconds"),
+    ({"seconds": "four"}, "seconds"),
     ({"model": "sora-2"}, "model"),
     ({"steps": 3}, "steps"),
     ({"guidance_scale": -1}, "guidance_scale"),

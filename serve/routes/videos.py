@@ -28,7 +28,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.video import as_uint8, encode_mp4
@@ -77,7 +77,9 @@ class VideoCreateRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    seconds: float | None = Field(None, description="clip length; with fps it sets the frame count")
+    seconds: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                  description='clip length; with fps it sets the frame count. A number, or a '
+                                              'string of one as OpenAI\'s API sends it ("4")')
     size: str | None = Field(None, description='"WIDTHxHEIGHT", e.g. "832x480"')
     user: str | None = None
     # extensions
@@ -94,6 +96,18 @@ class VideoCreateRequest(BaseModel):
     lora: LoraList = None
     input_reference: ImageReference | None = Field(
         None, description="image-to-video models: the first frame; in a multipart body an image file")
+
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds_as_text(cls, value):
+        """OpenAI's Videos API types ``seconds`` as a string ("4", "8", "12"): a JSON string holding a number
+        is that number (a form's values are all strings anyway)."""
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError('expected a number of seconds, e.g. 4 or "4"') from None
+        return value
 
 
 def parse_size(size: str | None) -> tuple[int | None, int | None]:
