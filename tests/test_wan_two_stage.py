@@ -10,6 +10,7 @@ adapters batched across the boundary get what they get alone, and POST /v1/loras
 import dataclasses
 import functools
 import json
+import re
 import shutil
 
 import pytest
@@ -418,12 +419,13 @@ def test_cli_lora_chooses_the_transformers(models, lora_files):
 
     # a load's own error, named by the --lora that asked for it (its class kept)
     missing = b + ".none"
-    with pytest.raises(AdapterError, match=f"^--lora m: {missing}: no such file"):
+    with pytest.raises(AdapterError, match=f"^--lora m: {re.escape(missing)}: no such file"):
         LoraHost(engine).preload([("wan", "m", missing, None)])
     with pytest.raises(AdapterTransformersError, match="^--lora t: .*transformer_3"):
         LoraHost(engine).preload([("wan", "t", b, ["transformer_3"])])
-    with pytest.raises(AdapterError, match=f"^--lora g2: {missing}: no such file"):
+    with pytest.raises(AdapterError, match=f"^--lora g2: {re.escape(missing)}: no such file"):
         load_generate_loras(engine, argparse.Namespace(lora=[f"g2={missing}"], max_loras=None))
+
 
 def test_bad_guidance_scale_2_names_the_field(engines, wan_tiny):
     with pytest.raises(InvalidParamError) as e:  # CFG follows guidance_scale, as in diffusers: it would be ignored
