@@ -130,8 +130,12 @@ class AsyncEngine:
                 self.abort(rid, "client went away")
 
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None, model: str | None = None) -> RequestOutput:
-        """Run one request to completion; raises RequestFailedError / RequestAbortedError."""
+                       request_id: str | None = None, model: str | None = None, **misplaced) -> RequestOutput:
+        """Run one request to completion; raises RequestFailedError / RequestAbortedError. Inputs such as
+        ``image`` are ``SamplingParams`` fields (given here: a TypeError saying so)."""
+        from .engine import check_no_params_fields
+
+        check_no_params_fields("generate", misplaced)
         rid, events = await self.submit_async(prompt, params, request_id, model=model)
         return (await until_final(rid, self.events(rid, events))).output
 

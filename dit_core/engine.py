@@ -347,13 +347,16 @@ class Engine:
     # ---- convenience ----
 
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None,
-                 model: str | None = None) -> list:
+                 model: str | None = None, **misplaced) -> list:
         """Run ``prompts`` to completion and return their outputs (images for an image model), in
-        prompt order (``num_outputs`` each). With a seed, prompt i uses ``seed + i``."""
+        prompt order (``num_outputs`` each). With a seed, prompt i uses ``seed + i``. Inputs such as
+        ``image``, ``mask`` and ``strength`` are ``SamplingParams`` fields (given here: a TypeError saying so)."""
+        check_no_params_fields("generate", misplaced)
         return [img for out in self.generate_outputs(prompts, params, model) for img in out.outputs]
 
     def generate_outputs(self, prompts: str | list[str], params: SamplingParams | None = None,
-                         model: str | None = None) -> list[RequestOutput]:
+                         model: str | None = None, **misplaced) -> list[RequestOutput]:
+        check_no_params_fields("generate_outputs", misplaced)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -392,6 +395,19 @@ class Engine:
             if ev.kind == EventKind.ABORTED:
                 raise RequestAbortedError(req.id, ev.error)
         return [finals[r.id].output for r in requests]
+
+
+def check_no_params_fields(method: str, misplaced: dict) -> None:
+    """Keywords a generate call does not take: a TypeError, as for any unknown keyword, that says where a
+    ``SamplingParams`` field goes (``generate(prompt, SamplingParams(image=img, strength=0.6))``)."""
+    if not misplaced:
+        return
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    name = next(iter(misplaced))
+    if name in fields:
+        raise TypeError(f"{method}() takes no {name!r}: it is a SamplingParams field, e.g. "
+                        f"{method}(prompt, SamplingParams({name}=..., ...))")
+    raise TypeError(f"{method}() got an unexpected keyword argument {name!r}")
 
 
 def check_option_names(options: dict) -> None:

@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,20 @@ def test_empty_prompt_list_and_non_string_prompt(engines):
         engine.generate([], params())
     with pytest.raises(InvalidParamError, match="prompt"):
         engine.add_request(42, params())
+
+
+def test_an_input_given_to_generate_says_it_is_a_sampling_params_field(engines):
+    """``generate(prompt, params, image=img)`` (the shape a user might guess) is a TypeError, as any unknown
+    keyword is, that says where the input goes; an unknown keyword stays Python's own message."""
+    engine = engines("sd3")
+    for call in (engine.generate, engine.generate_outputs):
+        with pytest.raises(TypeError, match=r"takes no 'image': it is a SamplingParams field, e\.g\. "):
+            call("a cat", params(), image=np.zeros((32, 32, 3), np.uint8))
+        with pytest.raises(TypeError, match="takes no 'strength'"):
+            call("a cat", params(), strength=0.5)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+            call("a cat", params(), colour="red")
+    assert not engine.scheduler.waiting and not engine.scheduler.running  # nothing was queued
 
 
 def test_request_too_large_for_the_step_budget(tiny_models):
