@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 
 from .engine import Engine, actions_result, require_policy
 from .errors import EngineDeadError, InvalidParamError, RequestAbortedError, failed_error
+from .keyword_checks import check_no_params_fields
 from .params import SamplingParams
 from .request import EventKind, RequestEvent, RequestOutput
 
@@ -133,8 +134,6 @@ class AsyncEngine:
                        request_id: str | None = None, model: str | None = None, **misplaced) -> RequestOutput:
         """Run one request to completion; raises RequestFailedError / RequestAbortedError. Inputs such as
         ``image`` are ``SamplingParams`` fields (given here: a TypeError saying so)."""
-        from .engine import check_no_params_fields
-
         check_no_params_fields("generate", misplaced)
         rid, events = await self.submit_async(prompt, params, request_id, model=model)
         return (await until_final(rid, self.events(rid, events))).output

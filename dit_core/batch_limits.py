@@ -215,14 +215,10 @@ class BatchLimits:
                 return Limit(rows) if chances % self.explore_every else Limit(rows, target)
         rows = max(rows, self._all_at_once(times, rows, demand))
         with self._lock:
-            given = self._given.get(bucket, 0)
-        kept = rows < running <= given and self._keeps(times, rows, running)
-        return self._give(bucket, Limit(running if kept else rows))
-
-    def _give(self, bucket: tuple, limit: Limit) -> Limit:
-        with self._lock:
-            self._given[bucket] = limit.rows
-        return limit
+            if rows < running <= self._given.get(bucket, 0) and self._keeps(times, rows, running):
+                rows = running
+            self._given[bucket] = rows
+        return Limit(rows)
 
     @staticmethod
     def _keeps(times: dict[int, float], rows: int, running: int) -> bool:

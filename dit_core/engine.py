@@ -24,6 +24,7 @@ from . import cpu_gelu, cpu_linear, invariant_linear
 from .config import EngineConfig
 from .errors import InvalidParamError, RequestAbortedError, failed_error
 from .families import Family, load_family
+from .keyword_checks import check_no_params_fields, check_option_names
 from .loading import component_loader
 from .offloading import after_loading, apply_offload, offload_loader, release_offload
 from .params import SamplingParams, check_params
@@ -395,32 +396,6 @@ class Engine:
             if ev.kind == EventKind.ABORTED:
                 raise RequestAbortedError(req.id, ev.error)
         return [finals[r.id].output for r in requests]
-
-
-def check_no_params_fields(method: str, misplaced: dict) -> None:
-    """Keywords a generate call does not take: a TypeError, as for any unknown keyword, that says where a
-    ``SamplingParams`` field goes (``generate(prompt, SamplingParams(image=img, strength=0.6))``)."""
-    if not misplaced:
-        return
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    name = next(iter(misplaced))
-    if name in fields:
-        raise TypeError(f"{method}() takes no {name!r}: it is a SamplingParams field, e.g. "
-                        f"{method}(prompt, SamplingParams({name}=..., ...))")
-    raise TypeError(f"{method}() got an unexpected keyword argument {name!r}")
-
-
-def check_option_names(options: dict) -> None:
-    """A misspelt engine option is a TypeError (as for any unknown keyword) that says what was meant."""
-    import dataclasses
-    import difflib
-
-    known = [f.name for f in dataclasses.fields(EngineConfig)]
-    for name in options:
-        if name not in known:
-            close = difflib.get_close_matches(str(name), known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else "; the options are EngineConfig's fields"
-            raise TypeError(f"unknown engine option {name!r}{hint} (docs/reference/configuration.md)")
 
 
 def load_engine(paths: dict[str, str | Path], options: dict | None = None, thinkers: dict | None = None,

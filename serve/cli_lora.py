@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import os
 from pathlib import Path
 
@@ -93,24 +91,13 @@ def generate_loras(args) -> list[tuple[str, str, float, str | list | None]]:
 
 def load_generate_loras(engine, args) -> tuple:
     """Load the ``--lora`` files into ``engine``; the requests' ``SamplingParams.loras``."""
+    from .loras import lora_flag
+
     specs = generate_loras(args)
     for name, path, _, transformers in specs:
         with lora_flag(name):
             engine.load_lora(name, path, transformers=transformers)
     return tuple((name, scale) for name, _, scale, _ in specs)
-
-
-@contextlib.contextmanager
-def lora_flag(name: str):
-    """A LoRA load's error, named by the ``--lora`` flag that asked for it (the message names the file)."""
-    from dit_core.adapters.files import AdapterError
-
-    try:
-        yield
-    except AdapterError as e:
-        named = copy.copy(e)  # (its class and fields kept: e.g. AdapterTransformersError)
-        named.args = (f"--lora {name}: {e}", *e.args[1:])
-        raise named from None
 
 
 def serve_lora_settings(args) -> dict:

@@ -16,6 +16,7 @@ that loads, unloads and lists them (the routes are in serve/routes/loras.py).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import secrets
@@ -126,8 +127,6 @@ class LoraHost:
     def preload(self, specs) -> None:
         """Load ``ServeSettings.loras`` (``--lora [MODEL/]NAME=PATH[@TRANSFORMERS]``: (model, name, path,
         transformers)) at start: an error stops the start, named by its ``--lora``."""
-        from .cli_lora import lora_flag
-
         for model, name, path, transformers in specs:
             if model is None:
                 takers = [m for m, f in self.engine.models.items() if getattr(f, "adapters", None) is not None]
@@ -252,6 +251,18 @@ def _kind(e: AdapterError) -> str:
     if isinstance(e, AdapterTransformersError):
         return "bad_transformers"
     return "bad_file"
+
+
+@contextlib.contextmanager
+def lora_flag(name: str):
+    """A LoRA load's error, named by the ``--lora`` flag that asked for it (the message names the file): at
+    ``omnidit serve``'s start (``LoraHost.preload``) and in ``omnidit generate``."""
+    try:
+        yield
+    except AdapterError as e:
+        named = copy.copy(e)  # (its class and fields kept: e.g. AdapterTransformersError)
+        named.args = (f"--lora {name}: {e}", *e.args[1:])
+        raise named from None
 
 
 def lora_model(state, requested: str | None) -> str:
