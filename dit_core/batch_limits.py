@@ -12,10 +12,18 @@ and rows within a factor of two of each other share what was learned.
 
 What is measured: the forward and the sampler steps of each step (``RunnerOutput.forward_ms``: not the
 prompt encoding of requests joining, nor the decode of those leaving), against its rows; steps where a
-request failed, a step cache skipped rows or only decodes ran teach nothing. A row count's time is the
-minimum of its last ``window`` samples (load from other processes only ever adds time), trusted once it
-has ``samples`` of them (the first call at a new batch size often pays one-time costs); counts are compared
-over as many samples each (the fewest any trusted count has), since the minimum of more samples is lower.
+request failed, a step cache skipped rows or only decodes ran teach nothing, and neither does the first
+step at a row count (it pays one-time costs: the CPU GEMMs' primitives for a new row count, the
+allocator's new buffers; 554 ms against 412 after it for 4 rows at 256x256). A row count's time is the
+median of its last ``window`` samples, trusted once it has ``samples`` of them; counts are compared over as
+many samples each (the fewest any trusted count has).
+
+Why the median and not the minimum (which ignores load from other processes): the minimum of a few samples
+favours the counts whose times vary most. On the 256x256 small FLUX (2-core Zen 3, 2026-12-06) the
+minimum made 5 rows the limit (a lucky 452 ms: 90 ms a row, against 755 ms at 8 rows, 94) while the steps
+of 5 rows took 99-110 ms a row in the rounds, and 8 rows 90-98; the learned engine ran at 0.94 of a fixed
+limit of 8 (per round, in one process). With the median it settled on 8 after two rounds and ran at
+0.996-1.03 of the fixed limit (one-off traces, ``.devscratch/ab256.py``, not a benchmark).
 
 The rule, with ``t(r)`` that time at ``r`` rows: the gain of going from ``a`` to ``b`` rows is
 
@@ -75,6 +83,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 import threading
 from dataclasses import dataclass
 
@@ -126,16 +135,20 @@ class BatchLimits:
                     self._unit.pop(oldest, None)
                     self._given.pop(oldest, None)
                 sizes = self._ms[bucket] = {}
-            sizes.setdefault(rows, collections.deque(maxlen=self.window)).append(ms)
+            samples = sizes.get(rows)
+            if samples is None:  # the first step at a new count pays one-time costs: it teaches nothing
+                sizes[rows] = collections.deque(maxlen=self.window)
+                return
+            samples.append(ms)
 
     def times(self, bucket: tuple) -> dict[int, float]:
-        """Trusted row counts of ``bucket`` -> their step time (ms), ascending: each the minimum of its last
-        ``n`` samples, ``n`` the fewest any trusted count has, so counts compare like with like (the minimum of
-        more samples is lower, and the counts the traffic keeps running gather more than those explored)."""
+        """Trusted row counts of ``bucket`` -> their step time (ms), ascending: each the median of its last
+        ``n`` samples, ``n`` the fewest any trusted count has, so counts compare like with like (the counts the
+        traffic keeps running gather more samples than those explored)."""
         with self._lock:
             sizes = {r: list(d) for r, d in sorted(self._ms.get(bucket, {}).items()) if len(d) >= self.samples}
         n = min((len(d) for d in sizes.values()), default=0)
-        return {r: min(d[-n:]) for r, d in sizes.items()}
+        return {r: statistics.median(d[-n:]) for r, d in sizes.items()}
 
     @staticmethod
     def gain(a: int, ta: float, b: int, tb: float) -> float:
