@@ -13,6 +13,25 @@ import torch
 DEFAULT_FPS = 16  # Wan 2.1's frame rate
 
 
+def frame_count(seconds: float, fps: int, step: int, base: int | None = None, most: int = 1024) -> int:
+    """The frame count of ``seconds`` at ``fps`` the model can make, nearest: ``base`` + ``step`` j
+    (``base`` defaults to ``step`` + 1, Wan's 4 k + 1 from 5 on), at most ``most`` (a model's ``max_frames``;
+    1024 at most)."""
+    from .errors import InvalidParamError
+
+    if seconds <= 0:
+        raise InvalidParamError("seconds", seconds, "a positive number of seconds")
+    base = step + 1 if base is None else base
+    j = round((seconds * fps - base) / step)
+    frames = base + step * j
+    most = min(most, 1024)
+    if j < 0 or frames > most:
+        lo, hi = base / fps, (base + step * ((most - base) // step)) / fps
+        raise InvalidParamError("seconds", seconds, f"from {lo:g} to {hi:g} seconds at {fps} fps (the model makes "
+                                                    f"{base} + {step} j frames, j >= 0, at most {most})")
+    return frames
+
+
 def as_uint8(video) -> np.ndarray:
     """One video in any output type (a list of PIL frames, [F, H, W, 3] floats in [0, 1], or a
     [F, 3, H, W] tensor) -> a uint8 array [F, H, W, 3]."""

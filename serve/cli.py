@@ -1,5 +1,6 @@
 """The ``omnidit`` command line: ``generate`` and ``serve`` (the engine flags are in
-``cli_engine_args``, the training commands in ``cli_train``, the model tools in ``cli_tools``)."""
+``cli_engine_args``, ``generate``'s work in ``cli_generate``, the training commands in ``cli_train``, the
+model tools in ``cli_tools``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_engine_args import add_engine_args, engine_kwargs, names_a_model, parse_size, resolve_model
+from .cli_engine_args import add_engine_args, engine_kwargs, resolve_model  # noqa: F401 (engine_kwargs: tests)
 from .cli_errors import as_flag, name_flags
+from .cli_generate import cmd_generate
 from .cli_help import DOCS, group_flags
-from .cli_lora import add_generate_lora_args, add_serve_lora_args, load_generate_loras, serve_lora_settings
+from .cli_lora import add_generate_lora_args, add_serve_lora_args, serve_lora_settings
 from .cli_tools import add_model_tools
 from .cli_train import add_training_commands
 from .quiet import quiet_third_party
@@ -83,11 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
     gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
     gen.add_argument("--frames", type=int, default=None,
-                     help="video models: frames per clip (Wan: 4k + 1; default: the model's)")
-    gen.add_argument("--fps", type=int, default=16, help="video models: frame rate of the MP4 (default 16)")
+                     help="video models: frames per clip (Wan: 4k + 1; default: the model's, or --seconds')")
+    gen.add_argument("--fps", type=int, default=None,
+                     help="video models: frame rate of the clip (default: the model's, 16 for Wan 2.1; the "
+                          "embedded digits_video: 8)")
     gen.add_argument("--num-outputs", type=int, default=1, help="images (or clips) per prompt (default 1)")
     gen.add_argument("--seconds", type=float, default=None,
-                     help="audio models: clip length in seconds (default: the model's maximum)")
+                     help="audio models: clip length in seconds (default: the model's maximum); video models: "
+                          "the clip's length, as the frame count nearest seconds x --fps the model makes (as "
+                          "POST /v1/videos reads seconds; not with --frames)")
     gen.add_argument("--voice", default=None,
                      help="text-to-speech models (the embedded tts): the voice, e.g. adam or eve (default: the "
                           "model's first; GET /v1/audio/voices lists them)")
@@ -222,184 +228,6 @@ def build_parser() -> argparse.ArgumentParser:
         name_flags(command, name)
     parser.epilog = f"Every command and flag in full: {DOCS}."
     return parser
-
-
-def cmd_generate(args) -> int:
-    from dit_core import Engine
-    from dit_core.errors import InvalidParamError
-
-    if args.model is None and len(args.prompt) > 1 and names_a_model(args.prompt[0]):
-        args.model, args.prompt = args.prompt[0], args.prompt[1:]
-    width, height = parse_size(args.size)
-    if args.output is not None and not Path(args.output).parent.is_dir():  # before any work, not after it
-        raise InvalidParamError("--output", args.output, "a file in a folder that exists")
-    args.image_inputs = read_image_inputs(args)  # (--image, --mask: a bad file fails before the model loads)
-    engine = Engine.from_pretrained(resolve_model(args.model), **engine_kwargs(args))
-    try:
-        args.loras = load_generate_loras(engine, args)  # (--lora: the requests' SamplingParams.loras)
-        return _generate(engine, args, height, width)
-    finally:
-        engine.close()  # parallel workers, a vLLM thinker
-
-
-def _generate(engine, args, height: int | None, width: int | None) -> int:
-    from tqdm import tqdm
-
-    from dit_core import EventKind, SamplingParams
-    from dit_core.video import write_video
-
-    kind = engine.family.output_kind
-    if kind == "actions":
-        from dit_core.errors import InvalidParamError
-
-        raise InvalidParamError("model", args.model or engine.model_name(None),
-                                "an image, video or audio model: an action policy acts on observations, not on a "
-                                "prompt (omnidit run-episode runs it in its simulated task; omnidit serve serves "
-                                "it over the OpenPI socket)")
-    out = output_path(kind, args.output)
-    speech = getattr(engine.family, "talker", None) is not None  # text-to-speech: the talker, then the audio DiT
-    _check_flags_apply(args, speech)
-    if speech:
-        return _speak(engine, args, out)
-    image, mask = args.image_inputs
-    ids = []
-    for i, prompt in enumerate(args.prompt):
-        params = SamplingParams(height=height, width=width, num_inference_steps=args.steps,
-                                image=image, mask=mask, strength=args.strength,
-                                audio_end_in_s=args.seconds,
-                                seed=None if args.seed is None else args.seed + i,
-                                guidance_scale=args.guidance, guidance_scale_2=args.guidance_2,
-                                true_cfg_scale=args.true_cfg,
-                                negative_prompt=args.negative_prompt, num_outputs=args.num_outputs,
-                                num_frames=args.frames, loras=args.loras)
-        ids.append(engine.add_request(prompt, params))
-    total = sum(engine.get_request(r).total_steps for r in ids)
-    outputs = {}
-    with tqdm(total=total, unit="step", desc="denoising") as bar:
-        while engine.has_unfinished():
-            for ev in engine.step():
-                if ev.kind == EventKind.STEP:
-                    bar.update(1)
-                elif ev.kind == EventKind.FINISHED:
-                    bar.update(1)
-                    outputs[ev.request_id] = ev.output
-                elif ev.kind.final:
-                    print(f"omnidit: request {ev.request_id} {ev.kind.value}: {ev.error}", file=sys.stderr)
-                    return 1
-    images = [img for rid in ids for img in outputs[rid].outputs]
-    for i, img in enumerate(images):
-        path = numbered(out, i, len(images))
-        if kind == "video":
-            write_video(path, img, fps=args.fps)
-        else:
-            img.save(path)
-        print(path)
-    print(f"seeds: {[outputs[rid].seed for rid in ids]}", file=sys.stderr)
-    return 0
-
-
-def _image_suffixes() -> set[str]:
-    """The file suffixes PIL can write an image to."""
-    import PIL.Image
-
-    PIL.Image.init()
-    return {ext for ext, fmt in PIL.Image.registered_extensions().items() if fmt in PIL.Image.SAVE}
-
-
-def _video_suffixes() -> set[str]:
-    from dit_core.video import VIDEO_SUFFIXES
-
-    return set(VIDEO_SUFFIXES)
-
-
-def _audio_suffixes() -> set[str]:
-    """The formats ``Waveform.save`` writes (and .ogg, which it writes as Opus)."""
-    from dit_core.audio.waveform import FORMATS
-
-    return {f".{fmt}" for fmt in FORMATS} | {".ogg"}
-
-
-# per kind of output: the default file, the suffixes it may be written to, and how the error says them
-OUTPUTS = {"image": ("out.png", _image_suffixes, "an image format's suffix, e.g. .png, .jpg, .webp"),
-           "video": ("out.mp4", _video_suffixes, ".mp4, .gif or .webp"),
-           "audio": ("out.wav", _audio_suffixes, ".wav, .flac, .mp3, .opus or .pcm")}
-
-
-def numbered(out: Path, i: int, count: int) -> Path:
-    """Output ``i`` of ``count``: ``out`` itself when there is one, else ``out`` with ``_i`` before its suffix."""
-    return out if count == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
-
-
-def output_path(kind: str, output: str | None) -> Path:
-    """``-o`` (or the kind's default), refused before any step unless its suffix names a format ``kind``
-    is written in."""
-    from dit_core.errors import InvalidParamError
-
-    default, suffixes, said = OUTPUTS[kind]
-    out = Path(output or default)
-    if out.suffix.lower() not in suffixes():
-        raise InvalidParamError("--output", str(out), f"a file ending in {said} for {kind}")
-    return out
-
-
-def _check_flags_apply(args, speech: bool) -> None:
-    """A flag the model would ignore is an error naming it (``--voice`` / ``--speed`` are text-to-speech's;
-    a text-to-speech model takes the text, ``--voice``, ``--speed``, ``--seed`` and ``--steps`` only)."""
-    from dit_core.errors import InvalidParamError
-
-    speech_only = {"--voice": None, "--speed": 1.0}  # flag -> its value when not given
-    not_for_speech = {"--size": None, "--image": None, "--mask": None, "--strength": None, "--num-outputs": 1,
-                      "--frames": None, "--seconds": None, "--guidance": None, "--true-cfg": None,
-                      "--negative-prompt": None, "--lora": None}
-    for flag, default in (not_for_speech if speech else speech_only).items():
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value != default:
-            raise InvalidParamError(flag, value, "unset: this model does not use it" + (
-                " (a text-to-speech model takes the text, --voice, --speed, --seed and --steps)" if speech
-                else " (--voice and --speed are for text-to-speech models)"))
-
-
-def _speak(engine, args, out: Path) -> int:
-    """``generate`` on a text-to-speech model: each prompt is an utterance, spoken whole
-    (``dit_core.audio.service.synthesize``: the same samples ``POST /v1/audio/speech`` gives for the same
-    voice, speed, seed and steps) and written to ``out`` (``_0``, ``_1``, ... with several)."""
-    from dit_core.audio.service import make_speech_request, synthesize
-    from dit_core.audio.waveform import Waveform
-
-    text = engine.family.text
-    voice = args.voice or next(iter(text.voices))
-    requests = [make_speech_request(text, prompt, voice, args.speed, None if args.seed is None else args.seed + i,
-                                    steps=args.steps) for i, prompt in enumerate(args.prompt)]
-    for i, samples in enumerate(synthesize(engine, requests)):
-        path = numbered(out, i, len(requests))
-        Waveform(samples, text.sample_rate).save(path)
-        print(path)
-    print(f"seeds: {[r.seed for r in requests]}", file=sys.stderr)
-    return 0
-
-
-def read_image_inputs(args):
-    """``--image`` (each as RGB: one picture, or a list of them, in order, when repeated) and ``--mask``
-    (grayscale, white = repaint), read as the server reads uploads (serve.image_uploads: same formats and
-    conversions) but without its pixel limit. How many pictures the model takes is the family's check."""
-    images = [_read_picture("--image", path, "image") for path in args.image or []]
-    mask = None if args.mask is None else _read_picture("--mask", args.mask, "mask")
-    return (images[0] if len(images) == 1 else images or None), mask
-
-
-def _read_picture(flag: str, path: str, kind: str):
-    from dit_core.errors import InvalidParamError
-
-    from .errors import APIError
-    from .image_uploads import MAX_PIXELS_LIMIT, decode_gray, decode_image
-
-    decode = decode_image if kind == "image" else decode_gray
-    try:
-        return decode(flag, Path(path).read_bytes(), MAX_PIXELS_LIMIT)
-    except OSError as e:
-        raise InvalidParamError(flag, path, f"a readable image file ({e.strerror})") from None
-    except APIError as e:
-        raise InvalidParamError(flag, path, f"a picture this command reads: {e.message}") from None
 
 
 def cmd_serve(args) -> int:

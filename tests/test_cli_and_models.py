@@ -43,6 +43,7 @@ def cli(tmp_path_factory, tiny_models):
         # a flag the model would ignore is refused, naming it
         "tts with an image": ("generate", "tts", "3", "--image", d / "in.png", "-o", d / "tts_img.wav"),
         "voice on digits": ("generate", "a handwritten 3", "--voice", "eve", "-o", d / "voice.png"),
+        "fps on digits": ("generate", "a handwritten 3", "--fps", "8", "-o", d / "fps.png"),
         # errors name the flag typed, not the engine's field, and come before any work
         "size refused": ("generate", flux, "a cat", "--size", "30x32", "-o", d / "size.png"),
         "steps 0": ("generate", flux, "a cat", "--steps", "0", "-o", d / "steps.png"),
@@ -205,6 +206,10 @@ def test_generate_speaks_on_a_text_to_speech_model(cli):
                             ("voice on digits", "--voice", "voice.png")):
         code, err = runs[call]
         assert code == 2 and f"{flag}=" in err and "does not use it" in err and not (d / out).exists(), err
+    # a flag of another kind of model: named, with the flags this one takes (once SamplingParams field names)
+    code, err = runs["fps on digits"]
+    assert code == 2 and "--fps=8 is invalid" in err and "this model takes --steps, --seed, --size" in err, err
+    assert "--frames" not in err and "client_id" not in err and not (d / "fps.png").exists()
 
 
 def test_generate_on_an_action_policy_says_what_runs_it(cli):

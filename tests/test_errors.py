@@ -39,6 +39,21 @@ def test_size_must_be_a_multiple_of_the_family_factor(engines):
     assert not engine.has_unfinished()
 
 
+def test_a_size_past_sd3s_positional_table_is_refused_by_name(engines):
+    """The tiny SD3's learned positional table covers 32 patches a side (pos_embed_max_size): 32 x 2 x 2 =
+    128 pixels. Past it the forward failed inside diffusers' patch embedding (its own check)."""
+    engine = engines("sd3")
+    assert engine.family.describe()["max_side"] == 128
+    with pytest.raises(ValueError, match="pos_embed_max_size"):
+        engine.family.transformer.pos_embed(torch.zeros(1, 4, 66, 66))
+    for field in ("height", "width"):
+        with pytest.raises(InvalidParamError, match=f"{field}=132 is invalid: expected at most 128 for this model "
+                                                    r"\(its positional table covers 32 patches a side\)"):
+            engine.add_request("a cat", params(**{field: 132}))
+    assert len(engine.generate("a cat", params(height=128, width=8, num_inference_steps=1))) == 1
+    assert not engine.has_unfinished()
+
+
 def test_one_step_on_a_shift_terminal_scheduler_is_refused(engines):
     with pytest.raises(InvalidParamError, match="num_inference_steps=1 is invalid: expected at least 2"):
         engines("qwenimage").add_request("a cat", params(num_inference_steps=1))

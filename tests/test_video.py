@@ -135,6 +135,38 @@ def test_bad_video_params_name_the_field(kw, field, wan):
     assert e.value.field == field
 
 
+def test_a_grid_past_the_rotary_table_is_refused_by_name(wan):
+    """The random Wan's rotary table covers 64 positions an axis (rope_max_seq_len): 4 x 63 + 1 = 253 frames and
+    64 x 8 x 2 = 1024 pixels a side at most. Past them the forward failed inside diffusers' rotary embedding."""
+    details = wan.family.describe()
+    assert details["max_frames"] == 253 and details["max_side"] == 1024
+    for field, params in (("num_frames", vparams(num_frames=257)), ("height", vparams(height=1040)),
+                          ("width", vparams(width=1040))):
+        with pytest.raises(InvalidParamError) as e:
+            wan.add_request("a cat", params)
+        assert e.value.field == field and "rotary table" in str(e.value)
+
+
+def test_generate_cli_seconds_sets_the_frames(wan_tiny, tmp_path, capsys):
+    """``--seconds`` on a video model is the clip's length (the nearest frame count the model makes at ``--fps``,
+    as POST /v1/videos reads seconds); it once failed naming SamplingParams fields. A flag the model does not
+    use is refused naming the flags it takes."""
+    from serve.cli import main
+
+    out = tmp_path / "clip.mp4"
+    base = ["generate", "a cat", "-m", str(wan_tiny), "--steps", "2", "--size", "32x32", "--seed", "1",
+            "--guidance", "1"]
+    assert main(base + ["--seconds", "1.1", "--fps", "8", "-o", str(out)]) == 0  # 8.8 frames -> 9 (4k + 1)
+    assert decode_mp4(out.read_bytes()).shape == (9, 32, 32, 3)
+    capsys.readouterr()
+    for extra, flag, said in ((["--seconds", "1", "--frames", "5"], "--seconds", "unset with --frames"),
+                              (["--seconds", "20", "--fps", "16"], "--seconds", "at most 253"),
+                              (["--strength", "0.5"], "--strength", "this model takes --steps, --seed, --size")):
+        assert main(base + extra + ["-o", str(out)]) == 2, extra
+        err = capsys.readouterr().err
+        assert f"error: {flag}=" in err and said in err and "client_id" not in err, err
+
+
 def test_outputs_pil_frames_uint8_and_mp4(wan):
     pil = wan.generate("a cat", vparams(num_inference_steps=2, seed=3, output_type="pil"))[0]
     pt = wan.generate("a cat", vparams(num_inference_steps=2, seed=3))[0]

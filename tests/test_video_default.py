@@ -5,7 +5,7 @@ makes 3 j frames and says so."""
 import pytest
 
 from dit_core.errors import InvalidParamError
-from serve.routes.videos import frame_count
+from dit_core.video import frame_count
 
 from dit_core import Engine, SamplingParams
 from dit_core.eval.digits import train_classifier

@@ -124,6 +124,10 @@ def test_a_failing_job_reports_its_error(client, live, monkeypatch):
     ({"seconds": 0}, "seconds"),
     ({"seconds": -2}, "seconds"),
     ({"seconds": 1000}, "seconds"),
+    # past the rotary table (64 positions an axis: 253 frames, 1024 pixels a side): once a failed job
+    ({"seconds": 20}, "seconds"),
+    ({"num_frames": 257}, "num_frames"),
+    ({"size": "1040x32"}, "size"),
     ({"seconds": "nan"}, "seconds"),  # (once a 500: the frame count rounded a NaN)
     ({"seconds": "inf"}, "seconds"),
     ({"seconds": "four"}, "seconds"),

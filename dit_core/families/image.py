@@ -232,12 +232,17 @@ class ImageFamily(DiffusersFamily):
     def latent_tokens(self, params: SamplingParams) -> int:
         return (params.height // self.size_multiple) * (params.width // self.size_multiple)
 
+    def max_side(self) -> tuple[int, str]:
+        """The largest height or width this model makes, and why when it is the model's own bound (a
+        learned positional table: SD3) rather than the engine's ``MAX_SIDE``."""
+        return MAX_SIDE, ""
+
     def describe(self) -> dict:
         """Adds the size rule (``size_multiple``, ``max_side``), ``max_text_tokens``, the step and
         output ranges (``min_steps``..``max_steps``, ``max_outputs``) and ``cfg_param``: the field
         that sets classifier-free guidance for this family."""
         min_steps = 2 if self.scheduler.config.get("shift_terminal") else 1
-        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": MAX_SIDE,
+        return {**super().describe(), "size_multiple": self.size_multiple, "max_side": self.max_side()[0],
                 "max_text_tokens": self.max_text_tokens, "min_steps": min_steps, "max_steps": MAX_STEPS,
                 "max_outputs": MAX_OUTPUTS, "cfg_param": self.cfg_param}
 
@@ -248,11 +253,13 @@ class ImageFamily(DiffusersFamily):
         side = self.default_size()
         params = params.with_defaults(**{"height": side, "width": side, **self.defaults,
                                          **self.checkpoint_defaults})
-        m = self.size_multiple
+        m, (most, why) = self.size_multiple, self.max_side()
         for name in ("height", "width"):
             value = getattr(params, name)
             if value % m:
                 raise InvalidParamError(name, value, f"a multiple of {m} for this {self.name} model")
+            if value > most:
+                raise InvalidParamError(name, value, f"at most {most} for this model ({why})")
         if params.num_frames not in (None, 1):
             raise InvalidParamError("num_frames", params.num_frames, f"1 (a {self.name} model makes images)")
         if self.scheduler.config.get("shift_terminal") and params.num_inference_steps < 2:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from ..params import SamplingParams
+from ..params import MAX_SIDE, SamplingParams
 from ..request import Request
 from . import sd3_packed
 from .base import BlockInputs, TextCond, gather_rows
@@ -51,6 +51,15 @@ class SD3Family(ImageFamily):
 
     def default_size(self) -> int:
         return self.transformer.config.sample_size * self.vae_scale
+
+    def max_side(self) -> tuple[int, str]:
+        """The learned positional table covers ``pos_embed_max_size`` patches a side (diffusers' patch
+        embedding crops it, and fails past it: the stock pipeline too)."""
+        cells = self.transformer.config.pos_embed_max_size
+        if cells is None:
+            return super().max_side()
+        return (min(MAX_SIDE, cells * self.size_multiple),
+                f"its positional table covers {cells} patches a side")
 
     def uses_cfg(self, params: SamplingParams) -> bool:
         return params.guidance_scale > 1

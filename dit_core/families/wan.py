@@ -31,7 +31,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
 from ..errors import InvalidParamError, UnknownModelError
-from ..params import SamplingParams
+from ..params import MAX_SIDE, SamplingParams
 from ..request import Request
 from . import wan_packed, wan_stages
 from .base import BlockInputs, TextCond, gather_rows
@@ -115,10 +115,27 @@ class WanFamily(DiffusersFamily):
         """Height and width must be multiples of this (VAE factor x patch)."""
         return self.s_scale * max(self.patch[1], self.patch[2])
 
+    @property
+    def rope_cells(self) -> int:
+        """The most patches along any axis (frames, height, width) the transformer's rotary table covers:
+        diffusers' Wan rotary embedding makes its table for ``rope_max_seq_len`` positions, and a longer or
+        larger grid fails inside the forward (the stock pipeline's too)."""
+        return int(getattr(self.transformer.config, "rope_max_seq_len", None) or 1024)
+
+    @property
+    def max_frames(self) -> int:
+        """The most frames a clip may have: ``rope_cells`` frame patches of latent frames."""
+        return self.t_scale * (self.rope_cells * self.patch[0] - 1) + 1
+
+    def max_sides(self) -> tuple[int, int]:
+        """The largest (height, width) the rotary table covers (at most ``MAX_SIDE``)."""
+        return tuple(min(MAX_SIDE, self.rope_cells * self.s_scale * p) for p in self.patch[1:])
+
     def describe(self) -> dict:
         return {**super().describe(), "size_multiple": self.size_multiple, "frame_step": self.t_scale * self.patch[0],
                 "frame_base": self.frame_base, "fps": self.fps, "boundary_ratio": self.boundary_ratio,
-                "max_text_tokens": self.max_text_tokens, "max_side": 8192,
+                "max_text_tokens": self.max_text_tokens, "max_side": min(self.max_sides()),
+                "max_frames": self.max_frames,
                 "inputs": ["text", "image"] if self.takes_image else ["text"]}
 
     # ---- per request ----
@@ -127,13 +144,20 @@ class WanFamily(DiffusersFamily):
         self.check_fields(params)
         params = params.with_defaults(**{**self.defaults, **self.checkpoint_defaults})
         m = self.size_multiple
-        for name in ("height", "width"):
+        for name, most in zip(("height", "width"), self.max_sides()):
             value = getattr(params, name)
             if value % m:
                 raise InvalidParamError(name, value, f"a multiple of {m} for this {self.name} model")
+            if value > most:
+                raise InvalidParamError(name, value, f"at most {most} for this model (its rotary table covers "
+                                                     f"{self.rope_cells} patches a side)")
         frames = params.num_frames
         if (frames - 1) % self.t_scale or ((frames - 1) // self.t_scale + 1) % self.patch[0]:
             raise InvalidParamError("num_frames", frames, self.frame_counts())
+        if frames > self.max_frames:
+            raise InvalidParamError("num_frames", frames, f"at most {self.max_frames} for this model (its rotary "
+                                                          f"table covers {self.rope_cells} frame patches): "
+                                                          f"{self.frame_counts()}")
         if params.max_sequence_length > self.max_text_tokens:
             raise InvalidParamError("max_sequence_length", params.max_sequence_length,
                                     f"an integer in [1, {self.max_text_tokens}]")

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dit_core import InvalidParamError, SamplingParams
-from dit_core.video import as_uint8, encode_mp4
+from dit_core.video import as_uint8, encode_mp4, frame_count
 
 from ..auth import owner_of
 from ..errors import APIError, size_named, validation_error
@@ -117,21 +117,6 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise InvalidParamError("size", size, '"WIDTHxHEIGHT" such as "832x480"')
     return int(parts[0]), int(parts[1])
-
-
-def frame_count(seconds: float, fps: int, step: int, base: int | None = None) -> int:
-    """The frame count of ``seconds`` at ``fps`` the model can make, nearest: ``base`` + ``step`` j
-    (``base`` defaults to ``step`` + 1, Wan's 4 k + 1 from 5 on)."""
-    if seconds <= 0:
-        raise InvalidParamError("seconds", seconds, "a positive number of seconds")
-    base = step + 1 if base is None else base
-    j = round((seconds * fps - base) / step)
-    frames = base + step * j
-    if j < 0 or frames > 1024:
-        lo, hi = base / fps, (base + step * ((1024 - base) // step)) / fps
-        raise InvalidParamError("seconds", seconds, f"from {lo:g} to {hi:g} seconds at {fps} fps (the model makes "
-                                                    f"{base} + {step} j frames, j >= 0, at most 1024)")
-    return frames
 
 
 async def read_body(request: Request) -> tuple[VideoCreateRequest, Reference | None]:
@@ -242,7 +227,8 @@ async def plan(request: Request, body: VideoCreateRequest,
     fps = body.fps or details.get("fps", 16)
     frames = body.num_frames
     if frames is None and body.seconds is not None:
-        frames = frame_count(body.seconds, fps, details.get("frame_step", 1), details.get("frame_base"))
+        frames = frame_count(body.seconds, fps, details.get("frame_step", 1), details.get("frame_base"),
+                         details.get("max_frames", 1024))
     width, height = parse_size(body.size)
     params = SamplingParams(height=height, width=width, num_frames=frames, num_inference_steps=body.num_inference_steps,
                             guidance_scale=body.guidance_scale, guidance_scale_2=body.guidance_scale_2,
