@@ -77,8 +77,6 @@ OPENAI_ONLY = {
     "quality": "no quality presets here: num_inference_steps sets the effort",
     "style": "no style presets here: say the style in the prompt",
     "background": "images are opaque RGB",
-    "output_format": "images are PNG",
-    "output_compression": "images are PNG",
     "moderation": "this server does no moderation",
     "partial_images": "stream=true sends progress events, then the image",
     "input_fidelity": "strength sets how closely an image-to-image result follows the input",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from dit_core import InvalidParamError, SamplingParams
 from dit_core.params import MAX_IMAGES, MAX_LORAS_PER_REQUEST
@@ -73,6 +73,11 @@ class ImageRequestFields(BaseModel):
     size: str | None = Field(None, description='"WIDTHxHEIGHT" (e.g. "512x512") or "auto"; with an input image, '
                                                "auto is the image's size rounded down to the model's multiple")
     response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] = Field(
+        "png", description="the images' file format (OpenAI's field): png (lossless), jpeg or webp")
+    output_compression: int | None = Field(
+        None, ge=0, le=100, description="with output_format jpeg or webp: the encoder's quality, 0-100 (default "
+                                        "100, OpenAI's default; PNG is lossless and takes none)")
     user: str | None = None
     stream: bool = False
     # extensions
@@ -87,6 +92,13 @@ class ImageRequestFields(BaseModel):
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
                                    description="with an input image: the fraction of the schedule to run "
                                                "(diffusers' img2img strength; default 0.6)")
+
+    @field_validator("output_compression")
+    @classmethod
+    def _compression_needs_a_lossy_format(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("output_format", "png") == "png":
+            raise ValueError("expected unset with output_format 'png' (lossless): it is for 'jpeg' or 'webp'")
+        return value
 
     def size_pixels(self) -> tuple[int | None, int | None]:
         if self.size in (None, "auto"):
@@ -136,6 +148,7 @@ class ImageData(BaseModel):
 class ImagesResponse(BaseModel):
     created: int
     data: list[ImageData]
+    output_format: Literal["png", "jpeg", "webp"] | None = None
 
 
 class ModelCard(BaseModel):

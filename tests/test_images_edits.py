@@ -120,6 +120,14 @@ def test_openai_client_img2img_size_defaults_to_the_image_and_streams(live, engi
     kinds = [e.type for e in events]
     assert kinds[0] == "progress" and kinds[-1] == "image", kinds
     assert np.array_equal(pixels(png(events[-1].b64_json)), pixels(want))
+    # OpenAI's output_format / output_compression as form fields: the same edit as a WebP
+    webp = client.images.edit(image=("cat.png", encoded(source), "image/png"), prompt="a cat", model="flux",
+                              output_format="webp", output_compression=90, extra_body={"strength": 0.5, **STEPS})
+    got = png(webp.data[0].b64_json)
+    assert webp.output_format == "webp" and got.format == "WEBP" and got.size == want.size
+    lossy = io.BytesIO()
+    want.save(lossy, format="WEBP", quality=90)
+    assert np.array_equal(pixels(got), pixels(Image.open(lossy)))
 
 
 def test_generations_start_from_an_earlier_output_by_file_id(live, engines):

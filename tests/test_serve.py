@@ -58,6 +58,49 @@ def test_url_response_format_serves_the_file(live):
         client.files.delete(file_id)
 
 
+def test_output_format_jpeg_and_webp_as_openai_names_them(live):
+    """OpenAI's output_format / output_compression: the same pixels encoded as JPEG or WebP (b64, url with
+    its content type, in the stream's image events); compression without a lossy format is a 400."""
+    import base64
+
+    import numpy as np
+
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    extra = {"num_inference_steps": 2, "seed": 9}
+    ref = png(client.images.generate(prompt="a fox", size="32x32", extra_body=extra).data[0].b64_json)
+    sizes = {}
+    for fmt, compression in (("jpeg", 100), ("jpeg", 10), ("webp", None)):
+        kw = {"output_compression": compression} if compression is not None else {}
+        r = client.images.generate(prompt="a fox", size="32x32", output_format=fmt, extra_body=extra, **kw)
+        blob = base64.b64decode(r.data[0].b64_json)
+        got = Image.open(io.BytesIO(blob))
+        assert r.output_format == fmt and got.format == {"jpeg": "JPEG", "webp": "WEBP"}[fmt] and got.size == (32, 32)
+        # the same image, encoded as documented: JPEG at 4:4:4, WebP lossy; quality 100 unless given
+        want = io.BytesIO()
+        ref.save(want, format=fmt.upper(), quality=compression or 100, **({"subsampling": 0} if fmt == "jpeg" else {}))
+        assert np.array_equal(np.asarray(got.convert("RGB")), np.asarray(Image.open(want).convert("RGB")))
+        if (fmt, compression) == ("jpeg", 100):  # full colour resolution: close to the PNG's pixels
+            assert np.abs(np.asarray(got.convert("RGB"), float) - np.asarray(ref, float)).mean() < 2
+        sizes[fmt, compression] = len(blob)
+    assert sizes["jpeg", 10] < sizes["jpeg", 100]  # the quality reaches the encoder
+    r = post(live, {"prompt": "a fox", "size": "32x32", "response_format": "url", "output_format": "webp",
+                    "num_inference_steps": 2})
+    assert r.status_code == 200 and r.json()["output_format"] == "webp", r.text
+    got = httpx.get(r.json()["data"][0]["url"])
+    assert got.headers["content-type"] == "image/webp" and Image.open(io.BytesIO(got.content)).format == "WEBP"
+    with httpx.stream("POST", f"{live.url}/v1/images/generations", timeout=60, json={
+            "prompt": "a fox", "size": "32x32", "stream": True, "output_format": "jpeg", "num_inference_steps": 2}) as s:
+        images = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")
+                  and '"image"' in line]
+    assert len(images) == 1 and base64.b64decode(images[0]["b64_json"])[:2] == b"\xff\xd8"  # a JPEG
+    for body, param in (({"output_compression": 50}, "output_compression"),  # with png: lossless
+                        ({"output_format": "jpeg", "output_compression": 101}, "output_compression"),
+                        ({"output_format": "gif"}, "output_format")):
+        assert_error(post(live, {"prompt": "a fox", "size": "32x32", **body}), 400, param)
+    assert png(client.images.generate(prompt="a fox", size="32x32", output_format="png",
+                                      extra_body=extra).data[0].b64_json).tobytes() == ref.tobytes()
+
+
 def prompt_cache_misses(live) -> float:
     text = httpx.get(f"{live.url}/metrics").text
     return float(re.search(r"^omnidit_prompt_cache_misses (\S+)", text, re.M).group(1))

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from serve.app import ServeSettings
-from serve.files import FileStore, FileTooLarge, png_bound
+from serve.files import FileStore, FileTooLarge, image_bound, png_bound
 from serve_helpers import assert_error, live_server, post
 
 
@@ -34,7 +34,11 @@ def test_png_bound_holds_for_incompressible_images():
         noise = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
         buf = io.BytesIO()
         Image.fromarray(noise).save(buf, format="PNG")
-        assert len(buf.getvalue()) <= png_bound(w, h)
+        assert len(buf.getvalue()) <= png_bound(w, h) == image_bound(w, h, "png")
+        for fmt in ("jpeg", "webp"):  # lossy at the highest quality: still under the bound
+            buf = io.BytesIO()
+            Image.fromarray(noise).save(buf, format=fmt.upper(), quality=100)
+            assert len(buf.getvalue()) <= image_bound(w, h, fmt)
 
 
 @pytest.mark.parametrize("field", ["max_queue", "max_body_bytes", "max_upload_bytes", "max_prompt_chars",
