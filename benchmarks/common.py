@@ -131,6 +131,7 @@ class Comparison:
     sides: list[str]
     samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # side -> metric -> per round
     order: list[list[str]] = field(default_factory=list)  # the order the sides ran in, per round
+    warmup_rounds: int = 0  # the warm-up rounds every side ran before the measured ones
 
     def values(self, side: str, metric: str = "seconds") -> list[float]:
         return self.samples[side][metric]
@@ -158,19 +159,25 @@ class Comparison:
                 for m, v in self.samples[side].items()}
 
 
-def interleaved(sides: dict[str, Callable[[int], Any]], repeats: int, warmup: int = 1) -> Comparison:
+def interleaved(sides: dict[str, Callable[[int], Any]], repeats: int, warmup: int = 1,
+                warm_until: Callable[[], bool] | None = None) -> Comparison:
     """Measure every side ``repeats`` times, interleaved, after the same warm-up for each.
 
     ``sides`` maps a name to ``fn(round) -> seconds | {metric: value}``; ``round`` is 0..repeats-1
     for measured calls and negative for warm-up calls (so a side can pick inputs no measured call
     uses). Round r runs the sides in the given order rotated by r (A B, B A, A B, ... for two
-    sides), so no side always runs first. A float result is recorded as ``seconds``.
+    sides), so no side always runs first. A float result is recorded as ``seconds``. ``warm_until``:
+    warm-up rounds (every side each time) end early once it holds, at most ``warmup`` of them
+    (``Comparison.warmup_rounds`` says how many ran).
     """
     names = list(sides)
     result = Comparison(names, {n: {} for n in names})
     for w in range(warmup):  # the same warm-up for every side, interleaved too
         for name in names:
             sides[name](-1 - w)
+        result.warmup_rounds = w + 1
+        if warm_until is not None and warm_until():
+            break
     for r in range(repeats):
         k = r % len(names)
         order = names[k:] + names[:k]

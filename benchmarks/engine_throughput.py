@@ -156,8 +156,8 @@ class Scenario:
                        "p99_s": lat["p99"], "transformer_s": timer.seconds, "transformer_gflops": gflops,
                        "transformer_gflops_over_mm": gflops / self.mm,
                        **{k: v for k, v in info.items() if k != "rows"}}
-            if round_ < 0:
-                self.warmups[name] = metrics
+            if round_ < 0:  # (the first warm-up round's: where an engine that learns learned from nothing)
+                self.warmups.setdefault(name, metrics)
             return metrics
 
         return call
@@ -167,15 +167,17 @@ class Scenario:
                    for x, y in zip(self.outputs[a][r], self.outputs[b][r]))
 
 
-def measure(scenario: Scenario, pipe, engines: dict, repeats: int) -> dict:
+def measure(scenario: Scenario, pipe, engines: dict, repeats: int, warmup: int = 1, warm_until=None) -> dict:
+    """``warmup`` / ``warm_until``: ``interleaved``'s (the warm-up rounds, the same for every side)."""
     sides = {"diffusers": scenario.side("diffusers", run_pipeline, pipe)}
     for label, engine in engines.items():
         sides[label] = scenario.side(label, run_engine, engine)
-    cmp = interleaved(sides, repeats)
+    cmp = interleaved(sides, repeats, warmup, warm_until)
     main = next(iter(engines))
     diff = max(scenario.max_diff("diffusers", label) for label in engines)
     result = {"scenario": scenario.name, "size": scenario.size, "text_tokens": scenario.text,
-              "requests": scenario.args.requests, "repeats": repeats, "round_orders": cmp.order,
+              "requests": scenario.args.requests, "repeats": repeats, "warmup_rounds": cmp.warmup_rounds,
+              "round_orders": cmp.order,
               "outputs_max_abs_diff": diff, "outputs_identical": diff <= 1e-4,
               "sides": {name: cmp.stats(name) for name in sides},
               "throughput_ratio": cmp.ratio(main, "diffusers", "throughput_img_s"),

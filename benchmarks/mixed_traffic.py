@@ -53,9 +53,11 @@ The other keys reuse the benchmark that owns the measurement (``benchmarks/mixed
   one at a time, with the default engine (fixed limits, today's figure) as one more side in the same
   rounds (``throughput_ratio_256_default_engine``; ``throughput_256_learned_over_default``, the median of
   per-round learned / default throughput); the default engine alone where there are no learned limits.
-  Every side's warm-up there is one round of the measured size, where the learned engine learns its limits
-  (as a server started with ``--warmup`` does before it reports ready);
-  ``throughput_256_learning_round_over_default`` is that round's learned / default throughput (one sample);
+  Every side's warm-up there is the same rounds of the measured size, where the learned engine learns its
+  limits, until they have converged (at most 4 rounds; ``throughput_256_warmup_rounds``), so the measured
+  rounds are the steady state a server reaches over its first requests;
+  ``throughput_256_learning_round_over_default`` is the first warm-up round's learned / default throughput
+  (learning from nothing; one sample);
 * ``warm_start_compile_ratio`` and ``first_request_after_ready_s``: ``benchmarks.warm_start``'s child
   process, a first start (compile + warm-up) then a second start over the same cache folder; the ratio
   is the second warm-up's seconds over the first's.
@@ -346,6 +348,7 @@ def summarize(models: dict[str, dict], audio: dict | None, big: dict | None, war
         if learned:  # issue 39: 256x256 no worse than today (the default engine), and what learning costs once
             summary["throughput_256_learned_over_default"] = big["learned_over_default"]
             summary["throughput_256_learning_round_over_default"] = big["learning_round_over_default"]
+            summary["throughput_256_warmup_rounds"] = big["warmup_rounds"]
         summary["outputs_identical_256"] = big["outputs_identical"]
     if warm is None:
         for key in ("warm_start_compile_ratio", "first_request_after_ready_s"):

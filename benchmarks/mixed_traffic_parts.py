@@ -45,11 +45,16 @@ def audio_part(quick: bool) -> dict:
     return {**a, "learned_batch_limits": (a.get("batch_limits") or {}).get("mode") == "learn"}
 
 
+WARMUP_ROUNDS = 4  # the 256x256 part's warm-up rounds at most (learning from nothing took 2-3 on a Zen 3)
+
+
 def ratio_256(quick: bool) -> dict:
     """engine_throughput's together scenario at 256x256, 64 text tokens, on the small FLUX: the engine as
     configured by default ("engine b=8") and, where present, with learned batch limits ("... learned"). Every
-    side warms up on one round of the measured size (the learned engine learns its limits there: the steady
-    state a server reaches; ``learning_round_over_default`` is that round's learned / default throughput)."""
+    side warms up on rounds of the measured size, the same number each: until the learned engine's limits
+    have converged (no count left to explore), at most ``WARMUP_ROUNDS`` (one with ``quick``), so the
+    measured rounds see the steady state a server reaches. ``learning_round_over_default`` is the first
+    warm-up round's learned / default throughput: learning from nothing."""
     from diffusers import FluxPipeline
 
     from benchmarks import engine_throughput as et
@@ -65,12 +70,16 @@ def ratio_256(quick: bool) -> dict:
         engines["engine b=8 learned"] = Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0,
                                                                batch_limits="learn")
     flops = et.transformer_flops_per_row(engines["engine b=8"], 256, 64)
-    # every side's warm-up is one round of the measured size: the learned engine learns there, as a server
-    # started with --warmup does before it reports ready (its learning round's figure is kept apart below)
+    # every side's warm-up is rounds of the measured size: the learned engine learns there, as a server does
+    # over its first requests (the first round's figure, learning from nothing, is kept apart below)
     scenario = et.Scenario("256x256 64 tokens together", 256, 64, args, [0.0] * args.requests, flops,
                            mm_gflops(seconds=0.3), full_warmup=True)
-    result = {**et.measure(scenario, pipe, engines, 1 if quick else 3), "steps": args.steps,
-              "warmup": "one round of the measured size per side, before the measured rounds"}
+    learned = engines.get("engine b=8 learned")
+    converged = (lambda: all(b["converged"] for b in learned.batch_limits.snapshot())) if learned else None
+    result = {**et.measure(scenario, pipe, engines, 1 if quick else 3, warmup=1 if quick else WARMUP_ROUNDS,
+                           warm_until=converged), "steps": args.steps}
+    result["warmup"] = (f"{result['warmup_rounds']} round(s) of the measured size per side before the measured "
+                        f"rounds (until the learned limits converged, at most {1 if quick else WARMUP_ROUNDS})")
     result["default_engine_ratio"] = result["throughput_ratio"]
     if "engine b=8 learned" in engines:  # per round, learned engine over diffusers (they ran back to back)
         tput = lambda side: result["sides"][side]["throughput_img_s"]["samples"]  # noqa: E731

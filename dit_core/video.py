@@ -17,9 +17,11 @@ def frame_count(seconds: float, fps: int, step: int, base: int | None = None, mo
     """The frame count of ``seconds`` at ``fps`` the model can make, nearest: ``base`` + ``step`` j
     (``base`` defaults to ``step`` + 1, Wan's 4 k + 1 from 5 on), at most ``most`` (a model's ``max_frames``;
     1024 at most)."""
+    import math
+
     from .errors import InvalidParamError
 
-    if seconds <= 0:
+    if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidParamError("seconds", seconds, "a positive number of seconds")
     base = step + 1 if base is None else base
     j = round((seconds * fps - base) / step)

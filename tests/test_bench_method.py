@@ -30,3 +30,25 @@ def test_three_sides_rotate_and_metrics_are_kept_apart():
     assert cmp.order == [["x", "yy", "zzz"], ["yy", "zzz", "x"], ["zzz", "x", "yy"]]
     assert cmp.values("zzz", "rows") == [3.0] * 3 and cmp.stats("x")["seconds"]["spread"] == 0.0
     assert spread([5.0]) == 0.0
+
+
+def test_warm_up_rounds_run_until_a_condition_every_side_alike():
+    """``warm_until``: warm-up rounds, each of every side, until it holds (at most ``warmup``): an engine
+    that learns from its steps is measured once it has learned, and no side gets more warm-up than another."""
+    calls, learned = [], []
+
+    def side(name):
+        def call(round_):
+            calls.append((name, round_))
+            if name == "learns" and round_ < 0:
+                learned.append(round_)
+            return 1.0
+
+        return call
+
+    cmp = interleaved({"fixed": side("fixed"), "learns": side("learns")}, repeats=1, warmup=4,
+                      warm_until=lambda: len(learned) >= 2)
+    assert cmp.warmup_rounds == 2
+    assert calls == [("fixed", -1), ("learns", -1), ("fixed", -2), ("learns", -2), ("fixed", 0), ("learns", 0)]
+    never = interleaved({"a": side("a")}, repeats=1, warmup=3, warm_until=lambda: False)
+    assert never.warmup_rounds == 3  # bounded

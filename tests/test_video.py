@@ -161,6 +161,7 @@ def test_generate_cli_seconds_sets_the_frames(wan_tiny, tmp_path, capsys):
     capsys.readouterr()
     for extra, flag, said in ((["--seconds", "1", "--frames", "5"], "--seconds", "unset with --frames"),
                               (["--seconds", "20", "--fps", "16"], "--seconds", "at most 253"),
+                              (["--seconds", "nan"], "--seconds", "a positive number of seconds"),
                               (["--strength", "0.5"], "--strength", "this model takes --steps, --seed, --size")):
         assert main(base + extra + ["-o", str(out)]) == 2, extra
         err = capsys.readouterr().err

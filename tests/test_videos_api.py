@@ -1,12 +1,15 @@
 """The Videos API on a live server, through the real ``openai`` client: jobs, MP4 content, list and
 delete, failures in ``error``, 400s naming the field, aborting deletes, the bounded job store."""
 
+import io
 import time
 import warnings
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from dit_core.video import decode_mp4
 from helpers import inject_fault
@@ -48,6 +51,27 @@ def test_create_poll_download_gives_the_requested_frames_and_size(client, live):
     frames = decode_mp4(client.videos.download_content(video.id).read())
     assert frames.shape == (9, 32, 48, 3)  # 0.5 s x 16 fps = 8 frames -> the nearest 4k + 1 is 9
     assert video.seconds == "0.5625"
+    # OpenAI's preview variants, through the client: the first frame (WebP), and the frames in a grid (JPEG)
+    thumb = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="thumbnail").read()))
+    assert thumb.format == "WEBP" and thumb.size == (48, 32)
+    assert np.abs(np.asarray(thumb.convert("RGB"), float) - frames[0]).mean() < 6  # (lossy, quality 90)
+    sheet = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="spritesheet").read()))
+    assert sheet.format == "JPEG" and sheet.size == (3 * 48, 3 * 32)  # 9 frames: 3 x 3
+    cells = np.asarray(sheet.convert("RGB"), float).reshape(3, 32, 3, 48, 3).transpose(0, 2, 1, 3, 4).reshape(9, 32, 48, 3)
+    assert np.abs(cells - frames).mean(axis=(1, 2, 3)).max() < 8  # frame i in cell i, row by row
+    r = httpx.get(f"{live.url}/v1/videos/{video.id}/content", params={"variant": "poster"})
+    assert_error(r, 400, "variant")
+
+
+def test_spritesheets_spread_their_frames_over_the_clip():
+    from serve.video_previews import sprite_indices, spritesheet
+
+    assert sprite_indices(9) == list(range(9)) and sprite_indices(81) == [round(i * 80 / 15) for i in range(16)]
+    assert sprite_indices(81)[0] == 0 and sprite_indices(81)[-1] == 80
+    frames = np.arange(5, dtype=np.uint8)[:, None, None, None] * np.ones((5, 2, 3, 3), np.uint8)
+    sheet = np.asarray(spritesheet(frames))
+    assert sheet.shape == (2 * 2, 3 * 3, 3)  # 5 frames: 3 columns, 2 rows, the last row short (black)
+    assert [sheet[r * 2, c * 3, 0] for r in range(2) for c in range(3)] == [0, 1, 2, 3, 4, 0]
 
 
 def test_json_body_num_frames_and_sync_mp4(live, client):

@@ -259,7 +259,7 @@ class ImageFamily(DiffusersFamily):
             if value % m:
                 raise InvalidParamError(name, value, f"a multiple of {m} for this {self.name} model")
             if value > most:
-                raise InvalidParamError(name, value, f"at most {most} for this model ({why})")
+                raise InvalidParamError(name, value, f"at most {most} for this model" + (f" ({why})" if why else ""))
         if params.num_frames not in (None, 1):
             raise InvalidParamError("num_frames", params.num_frames, f"1 (a {self.name} model makes images)")
         if self.scheduler.config.get("shift_terminal") and params.num_inference_steps < 2:

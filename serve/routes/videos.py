@@ -42,6 +42,8 @@ from ..image_uploads import decode_image, stored_image
 from ..route_errors import errors
 from ..schemas import LoraList, lora_pairs
 from ..video_jobs import StoreFullError, run_job
+from ..video_previews import MEDIA_TYPES as PREVIEWS
+from ..video_previews import preview
 from .images import _until_final
 
 router = APIRouter()
@@ -323,18 +325,27 @@ async def retrieve_video(video_id: str, request: Request):
 
 @router.get("/v1/videos/{video_id}/content", responses=errors(400, 404, 416))
 async def download_video(video_id: str, request: Request, variant: str = "video"):
+    """The MP4 (``variant=video``), or a preview made from it: ``thumbnail`` (the first frame, WebP) or
+    ``spritesheet`` (up to 16 frames in a grid, JPEG): see ``serve.video_previews``."""
     job = _job(request, video_id)
-    if variant != "video":
-        raise InvalidParamError("variant", variant, '"video" (thumbnails and spritesheets are not produced)')
+    if variant not in ("video", *PREVIEWS):
+        raise InvalidParamError("variant", variant, '"video", "thumbnail" (the first frame, WebP) or "spritesheet" '
+                                                    "(up to 16 frames in a grid, JPEG)")
     if job.status != "completed":
         detail = f": {job.error['message']}" if job.error else f" ({job.progress}% done)"
         raise APIError(404, f"video {video_id!r} has no content yet: it is {job.status}{detail}",
                        "invalid_request_error", "video_id", "video_not_ready")
+    gone = APIError(404, f"video {video_id!r} does not exist or has expired", "invalid_request_error", "video_id",
+                    "video_not_found")
+    if variant in PREVIEWS:
+        try:
+            return Response(await asyncio.to_thread(preview, job.path, variant), media_type=PREVIEWS[variant])
+        except FileNotFoundError:  # it expired (or was deleted) since the lookup
+            raise gone from None
     try:  # the handle, opened now, keeps the bytes readable even if the job expires while they are sent
         fd, st = await asyncio.to_thread(open_stored, job.path)
     except FileNotFoundError:  # it expired (or was deleted) since the lookup
-        raise APIError(404, f"video {video_id!r} does not exist or has expired", "invalid_request_error",
-                       "video_id", "video_not_found") from None
+        raise gone from None
     try:
         return FileStreamResponse(fd, st, request.headers.get("range"), request.headers.get("if-range"),
                                   media_type="video/mp4")
