@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="true_cfg_scale: CFG scale for FLUX and Qwen-Image (needs --negative-prompt)")
     gen.add_argument("--negative-prompt", default=None, help="negative prompt for CFG")
     gen.add_argument("--frames", type=int, default=None,
-                     help="video models: frames per clip (Wan: 4k + 1; default: the model's, or --seconds')")
+                     help="video models: frames per clip (Wan: 4k + 1; default: the model's; --seconds sets it too)")
     gen.add_argument("--fps", type=int, default=None,
                      help="video models: frame rate of the clip (default: the model's, 16 for Wan 2.1; the "
                           "embedded digits_video: 8)")
