@@ -13,8 +13,10 @@ and rows within a factor of two of each other share what was learned.
 What is measured: the forward and the sampler steps of each step (``RunnerOutput.forward_ms``: not the
 prompt encoding of requests joining, nor the decode of those leaving), against its rows; steps where a
 request failed, a step cache skipped rows or only decodes ran teach nothing, and neither does the first
-step at a row count (it pays one-time costs: the CPU GEMMs' primitives for a new row count, the
-allocator's new buffers; 554 ms against 412 after it for 4 rows at 256x256). A row count's time is the
+step at a row count, which may pay one-time costs (an engine's first steps do: 237 ms against 207-227
+after them for 2 rows at 256x256 on the small FLUX, 2-core Zen 3; at a warm eager engine's later new
+counts the first step was within the spread of the ones after it, e.g. 600 against 576-610 ms for 6 rows:
+a one-off, ``.devscratch/firststep.py``). It costs one more step per count explored. A row count's time is the
 median of its last ``window`` samples, trusted once it has ``samples`` of them. Each count's own window: the
 count the traffic keeps running has the steadiest figure, and a count explored twice overturns it only when
 its two steps are quicker (truncated to as many samples as the least-measured count, the running count's
@@ -140,7 +142,7 @@ class BatchLimits:
                     self._given.pop(oldest, None)
                 sizes = self._ms[bucket] = {}
             samples = sizes.get(rows)
-            if samples is None:  # the first step at a new count pays one-time costs: it teaches nothing
+            if samples is None:  # the first step at a new count may pay one-time costs: it teaches nothing
                 sizes[rows] = collections.deque(maxlen=self.window)
                 return
             samples.append(ms)

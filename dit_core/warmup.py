@@ -27,7 +27,7 @@ import time
 OFF, AUTO = "off", "auto"
 PROMPTS = (["warm-up"], ["warm-up a", "warm-up b"])  # one request alone, then two in one forward
 PROFILE_STEPS = 16  # steps of the learned-limits profile: room for a few explorations of three steps each (the
-# first step at a row count teaches the learner nothing: it pays one-time costs)
+# first step at a row count teaches the learner nothing: it may pay one-time costs)
 
 
 def parse_warmup(value):
