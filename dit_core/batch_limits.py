@@ -17,12 +17,10 @@ step at a row count, which may pay one-time costs (an engine's first steps do: 2
 after them for 2 rows at 256x256 on the small FLUX, 2-core Zen 3; at a warm eager engine's later new
 counts the first step was within the spread of the ones after it, e.g. 600 against 576-610 ms for 6 rows:
 a one-off, ``.devscratch/firststep.py``). It costs one more step per count explored. A row count's time is the
-median of its last ``window`` samples, trusted once it has ``samples`` of them. Each count's own window: the
-count the traffic keeps running has the steadiest figure, and a count explored twice overturns it only when
-its two steps are quicker (truncated to as many samples as the least-measured count, the running count's
-figure was a median of its last two steps too, and one slow pair of them dropped a converged 8-row limit:
-on the 256x256 small FLUX its engine ran mean batches of 5.3 and 5.6 rows in the two rounds after it
-converged, 0.94 and 0.99 of a fixed limit of 8).
+median of its own last ``window`` samples, trusted once it has ``samples`` of them, so the count the
+traffic keeps running has the steadiest figure. (Cut to as many samples as the least-measured count had,
+it was the median of its last two steps, and one slow pair of them dropped a converged 8-row limit on the
+256x256 small FLUX: its engine then ran mean batches of 5.3 and 5.6 rows, 0.94 and 0.99 of a fixed 8.)
 
 Why the median and not the minimum (which ignores load from other processes): the minimum of a few samples
 favours the counts whose times vary most. On the 256x256 small FLUX (2-core Zen 3, 2026-12-06) the

@@ -4,11 +4,14 @@ libav*, so no system ffmpeg is needed)."""
 from __future__ import annotations
 
 import io
+import math
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .errors import InvalidParamError
 
 DEFAULT_FPS = 16  # Wan 2.1's frame rate
 
@@ -17,10 +20,6 @@ def frame_count(seconds: float, fps: int, step: int, base: int | None = None, mo
     """The frame count of ``seconds`` at ``fps`` the model can make, nearest: ``base`` + ``step`` j
     (``base`` defaults to ``step`` + 1, Wan's 4 k + 1 from 5 on), at most ``most`` (a model's ``max_frames``;
     1024 at most)."""
-    import math
-
-    from .errors import InvalidParamError
-
     if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidParamError("seconds", seconds, "a positive number of seconds")
     base = step + 1 if base is None else base
@@ -32,6 +31,13 @@ def frame_count(seconds: float, fps: int, step: int, base: int | None = None, mo
         raise InvalidParamError("seconds", seconds, f"from {lo:g} to {hi:g} seconds at {fps} fps (the model makes "
                                                     f"{base} + {step} j frames, j >= 0, at most {most})")
     return frames
+
+
+def frames_for_seconds(seconds: float, fps: int, details: dict) -> int:
+    """``frame_count`` for a model as ``describe()`` states it (``frame_step``, ``frame_base``, ``max_frames``):
+    how ``POST /v1/videos`` and ``omnidit generate`` read a clip's ``seconds``."""
+    return frame_count(seconds, fps, details.get("frame_step", 1), details.get("frame_base"),
+                       details.get("max_frames", 1024))
 
 
 def as_uint8(video) -> np.ndarray:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .cli_engine_args import engine_kwargs, names_a_model, parse_size, resolve_model
+from .cli_errors import GENERATE
 from .cli_lora import load_generate_loras
 
 
@@ -130,15 +131,15 @@ def output_path(kind: str, output: str | None) -> Path:
     return out
 
 
-# generate's flags that set a request field -> (the SamplingParams field a model must take for the flag to
-# apply, "fps" for video models', the flag's value when not given); --voice and --speed are text-to-speech's
-REQUEST_FLAGS = {"--size": ("height", None), "--image": ("image", None), "--mask": ("mask", None),
-                 "--strength": ("strength", None), "--num-outputs": ("num_outputs", 1),
-                 "--frames": ("num_frames", None), "--fps": ("fps", None),
-                 "--seconds": ("audio_end_in_s", None), "--guidance": ("guidance_scale", None),
-                 "--guidance-2": ("guidance_scale_2", None), "--true-cfg": ("true_cfg_scale", None),
-                 "--negative-prompt": ("negative_prompt", None), "--lora": ("loras", None)}
+# generate's flags that set a request field -> the SamplingParams field a model must take for the flag to apply
+# (cli_errors' map turned round; --size sets height and width; --fps is for video models), and the values the
+# flags have when not given; --voice and --speed are text-to-speech's
 SPEECH_FLAGS = {"--voice": None, "--speed": 1.0}
+REQUEST_FLAGS = {"--size": "height", **{flag: field for field, flag in GENERATE.items()
+                                        if flag not in SPEECH_FLAGS and field not in ("num_inference_steps", "seed",
+                                                                                      "size")},
+                 "--fps": "fps"}
+UNSET = {"--num-outputs": 1, **SPEECH_FLAGS}  # (others: None)
 
 
 def _check_flags_apply(args, family, speech: bool) -> None:
@@ -148,32 +149,32 @@ def _check_flags_apply(args, family, speech: bool) -> None:
     from dit_core.errors import InvalidParamError
     from dit_core.families.base import COMMON_PARAMS
 
-    def given(flag, default):
-        return getattr(args, flag[2:].replace("-", "_")) != default
+    def value(flag):
+        return getattr(args, flag[2:].replace("-", "_"))
+
+    def given(flag):
+        return value(flag) != UNSET.get(flag)
 
     if speech:
-        for flag, (_, default) in REQUEST_FLAGS.items():
-            if given(flag, default):
-                raise InvalidParamError(flag, getattr(args, flag[2:].replace("-", "_")),
-                                        "unset: this model does not use it (a text-to-speech model takes the text, "
-                                        "--voice, --speed, --seed and --steps)")
+        for flag in REQUEST_FLAGS:
+            if given(flag):
+                raise InvalidParamError(flag, value(flag), "unset: this model does not use it (a text-to-speech "
+                                                           "model takes the text, --voice, --speed, --seed and --steps)")
         return
-    for flag, default in SPEECH_FLAGS.items():
-        if given(flag, default):
-            raise InvalidParamError(flag, getattr(args, flag[2:].replace("-", "_")),
-                                    "unset: this model does not use it (--voice and --speed are for text-to-speech "
-                                    "models)")
+    for flag in SPEECH_FLAGS:
+        if given(flag):
+            raise InvalidParamError(flag, value(flag), "unset: this model does not use it (--voice and --speed are "
+                                                       "for text-to-speech models)")
     used = COMMON_PARAMS | family.params_used
     if family.output_kind == "video":
         used = used | {"audio_end_in_s", "fps"}  # --seconds: the clip's length, as a frame count
     else:
         used = used - {"num_frames"}  # (an image family takes num_frames=1 only: not a flag to offer)
-    takes = [flag for flag, (field, _) in REQUEST_FLAGS.items() if field in used]
-    for flag, (field, default) in REQUEST_FLAGS.items():
-        if field not in used and given(flag, default):
-            raise InvalidParamError(flag, getattr(args, flag[2:].replace("-", "_")),
-                                    f"unset: {family.name} models ({family.output_kind}) do not use it; this model "
-                                    f"takes {', '.join(['--steps', '--seed'] + takes)}")
+    takes = [flag for flag, field in REQUEST_FLAGS.items() if field in used]
+    for flag, field in REQUEST_FLAGS.items():
+        if field not in used and given(flag):
+            raise InvalidParamError(flag, value(flag), f"unset: {family.name} models ({family.output_kind}) do not "
+                                                       f"use it; this model takes {', '.join(['--steps', '--seed'] + takes)}")
 
 
 def clip_frames(family, args) -> tuple[int | None, int]:
@@ -181,18 +182,17 @@ def clip_frames(family, args) -> tuple[int | None, int]:
     ``--seconds`` x fps the model makes (``POST /v1/videos``' reading of ``seconds``); fps: ``--fps`` or the
     model's."""
     from dit_core.errors import InvalidParamError
-    from dit_core.video import frame_count
+    from dit_core.video import frames_for_seconds
 
-    details = family.describe()
-    fps = args.fps or details.get("fps", 16)
     if args.fps is not None and args.fps < 1:
         raise InvalidParamError("--fps", args.fps, "a positive number of frames per second")
+    details = family.describe()
+    fps = args.fps or details.get("fps", 16)
     if args.seconds is None:
         return args.frames, fps
     if args.frames is not None:
         raise InvalidParamError("--seconds", args.seconds, "unset with --frames (both set the clip's length)")
-    return frame_count(args.seconds, fps, details.get("frame_step", 1), details.get("frame_base"),
-                       details.get("max_frames", 1024)), fps
+    return frames_for_seconds(args.seconds, fps, details), fps
 
 
 def _speak(engine, args, out: Path) -> int:

@@ -13,6 +13,7 @@ keys): ``get`` and ``delete`` with another owner find nothing, as if the file di
 from __future__ import annotations
 
 import collections
+import io
 import secrets
 import threading
 import time
@@ -27,6 +28,21 @@ def png_bound(width: int, height: int) -> int:
     stored-block overhead (5 bytes per 64 KiB) and the chunk headers."""
     raw = height * (3 * width + 1)
     return raw + 5 * (raw // 65535 + 1) + 1024
+
+
+def encode_image(image, fmt: str = "png", quality: int | None = None) -> bytes:
+    """A PIL image as a file of ``fmt``: png; jpeg or webp at ``quality`` (default 100). JPEG keeps full
+    colour resolution (4:4:4: PIL's default 4:2:0 halves it, which took a noisy 32x32 image's mean error at
+    quality 100 from 0.5 to 47 levels); WebP is libwebp's lossy 4:2:0."""
+    buf = io.BytesIO()
+    quality = 100 if quality is None else quality
+    if fmt == "png":
+        image.save(buf, format="PNG")
+    elif fmt == "jpeg":
+        image.save(buf, format="JPEG", quality=quality, subsampling=0)
+    else:
+        image.save(buf, format="WEBP", quality=quality)
+    return buf.getvalue()
 
 
 def image_bound(width: int, height: int, fmt: str = "png") -> int:

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dit_core import InvalidParamError, SamplingParams
-from dit_core.video import as_uint8, encode_mp4, frame_count
+from dit_core.video import as_uint8, encode_mp4, frames_for_seconds
 
 from ..auth import owner_of
 from ..errors import APIError, size_named, validation_error
@@ -229,8 +229,7 @@ async def plan(request: Request, body: VideoCreateRequest,
     fps = body.fps or details.get("fps", 16)
     frames = body.num_frames
     if frames is None and body.seconds is not None:
-        frames = frame_count(body.seconds, fps, details.get("frame_step", 1), details.get("frame_base"),
-                         details.get("max_frames", 1024))
+        frames = frames_for_seconds(body.seconds, fps, details)
     width, height = parse_size(body.size)
     params = SamplingParams(height=height, width=width, num_frames=frames, num_inference_steps=body.num_inference_steps,
                             guidance_scale=body.guidance_scale, guidance_scale_2=body.guidance_scale_2,
@@ -308,11 +307,15 @@ async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100), af
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
+def _not_found(video_id: str) -> APIError:
+    return APIError(404, f"video {video_id!r} does not exist or has expired", "invalid_request_error", "video_id",
+                    "video_not_found")
+
+
 def _job(request: Request, video_id: str):
     job = request.app.state.videos.get(video_id, owner_of(request))  # another key's job: as if none
     if job is None:
-        raise APIError(404, f"video {video_id!r} does not exist or has expired", "invalid_request_error",
-                       "video_id", "video_not_found")
+        raise _not_found(video_id)
     return job
 
 
@@ -335,17 +338,15 @@ async def download_video(video_id: str, request: Request, variant: str = "video"
         detail = f": {job.error['message']}" if job.error else f" ({job.progress}% done)"
         raise APIError(404, f"video {video_id!r} has no content yet: it is {job.status}{detail}",
                        "invalid_request_error", "video_id", "video_not_ready")
-    gone = APIError(404, f"video {video_id!r} does not exist or has expired", "invalid_request_error", "video_id",
-                    "video_not_found")
     if variant in PREVIEWS:
         try:
             return Response(await asyncio.to_thread(preview, job.path, variant), media_type=PREVIEWS[variant])
         except FileNotFoundError:  # it expired (or was deleted) since the lookup
-            raise gone from None
+            raise _not_found(video_id) from None
     try:  # the handle, opened now, keeps the bytes readable even if the job expires while they are sent
         fd, st = await asyncio.to_thread(open_stored, job.path)
     except FileNotFoundError:  # it expired (or was deleted) since the lookup
-        raise gone from None
+        raise _not_found(video_id) from None
     try:
         return FileStreamResponse(fd, st, request.headers.get("range"), request.headers.get("if-range"),
                                   media_type="video/mp4")
