@@ -7,7 +7,9 @@
 - rows apart: a row computed in a call of 1 to 1,000 rows at several offsets against the same row among
   3,001 (width 37: partial vectors everywhere), for the kernel and for aten;
 - end to end: the engine as it runs (kernel) and the same engine with aten's GELU (``cpu_gelu.restore``
-  on a second engine), on the edit benchmark's 64x64 mix (``benchmarks.edits``: text-to-image, img2img,
+  on a second engine; on a CPU with AVX-512, where the default engine fuses every fp32 GELU into oneDNN's
+  packed linear and leaves none to the kernel, both engines run ``cpu_linear="aten"``: the engine's
+  ``cpu_linear`` key says which), on the edit benchmark's 64x64 mix (``benchmarks.edits``: text-to-image, img2img,
   inpainting, Kontext edits; ``--requests`` arriving together) on the small random FLUX Kontext checkpoint,
   interleaved rounds (one warm-up each, fresh prompts every round, the prompt cache off).
 
@@ -81,7 +83,13 @@ def rows_apart(fn) -> float:
 def engine_ab(model, args) -> dict:
     from dit_core import Engine, cpu_gelu
 
-    engines = {side: Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0) for side in ("kernel", "aten")}
+    from dit_core.cpu_fusions import fp32_fuses
+
+    # where fp32 fuses the GELU into oneDNN's packed linear (AVX-512), the default engine leaves no GELU to
+    # the kernel: both sides then keep aten's linears (no fusion), so that the kernel is what differs
+    linears = "aten" if fp32_fuses() else "auto"
+    engines = {side: Engine.from_pretrained(model, max_batch_size=8, prompt_cache_bytes=0, cpu_linear=linears)
+               for side in ("kernel", "aten")}
     swapped = cpu_gelu.kernel_count(engines["kernel"].family.transformer)
     cpu_gelu.restore(engines["aten"].family.transformer)
     pictures = edits.inputs_for(64)
@@ -89,7 +97,7 @@ def engine_ab(model, args) -> dict:
     cmp = interleaved({k: edits.engine_ab_side(engines[k], k, 64, args, pictures, outputs) for k in ("kernel", "aten")},
                       args.repeats)
     diff = max((a - b).abs().max().item() for r in outputs.values() for a, b in zip(r["kernel"], r["aten"]))
-    result = {"gelu_modules_on_kernel": swapped, "sides": {k: cmp.stats(k) for k in ("kernel", "aten")},
+    result = {"gelu_modules_on_kernel": swapped, "cpu_linear": linears, "sides": {k: cmp.stats(k) for k in ("kernel", "aten")},
               "round_orders": cmp.order, "kernel_over_aten_speed": cmp.ratio("aten", "kernel"),
               "spread": cmp.ratio_spread("aten", "kernel"), "samples": cmp.ratios("aten", "kernel"),
               "outputs_max_abs_diff": diff}

@@ -44,11 +44,11 @@ def linear_shapes(module: nn.Module) -> Counter:
 
 
 def kernel_calls(fan_in: int, fan_out: int, gen: torch.Generator) -> dict:
-    from dit_core.cpu_linear import ROWS_HINT
+    from dit_core.cpu_linear import ROWS_HINT, pointwise
 
     weight, bias = torch.randn(fan_out, fan_in, generator=gen), torch.randn(fan_out, generator=gen)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
-    return {"onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+    return {"onednn": lambda x: pointwise(x, packed, bias, "none", ""),  # as the engine calls it
             "aten": lambda x: nn.functional.linear(x, weight, bias)}
 
 

@@ -100,7 +100,9 @@ def run_engine(engine, reqs, arrivals):
 
 
 def transformer_flops_per_row(engine, size: int, text_tokens: int) -> float:
-    """FLOPs of one transformer forward for one row at this size, counted by FlopCounterMode."""
+    """FLOPs of one transformer forward for one row at this size, counted by FlopCounterMode: half of a
+    forward of two rows (a packed linear computes a lone row as two, ``cpu_linear.pointwise``, which
+    would count the model's modulation linears twice)."""
     from dit_core.cpu_linear import FLOP_FORMULAS  # packed linears (cpu_linear), unknown to the counter
     from dit_core.families.flux import image_ids
 
@@ -108,18 +110,18 @@ def transformer_flops_per_row(engine, size: int, text_tokens: int) -> float:
     side = size // fam.size_multiple
     tr = fam.transformer
     inputs = dict(
-        hidden_states=torch.randn(1, side * side, tr.config.in_channels),
-        timestep=torch.tensor([0.5]),
-        guidance=torch.tensor([3.5]) if tr.config.guidance_embeds else None,
-        pooled_projections=torch.randn(1, tr.config.pooled_projection_dim),
-        encoder_hidden_states=torch.randn(1, text_tokens, tr.config.joint_attention_dim),
+        hidden_states=torch.randn(2, side * side, tr.config.in_channels),
+        timestep=torch.tensor([0.5, 0.5]),
+        guidance=torch.tensor([3.5, 3.5]) if tr.config.guidance_embeds else None,
+        pooled_projections=torch.randn(2, tr.config.pooled_projection_dim),
+        encoder_hidden_states=torch.randn(2, text_tokens, tr.config.joint_attention_dim),
         txt_ids=torch.zeros(text_tokens, 3),
         img_ids=image_ids(side, side),
         return_dict=False,
     )
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
         tr(**inputs)
-    return float(counter.get_total_flops())
+    return counter.get_total_flops() / 2
 
 
 

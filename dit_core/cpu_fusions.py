@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .cpu_linear import PackedLinear
+from .cpu_linear import PackedLinear, pointwise
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def onednn_linear_gelu(x: torch.Tensor, packed: torch.Tensor, bias: Optional[tor
 
 
 def _linear_gelu(x, packed, bias):
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], "tanh")
+    return pointwise(x, packed, bias, "gelu", "tanh")
 
 
 @onednn_linear_gelu.register_fake

@@ -159,6 +159,7 @@ def apply(family, config, name: str = "") -> int:
     if not isinstance(getattr(family, "transformer", None), nn.Module):
         return 0
     why = why_not(config)
+    family.gelu_kernel = why is None  # quantizing later (``quantize.apply_quant``) swaps the GELUs it unfuses
     if why is not None:
         logger.info("cpu_gelu: aten's tanh-GELU for model %s (%s)", name, why)
         return 0

@@ -25,7 +25,7 @@ import torch
 
 import quant
 
-from . import cpu_fusions
+from . import cpu_fusions, cpu_gelu
 from .errors import InvalidParamError, UnknownModelError
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ def apply_quant(family, value: str | None) -> None:
         report = quant.quantize_module(module, spec, family.device)
         if fused:
             cpu_fusions.fuse(module)  # the layers left packed take their GELU again
+            if getattr(family, "gelu_kernel", False):  # the GELUs after quantized layers: omnidit's kernel,
+                cpu_gelu.swap(module)  # as when quantization runs before packing (the engine's loading order)
         family.quant_reports[name] = report
         logger.info("quant %s on %s: %d layers quantized, %d kept (%s), %.1f -> %.1f MB", spec, name,
                     len(report.quantized), len(report.kept), "; ".join(sorted(set(report.kept.values()))),
