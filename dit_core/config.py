@@ -125,7 +125,9 @@ class EngineConfig:
         ``invariant`` and ``flux`` sections); refused with ``quant``, ``max_loras`` > 0, parallel
         degrees > 1 and ``compile`` (measured: compiled, it did not hold). The VAE then encodes and
         decodes one request per call (on every device). On CPU the linears stay (the CPU kernels'
-        results are checked batched == alone). Default False. See ``dit_core.invariant_linear``.
+        results are checked batched == alone); bfloat16 is refused on a CPU whose bf16 GEMMs follow
+        the row count (measured at start, ``dit_core.cpu_gemm_rows``: an AMX Xeon's do), and ``dtype="auto"``
+        keeps float32 there. Default False. See ``dit_core.invariant_linear``.
     quant: weight quantization of the transformer (or the components named with ``,components=``):
         ``None``, ``int8-weight``, ``int8-dynamic``, ``fp8`` or ``gguf:TYPE``. See ``quant`` and
         ``dit_core.quantize``.

@@ -308,6 +308,12 @@ def resolve(paths: dict, config: dict) -> Choice:
             reason = f"{kind} model: the measurement covers image models"
         elif not cpu_linear.native_bf16():
             reason = "this CPU has no native bf16 (AVX-512 BF16 or AMX): bf16 would be emulated"
+        elif config.get("batch_invariant"):
+            from .cpu_gemm_rows import bf16_rows_invariant
+
+            same, what = bf16_rows_invariant()
+            if not same:
+                reason = f"batch_invariant: this CPU's bf16 GEMMs follow the row count ({what})"
     if reason:
         logger.info("dtype auto: float32 for %s (%s)", Path(path).name, reason)
         return Choice("float32", reason)

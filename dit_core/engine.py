@@ -433,6 +433,13 @@ def load_engine(paths: dict[str, str | Path], options: dict | None = None, think
 
         choice = resolve(paths, options)
         cfg.dtype, dtype_choice = choice.dtype, choice.as_dict()
+    if cfg.dtype == "bfloat16" and torch.device(cfg.device).type == "cpu" and not cfg.batch_invariant:
+        from .cpu_gemm_rows import bf16_rows_invariant
+
+        same, what = bf16_rows_invariant()
+        if not same:
+            logger.warning("bfloat16 on this CPU: a request's output may differ with what it is batched with, "
+                           "by bf16 rounding (%s); float32, or batch_invariant=True, keeps it the same", what)
     stage_options = dict(kv_cache_gb=cfg.thinker_kv_cache_gb, memory_utilization=cfg.thinker_memory_utilization,
                          on_failure=cfg.thinker_on_failure)
     models = {}

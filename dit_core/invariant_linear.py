@@ -29,7 +29,10 @@ missing), and is refused with ``quant`` (quantized kernels are cuBLAS's or torch
 ``max_loras`` > 0 (adapter deltas are batched matmuls), parallel degrees > 1 (worker ranks build
 their own transformer) and ``compile=True`` (measured: inductor's own kernels broke it, below). On
 CPU the linears are not swapped: the CPU engine's results are already checked batched == alone
-(``tests/test_batching.py``); only the VAE calls go one request at a time. The choice is logged and
+(``tests/test_batching.py``); only the VAE calls go one request at a time. That holds in float32, and in
+bf16 only where the CPU's bf16 GEMMs give a row the same bits whatever the row count: on an Intel Xeon
+with AMX they do not (``dit_core.cpu_gemm_rows`` measures it once per process), so there bfloat16 is
+refused with this flag (float32 keeps the guarantee) and ``dtype="auto"`` with it keeps float32. The choice is logged and
 shown in the effective config.
 
 Under ``torch.compile`` the layer is one opaque op (``omnidit::invariant_linear``, with a fake
@@ -201,6 +204,13 @@ def why_not(config) -> str | None:
                 "compiled, a burst's request differed from its run alone by 0.031 of 5.1 on an H200")
     if torch.device(config.device).type == "cuda" or interpreting():
         return triton_missing()
+    if config.dtype == "bfloat16":  # CPU: the linears stay, so their bf16 GEMMs must not follow the row count
+        from .cpu_gemm_rows import bf16_rows_invariant
+
+        same, what = bf16_rows_invariant()
+        if not same:
+            return (f"dtype bfloat16 on this CPU: its bf16 GEMMs follow the row count ({what}); dtype float32 "
+                    "keeps a request's output independent of its batch")
     return None
 
 
