@@ -43,6 +43,8 @@ class Backend:
     note: str = ""
     # (device) -> the reason it cannot run there, or None
     extra_check: Callable[[torch.device], str | None] | None = field(default=None, compare=False)
+    # (device) -> why ``auto`` passes over it there although it can run (named, it still runs), or None
+    auto_check: Callable[[torch.device], str | None] | None = field(default=None, compare=False)
 
     @property
     def capabilities(self) -> dict:

@@ -5,9 +5,10 @@ attention), ``cross`` (queries from one stream, keys from another), ``joint``
 (text and image tokens in one sequence: FLUX, SD3, Qwen-Image blocks).
 
 ``auto`` takes the first backend of ``AUTO_CHAIN[device type]`` that can run
-with the model's dtype and head size; the chains end in ``sdpa``. On CPU that is ``gemm`` for bf16
-on a CPU with native bf16 (``attention.backends.gemm``: faster than the flash kernel there, with
-bf16 scores), ``sdpa`` otherwise. ``sage`` is
+with the model's dtype and head size, and whose ``auto_check`` does not pass it over; the chains end
+in ``sdpa``. On CPU that is ``gemm`` for bf16 on a CPU with native bf16 and no AMX
+(``attention.backends.gemm``: faster than the flash kernel there, with bf16 scores), ``sdpa``
+otherwise (with AMX the flash kernel runs bf16 on AMX tiles and was the faster). ``sage`` is
 approximate and never chosen automatically.
 """
 
@@ -104,8 +105,11 @@ def _why_not(backend: Backend, device, dtype, head_dims) -> str | None:
 
 def _auto(device, dtype, head_dims) -> Backend:
     for name in AUTO_CHAIN.get(device.type, ("sdpa",)):
-        if name in BACKENDS and _why_not(BACKENDS[name], device, dtype, head_dims) is None:
-            return BACKENDS[name]
+        backend = BACKENDS.get(name)
+        if backend is None or (backend.auto_check is not None and backend.auto_check(device)):
+            continue
+        if _why_not(backend, device, dtype, head_dims) is None:
+            return backend
     return get_backend("sdpa")
 
 

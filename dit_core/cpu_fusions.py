@@ -29,7 +29,8 @@ float32 fuses only where the CPU has AVX-512 (``fp32_fuses``). On the 2-core AVX
 ``F.gelu`` (``gelu_fused_over_separate_speed_float32_*`` of ``python -m benchmarks.bf16_path``; bf16:
 x1.34-1.36); on an AVX2-only EPYC an earlier stop measured the fused fp32 GEMM slower (37.5 against 28 ms,
 docs/guide/speed.md), so there fp32 keeps the separate pass, which the engine runs through omnidit's
-vector kernel (``dit_core.cpu_gelu``). An Intel AVX-512 Xeon was not measured.
+vector kernel (``dit_core.cpu_gelu``). On an Intel Xeon with AVX-512 and AMX the fused fp32 projection ran
+x1.31-1.32 (bf16: x2.19-2.24; ``results/bf16_path_amx.json``).
 oneDNN's GELU differs from torch's by up to 4.8e-7 on its outputs (the same order as the packed GEMM's
 own difference from aten's, about 3e-6 on the tests' images; the engine's fp32 images stay within the
 tests' 1e-4 of diffusers).

@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from attention import attend, available_backends, get_backend
+from attention import AttentionConfig, attend, available_backends, get_backend, resolve
+from attention.backends import gemm as gemm_backend
+from attention.backends.gemm import amx
 from dit_core import Engine, SamplingParams
 from dit_core.cpu_fusions import PackedLinearGELU
 from dit_core.cpu_linear import PackedLinear, native_bf16
@@ -101,7 +103,8 @@ def test_bf16_engine_fuses_gelu_and_picks_gemm(tiny_models):
     plain = Engine.from_pretrained(tiny_models["flux"], max_batch_size=4, dtype="bfloat16", attention="sdpa",
                                    max_loras=1)
     tr, ref = fast.family.transformer, plain.family.transformer
-    assert fast.attention["joint"].name == "gemm" and plain.attention["joint"].name == "sdpa"
+    # auto: gemm, except where AMX makes the flash kernel the faster (test_auto_passes_over_gemm_on_amx)
+    assert fast.attention["joint"].name == ("sdpa" if amx() else "gemm") and plain.attention["joint"].name == "sdpa"
     fused = [n for n, m in tr.named_modules() if isinstance(m, PackedLinearGELU)]
     assert fused and not any(isinstance(m, PackedLinearGELU) for m in ref.modules())
     assert any(n.endswith("proj_mlp") for n in fused) and any(n.endswith("ff.net.0.proj") for n in fused)
@@ -137,3 +140,17 @@ def test_a_fused_layer_cast_to_fp32_computes_gelu_of_its_linear():
         assert not ff.net[0].proj.is_packed  # dense float32 now: gelu(linear(x)) by F.linear
         dense = ff(x.float())
         assert (dense - want.float()).abs().max() <= 0.05
+
+
+def test_auto_passes_over_gemm_on_amx(monkeypatch):
+    """With AMX, torch's flash kernel runs bf16 on AMX tiles and was the faster (``gemm``'s docstring):
+    ``auto`` keeps ``sdpa`` there; named, ``gemm`` still runs (where bf16 is native). Without AMX, auto
+    takes ``gemm`` where it can run."""
+    monkeypatch.setattr(gemm_backend, "native_bf16", lambda: True)
+    monkeypatch.setattr(gemm_backend, "amx", lambda: True)
+    assert resolve(AttentionConfig.parse("auto"), "cpu", torch.bfloat16, [64])["joint"].name == "sdpa"
+    assert "AMX" in get_backend("gemm").auto_check(torch.device("cpu"))
+    assert resolve(AttentionConfig.parse("gemm"), "cpu", torch.bfloat16, [64])["joint"].name == "gemm"
+    monkeypatch.setattr(gemm_backend, "amx", lambda: False)
+    assert resolve(AttentionConfig.parse("auto"), "cpu", torch.bfloat16, [64])["joint"].name == "gemm"
+    assert resolve(AttentionConfig.parse("auto"), "cpu", torch.float32, [64])["joint"].name == "sdpa"

@@ -155,11 +155,14 @@ def test_measurement_runs_the_kernels_the_engine_would_run(tiny_models, monkeypa
     monkeypatch.setattr(dtype_auto, "MEASURE_SIDE", 64)
     seconds = dtype_auto.measure_forward(tiny_models["flux"], {"compile": compile}, rounds=1, min_s=0.0)
     tail = ", compiled" if compile else ""
+    from attention.backends.gemm import amx
+
     native = cpu_linear.native_bf16()  # bf16 packed and attention as two bf16 GEMMs (``gemm``) where native
     fp32 = "onednn linears" + (", GELU fused" if cpu_fusions.fp32_fuses() else "")  # (AVX-512: cpu_fusions)
+    attention = "sdpa" if amx() or not native else "gemm"  # AMX: the flash kernel (attention.backends.gemm)
     assert seconds.kernels == {"float32": fp32 + tail,
-                               "bfloat16": ("onednn linears, GELU fused, gemm" if native else "aten linears, sdpa")
-                               + " attention" + tail}
+                               "bfloat16": ("onednn linears, GELU fused, " if native else "aten linears, ")
+                               + attention + " attention" + tail}
     assert set(seconds) == {"float32", "bfloat16"} and min(seconds.values()) > 0
 
 

@@ -15,8 +15,12 @@ difference was 0.007-0.011 where the flash kernel's was 0.001-0.004 (a bf16 outp
 0.004 at 1.0); the images it gives are compared with fp32 in ``tests/test_bf16_fidelity.py``.
 
 Only bf16, only on CPU, only with native bf16 (AVX-512 BF16 or AMX): elsewhere bf16 GEMMs are
-emulated. ``auto`` picks it first on CPU for bf16 models there (``attention.selection``); ``sdpa``
-stays the choice for every other case, and ``--attention sdpa`` keeps the flash kernel in bf16.
+emulated. ``auto`` picks it first on CPU for bf16 models there, except with AMX (``attention.selection``):
+on an Intel Xeon with AMX the flash kernel's AMX micro-kernels were the faster (the small FLUX's bf16
+forward at batch 8: 43.8 against 46.0 ms at 64x64, 128.8 against 139.6 ms at 256x256 with this backend;
+``benchmarks/results/bf16_path_amx.json``), so ``auto`` keeps ``sdpa`` there and ``--attention gemm``
+still runs it. ``sdpa`` stays the choice for every other case, and ``--attention sdpa`` keeps the
+flash kernel in bf16.
 
 Each chunk's slices are computed independently of the others, with the same GEMM shapes whatever the
 batch, so a row's result does not depend on what it is batched with (tests/test_cpu_bf16.py).
@@ -106,6 +110,19 @@ def lse(q, k, v, mask=None, scale=None):
     return out.transpose(1, 2), out_lse.view(b, h, lq)
 
 
+def amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's CPU flash kernel then runs bf16 through them)."""
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def _auto_check(device: torch.device) -> str | None:
+    if device.type == "cpu" and amx():
+        return ("this CPU has AMX, where torch's flash kernel (sdpa) runs bf16 on AMX tiles and was the faster: "
+                "the small FLUX's bf16 forward at batch 8 took 43.8 against 46.0 ms at 64x64 and 128.8 against "
+                "139.6 ms at 256x256 (benchmarks.bf16_path on an Intel Xeon with AMX, results/bf16_path_amx.json)")
+    return None
+
+
 def _check(device: torch.device) -> str | None:
     if device.type == "cpu" and not native_bf16():
         return "this CPU has no native bf16 (AVX-512 BF16 or AMX): its bf16 GEMMs would be emulated"
@@ -114,6 +131,6 @@ def _check(device: torch.device) -> str | None:
 
 register_backend(Backend(name="gemm", dense=dense, varlen=sdpa.grouped_varlen(dense), lse=lse, pack_above=0.25,
                          mask=True, causal=True, gqa=True, devices=("cpu",), dtypes=(torch.bfloat16,),
-                         extra_check=_check,
+                         extra_check=_check, auto_check=_auto_check,
                          note="bf16 on CPUs with native bf16: bmm, softmax, bmm per chunk of heads "
                               "(scores rounded to bf16)"))
