@@ -74,7 +74,8 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor])
 
 def pointwise(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], attr: str,
               algorithm: str) -> torch.Tensor:
-    """oneDNN's packed linear with post-op ``attr``, a row's bits the same whatever the row count.
+    """oneDNN's packed linear with post-op ``attr``; in float32 a row's bits the same whatever the row count
+    (bf16's depend on the CPU: ``dit_core.cpu_gemm_rows``).
 
     One row alone goes through oneDNN's one-row kernel, which sums over K in another order than the
     kernel for two rows or more: on an Intel Xeon with AMX (family 6 model 167) a fp32 row came out
