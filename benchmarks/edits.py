@@ -21,7 +21,10 @@ Scenarios, at 64x64 and 256x256, T5 text of ``--text-tokens`` (64) on both sides
 * with ``--by-kind``, at 256x256: the mix's kinds apart ("256x256 edit", "256x256 img2img",
   "256x256 inpaint"; ``--requests`` of one kind each, the img2img strengths and the two reference sizes
   in turn), to see which rows pull the mix's ratio below text-to-image's (``by_kind_256`` in the
-  summary: each kind's ratio, text-to-image's beside them).
+  summary: each kind's ratio, text-to-image's beside them); and text-to-image at 352x352, whose rows
+  (484 + 64 tokens) are about as long as the 256x256 edit rows (a 256 x 256 or 192 x 320 reference
+  joined: 560-576 tokens), so the edit rows' ratio can be read against batching's gain at that row
+  length (``t2i_throughput_ratio_at_edit_tokens``).
 
 Method (benchmarks.common.interleaved): the sides of a scenario run once per round (``--repeats``, 5),
 the order rotated every round, after one warm-up each; fresh prompts every round and the engine's
@@ -56,6 +59,7 @@ SUBJECTS = ["cat", "dog", "red car", "house by the sea", "tree", "bird", "city a
 # what one request of the mix is, in turn
 KINDS = [("generate", None), ("img2img", 0.3), ("edit", 0), ("inpaint", 0.9), ("img2img", 0.6), ("edit", 1),
          ("img2img", 0.9), ("generate", None)]
+EDIT_TOKENS_SIZE = 352  # a text-to-image size whose rows are about as long as the 256x256 edit rows (548 vs 560-576)
 QUALITY_KEYS = ("img2img_keep_rate", "img2img_follow_rate", "inpaint_change_rate", "inpaint_outside_mad",
                 "edit_model_accuracy", "edit_model_class_accuracy")
 
@@ -248,7 +252,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default=None, help="a FLUX Kontext folder (default: build the small random one)")
     ap.add_argument("--by-kind", action="store_true",
-                    help="also each kind of the mix apart at 256x256 (edit, img2img, inpaint; about 3 more minutes)")
+                    help="also each kind of the mix apart at 256x256 (edit, img2img, inpaint), and text-to-image at "
+                         "352x352, rows as long as the edit rows (about 5 more minutes)")
     ap.add_argument("--out", default=None, help="results/<OUT>.json (default edits, or edits_quick with --quick)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -277,6 +282,11 @@ def main(argv=None) -> dict:
             by_kind[kind] = measure(f"256x256 {kind}", 256, args, pipes, engine,
                                     kinds=[k for k in KINDS if k[0] == kind])
             results.append(by_kind[kind])
+        # text-to-image rows as long as the edit rows (the 256x256 Kontext rows carry 256 + 256 or 240 reference
+        # + 64 text tokens; 352x352 has 484 + 64): what batching gains at that row length
+        at_edit_tokens = measure(f"{EDIT_TOKENS_SIZE}x{EDIT_TOKENS_SIZE} t2i", EDIT_TOKENS_SIZE, args, pipes, engine,
+                                 kinds=[("generate", None)])
+        results.append(at_edit_tokens)
     by_name = {r["scenario"]: r for r in results}
     quality, missing = quality_keys()
     summary = {
@@ -292,7 +302,9 @@ def main(argv=None) -> dict:
                     "edit_throughput_ratio_256 >= t2i_throughput_ratio_256":
                         by_name["256x256 mix"]["throughput_ratio"] >= by_name["256x256 t2i"]["throughput_ratio"]},
         **quality,
-        **({"by_kind_256": {kind: r["throughput_ratio"] for kind, r in by_kind.items()}} if args.by_kind else {}),
+        **({"by_kind_256": {kind: r["throughput_ratio"] for kind, r in by_kind.items()},
+            "t2i_throughput_ratio_at_edit_tokens": at_edit_tokens["throughput_ratio"],
+            "t2i_size_at_edit_tokens": EDIT_TOKENS_SIZE} if args.by_kind else {}),
         "missing": missing,
     }
     payload = {"benchmark": "edits", "machine": machine(), "args": vars(args), "summary": summary,
