@@ -89,7 +89,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: the transformer's linear layers through omnidit's fixed-tiling Triton GEMM, so a "
                         "request's output does not depend on what it is batched with (cuBLAS rounds differently "
                         "at other row counts), and the VAE encodes and decodes one request per call; slower; not "
-                        "with --quant, --max-loras, --compile or parallel degrees; on CPU only the VAE calls change "
+                        "with --quant, --max-loras, --compile or parallel degrees; on CPU only the VAE calls change, and "
+                        "--dtype bfloat16 is refused where the CPU's bf16 GEMMs follow the row count (AMX) "
                         "(default off)")
     p.add_argument("--policy", default=None, choices=["fifo", "edf"],
                    help="scheduling: fifo (oldest first) or edf (earliest deadline_ms first, bulk work after, "
