@@ -65,6 +65,10 @@ class VideoJob:
     task: asyncio.Task | None = None
     expiry: float | None = None  # time.time() when a finished job goes (expires_at, unrounded)
     owner: str | None = field(default=None, repr=False)  # the creating key's owner (serve.auth); never shown
+    remixed_from: str | None = None  # the job this one remixes (POST /v1/videos/{id}/remix)
+    # what a remix of this job reuses: the engine's model name and the resolved SamplingParams; never shown
+    engine_model: str | None = field(default=None, repr=False)
+    params: object = field(default=None, repr=False)
 
     @property
     def seconds(self) -> str:
@@ -75,7 +79,7 @@ class VideoJob:
         return {"id": self.id, "object": "video", "model": self.model, "status": self.status,
                 "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
                 "expires_at": self.expires_at, "size": f"{self.width}x{self.height}", "seconds": self.seconds,
-                "prompt": self.prompt, "remixed_from_video_id": None, "error": self.error,
+                "prompt": self.prompt, "remixed_from_video_id": self.remixed_from, "error": self.error,
                 # omnidit's additions
                 "num_frames": self.num_frames, "fps": self.fps}
 

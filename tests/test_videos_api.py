@@ -88,6 +88,31 @@ def test_json_body_num_frames_and_sync_mp4(live, client):
     wait_idle(live)
 
 
+def test_a_remix_is_the_source_video_with_the_new_prompt(client, live):
+    """OpenAI's videos.remix through the client: a new job with the source's size, frames, fps and seed
+    and the new prompt; its frames are those of a fresh create with everything the same but the prompt."""
+    opts = {**FAST, "fps": 16, "seed": 5}
+    source = client.videos.create_and_poll(prompt="a cat walking", size="32x32", seconds="0.3125", extra_body=opts,
+                                           poll_interval_ms=50)
+    remix = client.videos.remix(source.id, prompt="a dog running")
+    assert remix.remixed_from_video_id == source.id and remix.prompt == "a dog running"
+    remix = client.videos.poll(remix.id, poll_interval_ms=50)
+    assert remix.status == "completed" and (remix.size, remix.seconds, remix.model) == (source.size, source.seconds,
+                                                                                         source.model)
+    fresh = client.videos.create_and_poll(prompt="a dog running", size="32x32", seconds="0.3125", extra_body=opts,
+                                          poll_interval_ms=50)
+    assert fresh.remixed_from_video_id is None
+    got, want = (decode_mp4(client.videos.download_content(v.id).read()) for v in (remix, fresh))
+    assert got.shape == (5, 32, 32, 3) and np.array_equal(got, want)
+    assert not np.array_equal(got, decode_mp4(client.videos.download_content(source.id).read()))  # the prompt counts
+    with pytest.raises(openai.NotFoundError):
+        client.videos.remix("video_nope", prompt="x")
+    assert_error(httpx.post(live.url + f"/v1/videos/{source.id}/remix", json={"prompt": ""}), 400, "prompt")
+    assert_error(httpx.post(live.url + f"/v1/videos/{source.id}/remix", json={"prompt": "x", "seed": 1}), 400,
+                 "seed", "extra_forbidden")
+    wait_idle(live)
+
+
 def test_content_is_404_until_completed_and_list_paginates(client, live):
     slow = client.videos.create(prompt="a slow one", size="32x32",
                                 extra_body={"num_inference_steps": 400, "max_sequence_length": 16})

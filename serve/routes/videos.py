@@ -263,24 +263,62 @@ def _mp4(fps: int, faults, prompt: str):
 
 @router.post("/v1/videos", responses=errors(400, 404, 429, 503))
 async def create_video(request: Request):
-    state = request.app.state
     body, reference = await read_body(request)
     name, public, params, fps = await plan(request, body, reference)
     p = await resolve(request, body, name, params)
+    return (await start_job(request, name, public, body.prompt, p, fps)).to_dict()
+
+
+async def start_job(request: Request, name: str, public: str, prompt: str, p: SamplingParams, fps: int,
+                    remixed_from: str | None = None):
+    """A stored job for ``prompt`` with the resolved ``p``, its engine request submitted and followed."""
+    state = request.app.state
     try:
-        job = state.videos.create(model=public, prompt=body.prompt, width=p.width, height=p.height,
-                                  num_frames=p.num_frames, fps=fps, owner=owner_of(request))
+        job = state.videos.create(model=public, prompt=prompt, width=p.width, height=p.height,
+                                  num_frames=p.num_frames, fps=fps, owner=owner_of(request),
+                                  remixed_from=remixed_from, engine_model=name, params=p)
     except StoreFullError as e:
         raise APIError(429, str(e), "rate_limit_error", None, "video_store_full",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
     try:
-        job.request_id, events = await state.client.submit(body.prompt, p, model=name, request_id=job.id)
+        job.request_id, events = await state.client.submit(prompt, p, model=name, request_id=job.id)
     except BaseException:
         state.videos.delete(job.id)
         raise
     job.task = asyncio.ensure_future(run_job(state.videos, state.client, job, events,
-                                                 _mp4(fps, faults_of(state), body.prompt), Deadline.of(state.settings)))
-    return job.to_dict()
+                                                 _mp4(fps, faults_of(state), prompt), Deadline.of(state.settings)))
+    return job
+
+
+class VideoRemixRequest(BaseModel):
+    """OpenAI's videos.remix body: the new prompt. Unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+
+
+@router.post("/v1/videos/{video_id}/remix", responses=errors(400, 404, 429, 503))
+async def remix_video(video_id: str, request: Request):
+    """A new job: the source video's model, size, frames, fps, seed, steps, guidance, negative prompt,
+    adapters and ``input_reference``, with the new prompt (the same seed: the same starting noise). The
+    source may still be running; it must exist for the caller (404 otherwise)."""
+    state = request.app.state
+    source = _job(request, video_id)
+    try:
+        data = await request.json()
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON", "invalid_request_error", None, "invalid_json") from None
+    try:
+        body = VideoRemixRequest.model_validate(data, strict=True)
+    except ValidationError as e:
+        raise validation_error(e.errors(), VideoRemixRequest) from None
+    check_prompts(state.settings, body, names=("prompt",))
+    check_queue(state)
+    p = await state.client.resolve(body.prompt, source.params, model=source.engine_model)
+    check_work(state.settings, p)
+    return (await start_job(request, source.engine_model, source.model, body.prompt, p, source.fps,
+                            remixed_from=source.id)).to_dict()
 
 
 @router.post("/v1/videos/sync", responses=errors(400, 404, 429, 503, 504))
