@@ -5,8 +5,8 @@ in a call of 80 rows as in one of 2,688. On CPU float32 that holds (oneDNN's pac
 one-row kernel aside, which ``cpu_linear.pointwise`` avoids; ``tests/test_cpu_linear_kernels.py``).
 bf16 is a property of the machine: on an Intel Xeon with AMX (family 6 model 167) oneDNN's
 bf16 kernels block the sum over K by the row count, and 1 to 15 of 336 rows of a 1536 -> 384
-projection came out one bf16 rounding apart from the same rows among 2,688 (aten's bf16 linear, also
-oneDNN's, alike). Through the small FLUX at 256x256, 4 steps, three of four requests batched together
+projection came out apart from the same rows among 2,688, by one bf16 unit in the last place (a
+3072 x 3072 linear: 30 of 80 rows, up to 4 units; aten's bf16 linear, also oneDNN's, alike). Through the small FLUX at 256x256, 4 steps, three of four requests batched together
 differed from their runs alone by up to 0.027 (pixels in [0, 1]; float32: 0). 64x64 requests agreed.
 
 :func:`bf16_rows_invariant` measures it once per process on DiT-like shapes (K 384, 1536 and 1920;
