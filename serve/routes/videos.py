@@ -153,13 +153,7 @@ async def read_body(request: Request) -> tuple[VideoCreateRequest, Reference | N
             data[REFERENCE] = parts
     else:
         is_form = False
-        try:
-            data = await request.json()
-        except ValueError:
-            raise APIError(400, "the body is not valid JSON or a form", "invalid_request_error", None,
-                           "invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the body must be a JSON object", "invalid_request_error", None, "invalid_json")
+        data = await json_object(request, "the body is not valid JSON or a form")
     given = data.pop(REFERENCE, None)
     if isinstance(given, Reference):
         reference = given
@@ -169,6 +163,17 @@ async def read_body(request: Request) -> tuple[VideoCreateRequest, Reference | N
         return VideoCreateRequest.model_validate(data, strict=not is_form), reference
     except ValidationError as e:
         raise validation_error(e.errors(), VideoCreateRequest) from None
+
+
+async def json_object(request: Request, not_json: str = "the body is not valid JSON") -> dict:
+    """The body as a JSON object, or a 400 ``invalid_json``."""
+    try:
+        data = await request.json()
+    except ValueError:
+        raise APIError(400, not_json, "invalid_request_error", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", "invalid_request_error", None, "invalid_json")
+    return data
 
 
 def reference_object(value) -> Reference:
@@ -239,17 +244,17 @@ async def plan(request: Request, body: VideoCreateRequest,
     return name, public, params, fps
 
 
-async def resolve(request: Request, body: VideoCreateRequest, name: str, params: SamplingParams) -> SamplingParams:
+async def resolve(request: Request, prompt: str, size: str | None, name: str, params: SamplingParams) -> SamplingParams:
     """Check the request against the engine's queue (429 when full) and the model (size errors name
     ``size``); its resolved parameters (the size, frames and seed the video will have)."""
     state = request.app.state
     check_queue(state)
     try:
-        resolved = await state.client.resolve(body.prompt, params, model=name)
+        resolved = await state.client.resolve(prompt, params, model=name)
     except InvalidParamError as e:
         if e.field == "image":  # the engine's name for it
             raise InvalidParamError(REFERENCE, "none" if e.value is None else e.value, e.allowed) from None
-        raise size_named(e, body.size) from None
+        raise size_named(e, size) from None
     check_work(state.settings, resolved)
     return resolved
 
@@ -265,7 +270,7 @@ def _mp4(fps: int, faults, prompt: str):
 async def create_video(request: Request):
     body, reference = await read_body(request)
     name, public, params, fps = await plan(request, body, reference)
-    p = await resolve(request, body, name, params)
+    p = await resolve(request, body.prompt, body.size, name, params)
     return (await start_job(request, name, public, body.prompt, p, fps)).to_dict()
 
 
@@ -306,17 +311,11 @@ async def remix_video(video_id: str, request: Request):
     state = request.app.state
     source = _job(request, video_id)
     try:
-        data = await request.json()
-    except ValueError:
-        raise APIError(400, "the body is not valid JSON", "invalid_request_error", None, "invalid_json") from None
-    try:
-        body = VideoRemixRequest.model_validate(data, strict=True)
+        body = VideoRemixRequest.model_validate(await json_object(request), strict=True)
     except ValidationError as e:
         raise validation_error(e.errors(), VideoRemixRequest) from None
     check_prompts(state.settings, body, names=("prompt",))
-    check_queue(state)
-    p = await state.client.resolve(body.prompt, source.params, model=source.engine_model)
-    check_work(state.settings, p)
+    p = await resolve(request, body.prompt, f"{source.width}x{source.height}", source.engine_model, source.params)
     return (await start_job(request, source.engine_model, source.model, body.prompt, p, source.fps,
                             remixed_from=source.id)).to_dict()
 
@@ -327,7 +326,7 @@ async def create_video_sync(request: Request):
     state = request.app.state
     body, reference = await read_body(request)
     name, _, params, fps = await plan(request, body, reference)
-    p = await resolve(request, body, name, params)
+    p = await resolve(request, body.prompt, body.size, name, params)
     deadline = Deadline.of(state.settings)  # the server's request timeout: 504, and the request is aborted
     rid, events = await state.client.submit(body.prompt, p, model=name, progress=False)
     event = await _until_final(state.client, rid, events, request, deadline)
