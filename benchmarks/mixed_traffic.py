@@ -55,9 +55,12 @@ The other keys reuse the benchmark that owns the measurement (``benchmarks/mixed
   per-round learned / default throughput); the default engine alone where there are no learned limits.
   Every side's warm-up there is the same rounds of the measured size, where the learned engine learns its
   limits, until they have converged (at most 4 rounds; ``throughput_256_warmup_rounds``), so the measured
-  rounds are the steady state a server reaches over its first requests;
+  rounds (5; 1 with ``--quick``) are the steady state a server reaches over its first requests;
   ``throughput_256_learning_round_over_default`` is the first warm-up round's learned / default throughput
-  (learning from nothing; one sample);
+  (learning from nothing; one sample); ``throughput_256_default_again_over_default``, a second default
+  engine over the first in the same rounds, is what the learned / default ratio reads where nothing
+  differs, and ``throughput_256_rounds_learned_ran_default_batches`` counts the measured rounds whose
+  learned steps averaged the default engine's rows;
 * ``warm_start_compile_ratio`` and ``first_request_after_ready_s``: ``benchmarks.warm_start``'s child
   process, a first start (compile + warm-up) then a second start over the same cache folder; the ratio
   is the second warm-up's seconds over the first's.
@@ -348,6 +351,9 @@ def summarize(models: dict[str, dict], audio: dict | None, big: dict | None, war
         if learned:  # issue 39: 256x256 no worse than today (the default engine), and what learning costs once
             summary["throughput_256_learned_over_default"] = big["learned_over_default"]
             summary["throughput_256_learning_round_over_default"] = big["learning_round_over_default"]
+            summary["throughput_256_default_again_over_default"] = big.get("default_again_over_default")
+            summary["throughput_256_rounds_learned_ran_default_batches"] = big.get(
+                "rounds_learned_ran_default_batches")
             summary["throughput_256_warmup_rounds"] = big["warmup_rounds"]
         summary["outputs_identical_256"] = big["outputs_identical"]
     if warm is None:

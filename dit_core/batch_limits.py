@@ -43,6 +43,30 @@ times are not monotone on a CPU: at 64x64, 5 rows took longer than 6, and a nois
 steps of 1 hid the gain of 4 and 6), and the walk ends at a count whose time exceeds ``max_step_ms``. It
 is never below one request: a step always admits one request of its key when none is running.
 
+Within the noise. Step times stray from their counts' medians (``noise``: the standard deviation their median
+absolute deviation estimates, as a share of the median, pooled over every trusted count's last ``HISTORY``
+windows of samples, so the count the traffic keeps running brings the machine's drift between rounds), and
+two counts' rows per second are known only to twice that of each other. A count is refused only when its
+gain falls short of the threshold by more than that (twice the noise, as a share of ``a`` rows' throughput,
+spread over the ``b - a`` rows added), and taken only while its rows per second keep within it of the
+quickest count taken so far (so the walk does not drift down a slope one noisy count at a time). Where every
+sample agrees the rule is exact. Why: on a flat curve the walk's one-row steps decide on differences smaller
+than the noise. On the 256x256 small FLUX on the AMX Xeon (2026-12-06, ``.devscratch/spread256.py``, six
+rounds of 16 requests), 3 to 8 rows took 50-55 ms a row, the samples strayed by 2-2.5%, and the exact rule's
+limit moved to 6, 7, 6, 6, 3 and 7 rows, round after round; each move explores and pauses, and smaller steps
+cost over a round (fixed limits of 3 and 4 ran at 0.944 and 0.967 of a fixed 8, medians of 8 rounds in one
+process, one-off ``.devscratch/fixed256.py``). From the same samples the rule within the noise gives 8 rows
+in five rounds of six (6 after the first, whose two 6-row steps were 4% quicker a row than its 8-row ones).
+
+Stale counts. A count the bucket's last ``max_age`` (64) steps did not measure is stale: the walk leaves it
+out, for its time belongs to the machine as it was then (the same engine's first, cold steps, or a busier or
+idler spell). The first stale count above the limit is measured again (one exploring step) before a step
+goes past it; a stale midpoint is not explored again. On the 256x256 small FLUX (AMX Xeon, 2026-12-06, one-off
+``.devscratch/trace256.py``) the learned engine measured 8 rows in its first round at 58 ms a row (its steps
+of one row took 143 ms there, against 61 after), refused them for 7 rows at 46, and never measured 8 again:
+every round then ran 7, 7 and 2 rows; and a count quick a row in an early round (5 rows at 47 ms) later made
+the limit 5 over 8 rows run that round at 49.
+
 The default threshold, 0.02, is low because rows that fill the machine grow a step almost in proportion. On
 the 256x256 small FLUX on a 2-core Zen 3 (2026-12-05), 2 rows took 193.7 ms and 8 rows 705.5 ms: 8 rows
 give 9.8% more rows per second, but each of the 6 added rows brings only 3.3% of a row, so at 0.05 the
@@ -92,6 +116,8 @@ import threading
 from dataclasses import dataclass
 
 DEFAULT_THRESHOLD = 0.02  # see the module: 0.05 stopped compute-bound rows at 2 of 8
+HISTORY = 4  # each count keeps its last HISTORY * window samples: the noise's (its time: the last window)
+MAD_SIGMA = 1.4826  # the standard deviation of normal samples over their median absolute deviation
 KEEP_WITHIN = 0.05  # running rows past the limit keep running unless their rows per second are this much lower
 
 
@@ -115,11 +141,14 @@ class BatchLimits:
     rows, ms)`` after its forward; thread-safe (``snapshot`` is read by the server's stats and metrics)."""
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, max_step_ms: float | None = None,
-                 samples: int = 2, window: int = 8, explore_every: int = 1, tries: int = 8, max_buckets: int = 256):
+                 samples: int = 2, window: int = 8, explore_every: int = 1, tries: int = 8, max_buckets: int = 256,
+                 max_age: int = 64):
         self.threshold, self.max_step_ms = threshold, max_step_ms
         self.samples, self.window, self.explore_every, self.tries = samples, window, explore_every, tries
-        self.max_buckets = max_buckets
+        self.max_buckets, self.max_age = max_buckets, max_age
         self._ms: dict[tuple, dict[int, collections.deque]] = {}  # bucket -> rows -> last step times (ms)
+        self._steps: collections.Counter = collections.Counter()  # bucket -> the steps it observed
+        self._last: dict[tuple, dict[int, int]] = {}  # bucket -> rows -> the bucket's step that last measured it
         self._chances: collections.Counter = collections.Counter()  # (bucket, target) -> chances to explore it
         self._unit: dict[tuple, int] = {}  # bucket -> the rows of its smallest request, last seen
         self._given: dict[tuple, int] = {}  # bucket -> the rows its last step was allowed (explorations aside)
@@ -136,39 +165,77 @@ class BatchLimits:
                 if len(self._ms) >= self.max_buckets:  # bounded: forget the oldest bucket
                     oldest = next(iter(self._ms))
                     del self._ms[oldest]
-                    self._unit.pop(oldest, None)
-                    self._given.pop(oldest, None)
+                    for table in (self._unit, self._given, self._steps, self._last):
+                        table.pop(oldest, None)
                 sizes = self._ms[bucket] = {}
+            self._steps[bucket] += 1
+            self._last.setdefault(bucket, {})[rows] = self._steps[bucket]
+            self._chances.pop((bucket, rows), None)  # measured: a later search for this count starts afresh
             samples = sizes.get(rows)
             if samples is None:  # the first step at a new count may pay one-time costs: it teaches nothing
-                sizes[rows] = collections.deque(maxlen=self.window)
+                sizes[rows] = collections.deque(maxlen=HISTORY * self.window)
                 return
             samples.append(ms)
 
     def times(self, bucket: tuple) -> dict[int, float]:
         """Trusted row counts of ``bucket`` -> their step time (ms), ascending: each the median of its own
         last ``window`` samples (the counts the traffic keeps running gather more than those explored)."""
+        return self._trusted(bucket)[0]
+
+    def stale(self, bucket: tuple) -> set[int]:
+        """Trusted row counts of ``bucket`` its last ``max_age`` steps did not measure: the walk leaves them out
+        (a time measured long ago may belong to a machine that was busier or idler then), and the first of
+        them above the limit is measured again before a step goes past it."""
+        return self._trusted(bucket)[1]
+
+    def noise(self, bucket: tuple) -> float:
+        """How far ``bucket``'s step times stray from their counts' medians, as a share of them: the standard
+        deviation their median absolute deviation estimates (``MAD_SIGMA`` times it), pooled over every
+        trusted count's last ``HISTORY`` samples (so the count the traffic keeps running, measured across
+        rounds, brings the machine's drift between them); 0 where every count's samples agree."""
+        return self._trusted(bucket)[2]
+
+    def _trusted(self, bucket: tuple) -> tuple[dict[int, float], set[int], float]:
+        """(``times``, ``stale``, ``noise``) of ``bucket``."""
         with self._lock:
             sizes = {r: list(d) for r, d in sorted(self._ms.get(bucket, {}).items()) if len(d) >= self.samples}
-        return {r: statistics.median(d) for r, d in sizes.items()}
+            now, last = self._steps[bucket], self._last.get(bucket, {})
+            stale = {r for r in sizes if now - last[r] > self.max_age}
+        times = {r: statistics.median(d[-self.window:]) for r, d in sizes.items()}
+        strays = [abs(x / m - 1) for m, d in ((statistics.median(d), d) for d in sizes.values()) for x in d]
+        return times, stale, MAD_SIGMA * statistics.median(strays) if strays else 0.0
 
     @staticmethod
     def gain(a: int, ta: float, b: int, tb: float) -> float:
         """The share of a row's own throughput each of the rows from ``a`` to ``b`` adds (see the module)."""
         return (b * ta / tb - a) / (b - a)
 
-    def _walk(self, times: dict[int, float]) -> tuple[int, int | None, int | None]:
+    def _walk(self, times: dict[int, float], noise: float) -> tuple[int, int | None, int | None]:
         """(the limit, the count before it on the walk or None, the count above it refused or None)."""
         counts = list(times)
-        limit, before, refused = counts[0], None, None
+        limit = best = counts[0]  # best: the count taken with the most rows per second
+        before = refused = None
         for b in counts[1:]:
             if self.max_step_ms is not None and times[b] > self.max_step_ms:
                 return limit, before, refused or b  # (times only grow past here, or the machine got busier)
-            if self.gain(limit, times[limit], b, times[b]) < self.threshold:
+            if not self._pays(limit, b, times, noise) or not self._keeps_pace(best, b, times, noise):
                 refused = refused or b  # a bump (5 rows slower than 6): a later count may still pay over the limit
                 continue
             limit, before, refused = b, limit, None
+            best = b if b / times[b] > best / times[best] else best
         return limit, before, refused
+
+    def _pays(self, a: int, b: int, times: dict[int, float], noise: float) -> bool:
+        """Whether going from ``a`` to ``b`` rows gains the threshold, less what the noise leaves unknown: the
+        two counts' rows per second are known to ``2 * noise`` of each other, which is that share of ``a``
+        rows' throughput spread over the ``b - a`` rows added."""
+        return self.gain(a, times[a], b, times[b]) >= self.threshold - 2 * noise * a / (b - a)
+
+    @staticmethod
+    def _keeps_pace(best: int, b: int, times: dict[int, float], noise: float) -> bool:
+        """Whether ``b`` rows run at the rows per second of ``best`` (the quickest count taken), within the
+        noise: the walk does not drift down a slope one noisy count at a time."""
+        return b / times[b] >= (1 - 2 * noise) * best / times[best]
 
     def _within_max_step(self, times: dict[int, float], rows: int) -> int | float:
         """The most rows a step may explore up to under ``max_step_ms``: on the line through the two largest
@@ -190,16 +257,22 @@ class BatchLimits:
         mid = a + unit * ((b - a) // unit // 2)
         return mid if a < mid < b else 0
 
-    def _targets(self, times: dict[int, float], unit: int) -> tuple[int, int, int | float]:
-        """(the limit, the rows to explore down to (0: none), the rows to explore up to (0: none))."""
-        rows, before, refused = self._walk(times)
+    def _targets(self, times: dict[int, float], stale: set[int], noise: float,
+                 unit: int) -> tuple[int, int, int | float]:
+        """(the limit, the rows to explore down to (0: none), the rows to explore up to (0: none)): the walk
+        over the counts not ``stale`` (all of them where every one is)."""
+        fresh = {r: t for r, t in times.items() if r not in stale} or times
+        rows, before, refused = self._walk(fresh, noise)
         down = self._mid(before, rows, unit) if before is not None else 0
+        again = min((r for r in stale if r > rows), default=0)  # the first stale count above: measure it again
+        if refused is None and again:
+            return rows, (0 if down in times else down), again
         if refused is None:
             up = self._within_max_step(times, rows)
             up = up if up > rows else 0
         else:
             up = self._mid(rows, refused, unit)
-        # a midpoint already measured (a count the walk passed over) has nothing left to teach
+        # a midpoint already measured (a count the walk passed over, or a stale one) has nothing left to teach
         return rows, (0 if down in times else down), (0 if up in times else up)
 
     # ---- admission ----
@@ -210,13 +283,14 @@ class BatchLimits:
         ``running``: the rows of its running requests (a step explores down only to a count at or above
         them, and keeps those a higher limit admitted when their count runs about as fast per row as the
         limit: see ``_keeps``)."""
-        times = self.times(bucket)
+        times, stale, noise = self._trusted(bucket)
         unit = max(unit, 1)
         with self._lock:
             self._unit[bucket] = unit
         if not times:  # nothing measured: one request per step until a count is trusted
             return Limit(1)
-        rows, down, up = self._targets(times, unit)
+        rows, down, up = self._targets(times, stale, noise, unit)
+        times = {r: t for r, t in times.items() if r not in stale} or times  # (what admission compares)
         with self._lock:
             for target in (down if demand > down >= running else 0, up if demand > rows else 0):
                 if not target or (target != math.inf and self._chances[bucket, target] >= self.tries):
@@ -265,20 +339,22 @@ class BatchLimits:
 
     def snapshot(self) -> list[dict]:
         """Per bucket: model, row_tokens (the bucket's bound), limit_rows (None: nothing trusted yet),
-        converged (no gap between the counts measured left to split), and step_ms, the trusted time per
-        row count."""
+        converged (no gap between the counts measured left to split), step_ms, the trusted time per row
+        count, noise (see ``noise``) and stale_rows (the trusted counts the walk leaves out: ``stale``)."""
         with self._lock:
             buckets = list(self._ms)
         out = []
         for bucket in buckets:
-            times = self.times(bucket)
+            times, stale, noise = self._trusted(bucket)
             rows, open_ = None, True
             if times:
                 with self._lock:
                     unit = self._unit.get(bucket, 1)
-                rows, down, up = self._targets(times, unit)
+                rows, down, up = self._targets(times, stale, noise, unit)
+                up = 0 if up in stale else up  # (measuring a stale count again is no search: converged holds)
                 with self._lock:
                     open_ = any(t and t != math.inf and self._chances[bucket, t] < self.tries for t in (down, up))
             out.append({"model": bucket[0], "row_tokens": bucket[1], "limit_rows": rows, "converged": not open_,
-                        "step_ms": {str(r): round(ms, 3) for r, ms in times.items()}})
+                        "step_ms": {str(r): round(ms, 3) for r, ms in times.items()}, "noise": round(noise, 4),
+                        "stale_rows": sorted(stale)})
         return out

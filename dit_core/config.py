@@ -59,7 +59,8 @@ class EngineConfig:
         all was measured quicker than steps of that limit (``dit_core.batch_limits``); None (default):
         ``learn`` when ``max_step_ms`` is set, else ``fixed``.
     batch_gain_threshold: with ``batch_limits="learn"``, the least gain one more row must bring: the share
-        of a row's own throughput it adds (1: a free row, 0: rows per second unchanged); default 0.02.
+        of a row's own throughput it adds (1: a free row, 0: rows per second unchanged), judged within the
+        noise of the measured step times (a count whose shortfall the noise covers is taken); default 0.02.
     max_step_ms: with ``batch_limits="learn"``, rows are not added past a step of this many milliseconds
         (measured; a step always holds one request); None (default): no bound.
     attention: attention backend for every role (``auto``, ``sdpa``, ``gemm``, ``math``, ``flex``,

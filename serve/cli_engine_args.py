@@ -108,7 +108,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "/v1/engine/stats and /metrics (default: learn with --max-step-ms, else fixed)")
     p.add_argument("--batch-gain-threshold", type=float, default=0.02, metavar="G",
                    help="with --batch-limits learn, the least gain one more row must bring: the share of a row's "
-                        "own throughput it adds (1: free, 0: rows per second unchanged) (default 0.02)")
+                        "own throughput it adds (1: free, 0: rows per second unchanged), within the noise of "
+                        "the step times measured (default 0.02)")
     p.add_argument("--max-step-ms", type=float, default=None, metavar="MS",
                    help="no rows are added past a step of this many milliseconds, as measured (a step always "
                         "holds one request); turns --batch-limits learn on (default: no bound)")

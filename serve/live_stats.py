@@ -108,8 +108,8 @@ class LiveStats:
 def batch_limits(engine) -> dict:
     """``mode`` (fixed | learn), ``gain_threshold``, ``max_step_ms`` and, when learning, ``buckets``: per model
     and shape bucket (``row_tokens``: the power of two at or above its rows' tokens) the learned
-    ``limit_rows`` (None until a row count is measured twice), ``converged`` and the ``step_ms`` per row count
-    (``dit_core.batch_limits``)."""
+    ``limit_rows`` (None until a row count is measured twice), ``converged``, the ``step_ms`` per row count,
+    the steps' ``noise`` and the ``stale_rows`` the limit leaves out (``dit_core.batch_limits``)."""
     config, learner = engine.config, getattr(engine, "batch_limits", None)
     return {"mode": config.batch_limits, "gain_threshold": config.batch_gain_threshold,
             "max_step_ms": config.max_step_ms, "buckets": learner.snapshot() if learner is not None else []}

@@ -131,12 +131,16 @@ def test_mixed_traffic_summary_has_every_issue_key_and_nulls_what_it_could_not_m
     assert summary["throughput_ratio_256"] == 1.4 and summary["targets"]["audio_throughput_ratio >= 1.0"] is None
     # learned limits at 256x256: their ratio, and learned over the default engine after and while learning
     learned = {**big, "learned_engine_ratio": 1.38, "learned_engine_ratio_spread": 0.04, "learned_over_default": 0.99,
-               "learning_round_over_default": 0.9, "warmup_rounds": 2}
+               "learning_round_over_default": 0.9, "warmup_rounds": 2, "default_again_over_default": 1.01,
+               "rounds_learned_ran_default_batches": 4}
     summary = mt.summarize(models, audio, learned, warm)
     assert summary["throughput_ratio_256"] == 1.38 and summary["throughput_ratio_256_default_engine"] == 1.4
     assert summary["throughput_256_learned_over_default"] == 0.99
     assert summary["throughput_256_learning_round_over_default"] == 0.9
     assert summary["throughput_256_warmup_rounds"] == 2  # (every side's, until the learned limits converged)
+    # the noise floor: a second default engine over the first, and the rounds the learned steps matched
+    assert summary["throughput_256_default_again_over_default"] == 1.01
+    assert summary["throughput_256_rounds_learned_ran_default_batches"] == 4
 
 
 def test_mixed_traffic_draws_every_size_seeded():
