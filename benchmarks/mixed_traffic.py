@@ -3,6 +3,7 @@ batches and diffusers one request at a time; plus the audio, 256x256 and warm-st
 issue's targets name, each measured by the benchmark that owns it.
 
     python -m benchmarks.mixed_traffic [--quick] [--repeats 5] [--load 4.0] [--models flux-small,digits] [--out NAME]
+        [--skip audio,256,warm] [--rounds-256 N]
 
 Traffic: Poisson arrivals (seeded, a new draw per round) of image requests whose (height, width) are
 drawn uniformly from {32, 48, 64, 96, 128} squared plus 64x32 and 32x96, with text lengths mixed:
@@ -75,6 +76,7 @@ models really packed. A key whose feature is missing is null, with the reason in
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -401,6 +403,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="results/<OUT>.json (default mixed_traffic, or mixed_traffic_quick "
                                                 "with --quick)")
     ap.add_argument("--skip", default="", help="comma-separated parts left out: audio, 256, warm (their keys null)")
+    ap.add_argument("--rounds-256", type=int, default=None, metavar="N",
+                    help="measured rounds of the 256x256 part (default 5, 1 with --quick)")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.steps, args.repeats = 12, 4, 3
@@ -426,7 +430,8 @@ def main(argv=None) -> dict:
 
     models = {name: timed_part(name, measure_model, WORKLOADS[name], args)
               for name in (m for m in args.models.split(",") if m)}
-    parts = {"audio": audio_part, "256": ratio_256, "warm": warm_start_part}
+    parts = {"audio": audio_part, "256": functools.partial(ratio_256, rounds=args.rounds_256),
+             "warm": warm_start_part}
     got = {}
     for label, fn in parts.items():
         if label in skip:

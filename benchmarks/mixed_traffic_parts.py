@@ -71,16 +71,17 @@ class LimitsOff:
             scheduler.limits = learned
 
 
-def ratio_256(quick: bool) -> dict:
+def ratio_256(quick: bool, rounds: int | None = None) -> dict:
     """engine_throughput's together scenario at 256x256, 64 text tokens, on the small FLUX: the engine as
     configured by default ("engine b=8") and, where present, with learned batch limits ("... learned"): one
     engine, its learned limits off (``LimitsOff``) and on. Every side warms up on rounds of the measured
     size, the same number each: until the learned limits have converged (no count left to explore), at most
-    ``WARMUP_ROUNDS`` (one with ``quick``), so the measured rounds see the steady state a server reaches.
-    ``learning_round_over_default`` is the first warm-up round's learned / default throughput: learning from
-    nothing. The default side runs twice a round ("engine b=8 again"): ``default_again_over_default`` is what
-    learned over default reads where nothing differs, and ``rounds_learned_ran_default_batches`` counts the
-    measured rounds whose learned steps held as many rows on average as the default's."""
+    ``WARMUP_ROUNDS`` (one with ``quick``), so the measured rounds (``rounds``; default ``ROUNDS_256``, 1
+    with ``quick``) see the steady state a server reaches. ``learning_round_over_default`` is the first
+    warm-up round's learned / default throughput: learning from nothing. The default side runs twice a round
+    ("engine b=8 again"): ``default_again_over_default`` is what learned over default reads where nothing
+    differs, and ``rounds_learned_ran_default_batches`` counts the measured rounds whose learned steps held as
+    many rows on average as the default's."""
     from diffusers import FluxPipeline
 
     from benchmarks import engine_throughput as et
@@ -104,7 +105,8 @@ def ratio_256(quick: bool) -> dict:
                            mm_gflops(seconds=0.3), full_warmup=True)
     learned = engines.get("engine b=8 learned")
     converged = (lambda: all(b["converged"] for b in learned.batch_limits.snapshot())) if learned else None
-    result = {**et.measure(scenario, pipe, engines, 1 if quick else ROUNDS_256, warmup=1 if quick else WARMUP_ROUNDS,
+    rounds = rounds or (1 if quick else ROUNDS_256)
+    result = {**et.measure(scenario, pipe, engines, rounds, warmup=1 if quick else WARMUP_ROUNDS,
                            warm_until=converged), "steps": args.steps}
     result["warmup"] = (f"{result['warmup_rounds']} round(s) of the measured size per side before the measured "
                         f"rounds (until the learned limits converged, at most {1 if quick else WARMUP_ROUNDS})")
