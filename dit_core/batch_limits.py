@@ -257,12 +257,16 @@ class BatchLimits:
         mid = a + unit * ((b - a) // unit // 2)
         return mid if a < mid < b else 0
 
+    @staticmethod
+    def _fresh(times: dict[int, float], stale: set[int]) -> dict[int, float]:
+        """``times`` without its ``stale`` counts (all of them where every one is stale)."""
+        return {r: t for r, t in times.items() if r not in stale} or times
+
     def _targets(self, times: dict[int, float], stale: set[int], noise: float,
                  unit: int) -> tuple[int, int, int | float]:
         """(the limit, the rows to explore down to (0: none), the rows to explore up to (0: none)): the walk
         over the counts not ``stale`` (all of them where every one is)."""
-        fresh = {r: t for r, t in times.items() if r not in stale} or times
-        rows, before, refused = self._walk(fresh, noise)
+        rows, before, refused = self._walk(self._fresh(times, stale), noise)
         down = self._mid(before, rows, unit) if before is not None else 0
         again = min((r for r in stale if r > rows), default=0)  # the first stale count above: measure it again
         if refused is None and again:
@@ -290,7 +294,7 @@ class BatchLimits:
         if not times:  # nothing measured: one request per step until a count is trusted
             return Limit(1)
         rows, down, up = self._targets(times, stale, noise, unit)
-        times = {r: t for r, t in times.items() if r not in stale} or times  # (what admission compares)
+        times = self._fresh(times, stale)  # (what admission compares)
         with self._lock:
             for target in (down if demand > down >= running else 0, up if demand > rows else 0):
                 if not target or (target != math.inf and self._chances[bucket, target] >= self.tries):
