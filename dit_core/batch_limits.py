@@ -67,6 +67,19 @@ of one row took 143 ms there, against 61 after), refused them for 7 rows at 46, 
 every round then ran 7, 7 and 2 rows; and a count quick a row in an early round (5 rows at 47 ms) later made
 the limit 5 over 8 rows run that round at 49.
 
+Old counts, measured anew. The refused count above the limit, with no midpoint left to split below it, is
+measured anew (one exploring step) once ``recheck_age`` (32) steps have passed since it was last measured,
+and a count measured after that long a gap starts its window afresh: that step's time replaces the old
+samples, and the count stays trusted on it (it is no new count, whose first step may pay one-time costs).
+Kept, a window of 8 old samples would move its median only after four or five new ones, at one step per
+``max_age``: never, in practice. Simulated (one-off ``.devscratch/sim256.py``: this class and the scheduler's
+admission driven by step times on a line fitted to the 256x256 small FLUX's, 22 + 44.5 ms a row, 2% noise a
+step, up to 4% drift a round, a cold first round 30% slow; 40 runs of 12 rounds of 16 requests), the rounds
+after the first two that ran below 8 rows a step fell from 98% to 5% (with slow spells, 15% of steps 15%
+slower: from 95% to 13%), as the cold 8-row samples no longer outlived the rounds; measured anew only once
+stale, with the window restarted, 21% (30%). The cost: where the refused count really is slower (the audio
+DiT), one step in 33 runs it.
+
 The default threshold, 0.02, is low because rows that fill the machine grow a step almost in proportion. On
 the 256x256 small FLUX on a 2-core Zen 3 (2026-12-05), 2 rows took 193.7 ms and 8 rows 705.5 ms: 8 rows
 give 9.8% more rows per second, but each of the 6 added rows brings only 3.3% of a row, so at 0.05 the
@@ -142,16 +155,17 @@ class BatchLimits:
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, max_step_ms: float | None = None,
                  samples: int = 2, window: int = 8, explore_every: int = 1, tries: int = 8, max_buckets: int = 256,
-                 max_age: int = 64):
+                 max_age: int = 64, recheck_age: int = 32):
         self.threshold, self.max_step_ms = threshold, max_step_ms
         self.samples, self.window, self.explore_every, self.tries = samples, window, explore_every, tries
-        self.max_buckets, self.max_age = max_buckets, max_age
+        self.max_buckets, self.max_age, self.recheck_age = max_buckets, max_age, min(recheck_age, max_age)
         self._ms: dict[tuple, dict[int, collections.deque]] = {}  # bucket -> rows -> last step times (ms)
         self._steps: collections.Counter = collections.Counter()  # bucket -> the steps it observed
         self._last: dict[tuple, dict[int, int]] = {}  # bucket -> rows -> the bucket's step that last measured it
         self._chances: collections.Counter = collections.Counter()  # (bucket, target) -> chances to explore it
         self._unit: dict[tuple, int] = {}  # bucket -> the rows of its smallest request, last seen
         self._given: dict[tuple, int] = {}  # bucket -> the rows its last step was allowed (explorations aside)
+        self._renewed: dict[tuple, set] = {}  # bucket -> counts measured anew, on fewer than ``samples`` since
         self._lock = threading.Lock()
 
     # ---- learning ----
@@ -165,17 +179,23 @@ class BatchLimits:
                 if len(self._ms) >= self.max_buckets:  # bounded: forget the oldest bucket
                     oldest = next(iter(self._ms))
                     del self._ms[oldest]
-                    for table in (self._unit, self._given, self._steps, self._last):
+                    for table in (self._unit, self._given, self._steps, self._last, self._renewed):
                         table.pop(oldest, None)
                 sizes = self._ms[bucket] = {}
-            self._steps[bucket] += 1
-            self._last.setdefault(bucket, {})[rows] = self._steps[bucket]
-            self._chances.pop((bucket, rows), None)  # measured: a later search for this count starts afresh
+            last, renewed = self._last.setdefault(bucket, {}), self._renewed.setdefault(bucket, set())
             samples = sizes.get(rows)
+            if samples and self._steps[bucket] - last[rows] > self.recheck_age:  # measured anew: old samples give way
+                samples.clear()
+                renewed.add(rows)  # (trusted on this step alone: a count measured before, not a new one)
+            self._steps[bucket] += 1
+            last[rows] = self._steps[bucket]
+            self._chances.pop((bucket, rows), None)  # measured: a later search for this count starts afresh
             if samples is None:  # the first step at a new count may pay one-time costs: it teaches nothing
                 sizes[rows] = collections.deque(maxlen=HISTORY * self.window)
                 return
             samples.append(ms)
+            if len(samples) >= self.samples:
+                renewed.discard(rows)
 
     def times(self, bucket: tuple) -> dict[int, float]:
         """Trusted row counts of ``bucket`` -> their step time (ms), ascending: each the median of its own
@@ -186,7 +206,10 @@ class BatchLimits:
         """Trusted row counts of ``bucket`` its last ``max_age`` steps did not measure: the walk leaves them out
         (a time measured long ago may belong to a machine that was busier or idler then), and the first of
         them above the limit is measured again before a step goes past it."""
-        return self._trusted(bucket)[1]
+        return self._stale(self._trusted(bucket)[1])
+
+    def _stale(self, ages: dict[int, int]) -> set[int]:
+        return {r for r, age in ages.items() if age > self.max_age}
 
     def noise(self, bucket: tuple) -> float:
         """How far ``bucket``'s step times stray from their counts' medians, as a share of them: the standard
@@ -195,15 +218,17 @@ class BatchLimits:
         rounds, brings the machine's drift between them); 0 where every count's samples agree."""
         return self._trusted(bucket)[2]
 
-    def _trusted(self, bucket: tuple) -> tuple[dict[int, float], set[int], float]:
-        """(``times``, ``stale``, ``noise``) of ``bucket``."""
+    def _trusted(self, bucket: tuple) -> tuple[dict[int, float], dict[int, int], float]:
+        """(``times``, each trusted count's age: the bucket's steps since it was last measured, ``noise``)."""
         with self._lock:
-            sizes = {r: list(d) for r, d in sorted(self._ms.get(bucket, {}).items()) if len(d) >= self.samples}
+            renewed = self._renewed.get(bucket, ())
+            sizes = {r: list(d) for r, d in sorted(self._ms.get(bucket, {}).items())
+                     if len(d) >= self.samples or r in renewed and d}
             now, last = self._steps[bucket], self._last.get(bucket, {})
-            stale = {r for r in sizes if now - last[r] > self.max_age}
+            ages = {r: now - last[r] for r in sizes}
         times = {r: statistics.median(d[-self.window:]) for r, d in sizes.items()}
         strays = [abs(x / m - 1) for m, d in ((statistics.median(d), d) for d in sizes.values()) for x in d]
-        return times, stale, MAD_SIGMA * statistics.median(strays) if strays else 0.0
+        return times, ages, MAD_SIGMA * statistics.median(strays) if strays else 0.0
 
     @staticmethod
     def gain(a: int, ta: float, b: int, tb: float) -> float:
@@ -262,22 +287,25 @@ class BatchLimits:
         """``times`` without its ``stale`` counts (all of them where every one is stale)."""
         return {r: t for r, t in times.items() if r not in stale} or times
 
-    def _targets(self, times: dict[int, float], stale: set[int], noise: float,
+    def _targets(self, times: dict[int, float], ages: dict[int, int], noise: float,
                  unit: int) -> tuple[int, int, int | float]:
         """(the limit, the rows to explore down to (0: none), the rows to explore up to (0: none)): the walk
-        over the counts not ``stale`` (all of them where every one is)."""
+        over the counts not stale (all of them where every one is)."""
+        stale = self._stale(ages)
         rows, before, refused = self._walk(self._fresh(times, stale), noise)
         down = self._mid(before, rows, unit) if before is not None else 0
-        again = min((r for r in stale if r > rows), default=0)  # the first stale count above: measure it again
-        if refused is None and again:
-            return rows, (0 if down in times else down), again
+        down = 0 if down in times else down  # (a midpoint measured, passed over or stale, has nothing to teach)
         if refused is None:
+            again = min((r for r in stale if r > rows), default=0)  # the first stale count above: measure it anew
+            if again:
+                return rows, down, again
             up = self._within_max_step(times, rows)
             up = up if up > rows else 0
         else:
             up = self._mid(rows, refused, unit)
-        # a midpoint already measured (a count the walk passed over, or a stale one) has nothing left to teach
-        return rows, (0 if down in times else down), (0 if up in times else up)
+            if (not up or up in times) and ages[refused] > self.recheck_age:
+                return rows, down, refused  # nothing left to split below it, and its time is old: measure it anew
+        return rows, down, (0 if up in times else up)
 
     # ---- admission ----
 
@@ -287,14 +315,14 @@ class BatchLimits:
         ``running``: the rows of its running requests (a step explores down only to a count at or above
         them, and keeps those a higher limit admitted when their count runs about as fast per row as the
         limit: see ``_keeps``)."""
-        times, stale, noise = self._trusted(bucket)
+        times, ages, noise = self._trusted(bucket)
         unit = max(unit, 1)
         with self._lock:
             self._unit[bucket] = unit
         if not times:  # nothing measured: one request per step until a count is trusted
             return Limit(1)
-        rows, down, up = self._targets(times, stale, noise, unit)
-        times = self._fresh(times, stale)  # (what admission compares)
+        rows, down, up = self._targets(times, ages, noise, unit)
+        times = self._fresh(times, self._stale(ages))  # (what admission compares)
         with self._lock:
             for target in (down if demand > down >= running else 0, up if demand > rows else 0):
                 if not target or (target != math.inf and self._chances[bucket, target] >= self.tries):
@@ -349,16 +377,16 @@ class BatchLimits:
             buckets = list(self._ms)
         out = []
         for bucket in buckets:
-            times, stale, noise = self._trusted(bucket)
+            times, ages, noise = self._trusted(bucket)
             rows, open_ = None, True
             if times:
                 with self._lock:
                     unit = self._unit.get(bucket, 1)
-                rows, down, up = self._targets(times, stale, noise, unit)
-                up = 0 if up in stale else up  # (measuring a stale count again is no search: converged holds)
+                rows, down, up = self._targets(times, ages, noise, unit)
+                up = 0 if up in times else up  # (measuring a count anew is no search: converged holds)
                 with self._lock:
                     open_ = any(t and t != math.inf and self._chances[bucket, t] < self.tries for t in (down, up))
             out.append({"model": bucket[0], "row_tokens": bucket[1], "limit_rows": rows, "converged": not open_,
                         "step_ms": {str(r): round(ms, 3) for r, ms in times.items()}, "noise": round(noise, 4),
-                        "stale_rows": sorted(stale)})
+                        "stale_rows": sorted(self._stale(ages))})
         return out
