@@ -69,16 +69,17 @@ the limit 5 over 8 rows run that round at 49.
 
 Old counts, measured anew. The refused count above the limit, with no midpoint left to split below it, is
 measured anew (one exploring step) once ``recheck_age`` (32) steps have passed since it was last measured,
-and a count measured after that long a gap starts its window afresh: that step's time replaces the old
-samples, and the count stays trusted on it (it is no new count, whose first step may pay one-time costs).
+and a step sent to measure a count anew (this one, or the stale count above the limit) starts its window
+afresh: that step's time replaces the old samples, and the count stays trusted on it (it is no new count,
+whose first step may pay one-time costs). A count the traffic alone comes back to after a gap (a round's
+small last step) keeps its window: one sample of it would move the walk with its noise.
 Kept, a window of 8 old samples would move its median only after four or five new ones, at one step per
 ``max_age``: never, in practice. Simulated (one-off ``.devscratch/sim256.py``: this class and the scheduler's
 admission driven by step times on a line fitted to the 256x256 small FLUX's, 22 + 44.5 ms a row, 2% noise a
 step, up to 4% drift a round, a cold first round 30% slow; 40 runs of 12 rounds of 16 requests), the rounds
 after the first two that ran below 8 rows a step fell from 98% to 5% (with slow spells, 15% of steps 15%
-slower: from 95% to 13%), as the cold 8-row samples no longer outlived the rounds; measured anew only once
-stale, with the window restarted, 21% (30%). The cost: where the refused count really is slower (the audio
-DiT), one step in 33 runs it.
+slower: from 95% to 12%), as the cold 8-row samples no longer outlived the rounds. The cost: where the
+refused count really is slower (the audio DiT), one step in 33 runs it.
 
 The default threshold, 0.02, is low because rows that fill the machine grow a step almost in proportion. On
 the 256x256 small FLUX on a 2-core Zen 3 (2026-12-05), 2 rows took 193.7 ms and 8 rows 705.5 ms: 8 rows
@@ -165,6 +166,7 @@ class BatchLimits:
         self._chances: collections.Counter = collections.Counter()  # (bucket, target) -> chances to explore it
         self._unit: dict[tuple, int] = {}  # bucket -> the rows of its smallest request, last seen
         self._given: dict[tuple, int] = {}  # bucket -> the rows its last step was allowed (explorations aside)
+        self._anew: dict[tuple, int] = {}  # bucket -> the known count its last step was sent to measure anew
         self._renewed: dict[tuple, set] = {}  # bucket -> counts measured anew, on fewer than ``samples`` since
         self._lock = threading.Lock()
 
@@ -179,13 +181,13 @@ class BatchLimits:
                 if len(self._ms) >= self.max_buckets:  # bounded: forget the oldest bucket
                     oldest = next(iter(self._ms))
                     del self._ms[oldest]
-                    for table in (self._unit, self._given, self._steps, self._last, self._renewed):
+                    for table in (self._unit, self._given, self._steps, self._last, self._anew, self._renewed):
                         table.pop(oldest, None)
                 sizes = self._ms[bucket] = {}
             last, renewed = self._last.setdefault(bucket, {}), self._renewed.setdefault(bucket, set())
-            samples = sizes.get(rows)
-            if samples and self._steps[bucket] - last[rows] > self.recheck_age:  # measured anew: old samples give way
-                samples.clear()
+            samples, anew = sizes.get(rows), self._anew.pop(bucket, None)
+            if samples and rows == anew and self._steps[bucket] - last[rows] > self.recheck_age:
+                samples.clear()  # measured anew after recheck_age steps or more: its old samples give way
                 renewed.add(rows)  # (trusted on this step alone: a count measured before, not a new one)
             self._steps[bucket] += 1
             last[rows] = self._steps[bucket]
@@ -322,7 +324,7 @@ class BatchLimits:
         if not times:  # nothing measured: one request per step until a count is trusted
             return Limit(1)
         rows, down, up = self._targets(times, ages, noise, unit)
-        times = self._fresh(times, self._stale(ages))  # (what admission compares)
+        known, times = set(times), self._fresh(times, self._stale(ages))  # (what admission compares)
         with self._lock:
             for target in (down if demand > down >= running else 0, up if demand > rows else 0):
                 if not target or (target != math.inf and self._chances[bucket, target] >= self.tries):
@@ -333,7 +335,11 @@ class BatchLimits:
                 if target < rows and not chances % self.explore_every:
                     return Limit(target)  # (a step exploring down is allowed its target, not given it)
                 self._given[bucket] = rows
-                return Limit(rows) if chances % self.explore_every else Limit(rows, target)
+                if chances % self.explore_every:
+                    return Limit(rows)
+                if target in known:  # (a count measured before, refused or stale: measured anew)
+                    self._anew[bucket] = target
+                return Limit(rows, target)
         rows = max(rows, self._all_at_once(times, rows, demand))
         with self._lock:
             if rows < running <= self._given.get(bucket, 0) and self._keeps(times, rows, running):

@@ -407,6 +407,18 @@ def test_a_refused_count_is_measured_anew_once_its_time_is_old():
     assert limits.limit(b, demand=16, unit=1).rows == 7
 
 
+def test_a_count_the_traffic_comes_back_to_keeps_its_window():
+    # only a step sent to measure a count anew restarts its window: a round's small last step, after a gap,
+    # adds one sample to those before (alone, its noise would move the walk)
+    limits, b = BatchLimits(max_age=64, recheck_age=10), ("m", 512)
+    for _ in range(3):
+        limits.observe(b, 2, 100.0)
+    for _ in range(12):
+        limits.observe(b, 8, 360.0)
+    limits.observe(b, 2, 90.0)
+    assert limits.times(b)[2] == 100.0  # the median of 100, 100, 90
+
+
 def test_a_stale_count_below_the_limit_does_not_move_it():
     # 5 rows were quick a row long ago (the machine was idler); 8 rows, run since, are slower now on every count
     limits, b = BatchLimits(max_age=10), ("m", 512)
