@@ -402,7 +402,7 @@ def test_a_refused_count_is_measured_anew_once_its_time_is_old():
     limits.observe(b, 8, 364.0)
     assert limits.times(b) == {7: 322.0, 8: 364.0}  # trusted on that one step: a count known before
     assert limits.limit(b, demand=16, unit=1).rows == 8
-    limits.observe(b, 8, 470.0)  # and slow again: the same one step refuses it anew
+    limits.observe(b, 8, 470.0)  # slow again over the next two steps (the median of 364, 470, 470): refused
     limits.observe(b, 8, 470.0)
     assert limits.limit(b, demand=16, unit=1).rows == 7
 
