@@ -167,7 +167,7 @@ class BatchLimits:
         self._unit: dict[tuple, int] = {}  # bucket -> the rows of its smallest request, last seen
         self._given: dict[tuple, int] = {}  # bucket -> the rows its last step was allowed (explorations aside)
         self._anew: dict[tuple, int] = {}  # bucket -> the known count its last step was sent to measure anew
-        self._renewed: dict[tuple, set] = {}  # bucket -> counts measured anew, on fewer than ``samples`` since
+        self._renewed: dict[tuple, set] = {}  # bucket -> counts measured anew: trusted on one sample since
         self._lock = threading.Lock()
 
     # ---- learning ----
@@ -196,8 +196,6 @@ class BatchLimits:
                 sizes[rows] = collections.deque(maxlen=HISTORY * self.window)
                 return
             samples.append(ms)
-            if len(samples) >= self.samples:
-                renewed.discard(rows)
 
     def times(self, bucket: tuple) -> dict[int, float]:
         """Trusted row counts of ``bucket`` -> their step time (ms), ascending: each the median of its own
